@@ -1,0 +1,75 @@
+# Two commands set everything up on a fresh machine:
+#   make reproduce   run the notebook series (full profile on an NVIDIA GPU, smoke on CPU)
+#   make test        unit, notebook (nbval) and build checks
+#
+# Set-up: when the running Python already has everything hwlib needs (a GPU image without registry
+# access, a conda env), it is used as it is with the checkout on PYTHONPATH; otherwise a local
+# virtual environment .venv is built. TORCH_SPEC picks the torch build that goes into .venv:
+# the default takes PyPI's (the CUDA build on Linux); CPU-only machines pass their CPU build,
+# e.g. `make test TORCH_SPEC=torch==2.13.0`.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch
+RUN        ?= latest
+ARGS       ?=
+
+NEEDED := torch numpy pandas matplotlib tqdm papermill nbformat ipykernel ipywidgets pytest nbval
+HAVE_ALL := $(shell $(PYTHON) -c "import $(shell echo $(NEEDED) | tr ' ' ',')" >/dev/null 2>&1 && echo yes)
+
+ifeq ($(HAVE_ALL),yes)
+PY := $(PYTHON)
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+SETUP_STAMP :=
+else
+PY := $(VENV)/bin/python
+SETUP_STAMP := $(VENV)/.hwlib-setup
+endif
+
+# Keep load_inline and torch.compile build products inside the checkout, one place per machine.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+
+.PHONY: setup reproduce test test-unit test-notebooks test-kernels table readme env clean
+
+setup: $(SETUP_STAMP)
+
+$(VENV)/.hwlib-setup: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	touch $@
+
+reproduce: setup
+	$(PY) -m hwlib.cli reproduce --run $(RUN) $(ARGS)
+
+test: setup test-unit test-kernels test-notebooks
+
+test-unit: setup
+	$(PY) -m pytest -q tests
+
+# nbval cannot inject parameters: the notebooks read HWLIB_PROFILE and HWLIB_RUN themselves.
+test-notebooks: setup
+	rm -rf outputs/nbval
+	HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
+	    --nbval-lax --nbval-current-env notebooks
+
+# Kernel sources are plain CUDA: they compile with nvcc alone, no torch headers, no GPU needed.
+test-kernels:
+	@if command -v nvcc >/dev/null 2>&1 && ls kernels/*.cu >/dev/null 2>&1; then \
+	    for f in kernels/*.cu; do echo "nvcc -arch=sm_90 -c $$f"; \
+	        nvcc -arch=sm_90 -c $$f -o /tmp/$$(basename $$f .cu).o || exit 1; done; \
+	else echo "test-kernels: no nvcc or no kernels/*.cu, nothing to compile"; fi
+
+env: setup
+	$(PY) -m hwlib.cli env
+
+table: setup
+	$(PY) -m hwlib.cli table --run $(RUN)
+
+# Regenerate the README's reference table from outputs/reference/<gpu>/summary.json.
+readme: setup
+	$(PY) -m hwlib.cli readme
+
+clean:
+	rm -rf $(VENV) .torch_extensions outputs/nbval

@@ -1,0 +1,6 @@
+"""hwlib: measure what GPU training optimizations really buy, on your own GPU.
+
+Data flows one way: notebook parameters -> ``train`` -> ``bench`` -> ``results`` -> ``report``.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,123 @@
+"""The one way to time things in hwlib.
+
+* ``time_fn`` times a callable (a kernel, a matmul, a copy): warm-up calls first, then each call
+  timed on its own, so that the spread (p20/p80) is real and not an average of averages.
+* ``StepClock`` times training steps in a loop the caller drives: one CUDA event at every step
+  boundary, no synchronisation inside the loop (a sync per step would stall the CPU that queues the
+  next step and make eager code look slower than it is), read once at the end.
+
+On a GPU the clock is CUDA events (device time of the work queued between two events); on CPU it
+is ``time.perf_counter``. Only GPU numbers are meaningful as absolute times.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Timing:
+    """Milliseconds per call: median and the 20th/80th percentiles of ``n`` timed calls."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    n: int
+    samples_ms: list[float] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_samples(cls, samples_ms: list[float]) -> "Timing":
+        if not samples_ms:
+            raise ValueError("samples_ms: need at least one timed sample")
+        bad = [s for s in samples_ms if not math.isfinite(s) or s < 0]
+        if bad:
+            raise ValueError(f"samples_ms: {len(bad)} samples are negative or not finite: {bad[:3]}")
+        return cls(median_ms=statistics.median(samples_ms), p20_ms=quantile(samples_ms, 0.2),
+                   p80_ms=quantile(samples_ms, 0.8), n=len(samples_ms), samples_ms=list(samples_ms))
+
+    def to_dict(self, samples: bool = False) -> dict:
+        d = asdict(self)
+        if not samples:
+            d.pop("samples_ms")
+        return d
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default), without numpy."""
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """Marks step boundaries; ``timing()`` returns per-step times after one final sync."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def samples_ms(self) -> list[float]:
+        if len(self._marks) < 2:
+            raise ValueError("StepClock: mark() at least twice (before the first and after the last step)")
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(self._marks, self._marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self._marks, self._marks[1:])]
+
+    def timing(self) -> Timing:
+        return Timing.from_samples(self.samples_ms())
+
+
+def time_fn(fn: Callable[[int], object], device: torch.device, *, warmup: int = 3, iters: int = 20) -> Timing:
+    """Time ``fn(i)`` per call. ``fn`` gets the call index so it can rotate among input sets
+    larger than L2 (otherwise repeated calls measure the cache, not memory)."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    for i in range(warmup):
+        fn(i)
+    synchronize(device)
+    samples = []
+    for i in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(warmup + i)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(warmup + i)
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return Timing.from_samples(samples)
+
+
+def wall_s(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Wall-clock seconds of one call including everything it waits for (compilation, first-call
+    set-up): what a user waits, kept apart from steady-state step time."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out

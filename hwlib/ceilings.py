@@ -1,0 +1,87 @@
+"""Measured roofline ceilings: device copy bandwidth and matmul throughput per dtype.
+
+* copy: ``dst.copy_(src)`` of a buffer far larger than L2; bytes = read + write = 2 x size.
+* matmul: ``n x n @ n x n`` on random data (zeros run faster than real data), 2 n^3 FLOPs,
+  fp32 with TF32 off, fp32 with TF32 on, and bf16.
+
+Each run measures its own ceilings once (notebook 00) and stores them in ``<run>/ceilings.json``;
+every other notebook reads them from there, or measures them itself when run alone. On CPU the
+sizes are small and the numbers only prove that the code runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import bench, results
+from .device import info, resolve_device, supports_bf16, supports_tf32
+from .steps import Settings, backend_flags
+
+SIZES = {"cuda": {"copy_bytes": 2 << 30, "matmul_n": 8192}, "cpu": {"copy_bytes": 64 << 20, "matmul_n": 512}}
+
+
+def copy_gbps(device: torch.device, nbytes: int | None = None, iters: int = 20) -> bench.Timing:
+    nbytes = nbytes or SIZES[device.type]["copy_bytes"]
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = bench.time_fn(lambda i: dst.copy_(src), device, warmup=3, iters=iters)
+    del src, dst
+    return t
+
+
+def matmul_tflops(device: torch.device, dtype: str, n: int | None = None, iters: int = 20) -> bench.Timing:
+    n = n or SIZES[device.type]["matmul_n"]
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=torch_dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=torch_dtype, generator=g)
+    out = torch.empty(n, n, device=device, dtype=torch_dtype)
+    with backend_flags(Settings(tf32=(dtype == "tf32"))):
+        t = bench.time_fn(lambda i: torch.mm(a, b, out=out), device, warmup=3, iters=iters)
+    del a, b, out
+    return t
+
+
+def measure(device: str | torch.device = "auto") -> dict:
+    """All ceilings of this device, with the sizes and spreads they came from."""
+    dev = resolve_device(device)
+    di = info(dev)
+    sz = SIZES[dev.type]
+    ct = copy_gbps(dev)
+    out = {"device": di.name, "kind": dev.type,
+           "copy_gbps": 2 * sz["copy_bytes"] / (ct.median_ms / 1e3) / 1e9,
+           "copy_timing": ct.to_dict(), "copy_bytes": sz["copy_bytes"], "matmul_n": sz["matmul_n"],
+           "matmul_tflops": {}, "matmul_timing": {}, "skipped": {}}
+    flops = 2.0 * sz["matmul_n"] ** 3
+    for dtype in ("bf16", "tf32", "fp32"):
+        if dtype == "bf16" and not supports_bf16(di):
+            out["skipped"][dtype] = f"{di.name} has no bf16 tensor cores"
+            continue
+        if dtype == "tf32" and not supports_tf32(di):
+            out["skipped"][dtype] = "TF32 needs an sm_80+ GPU"
+            continue
+        t = matmul_tflops(dev, dtype)
+        out["matmul_tflops"][dtype] = flops / (t.median_ms / 1e3) / 1e12
+        out["matmul_timing"][dtype] = t.to_dict()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def load_or_measure(device: str | torch.device = "auto", run=None) -> dict:
+    """This run's ceilings: read from ``<run>/ceilings.json`` when measured on the same device."""
+    dev = resolve_device(device)
+    path = results.run_dir(run) / "ceilings.json"
+    saved = results.read_json(path)
+    if saved and saved.get("device") == info(dev).name:
+        return saved
+    c = measure(dev)
+    results.write_json(path, c)
+    return c
+
+
+def share(value: float | None, ceiling: float | None) -> float | None:
+    """value / ceiling, or None when either is missing."""
+    if value is None or not ceiling:
+        return None
+    return value / ceiling

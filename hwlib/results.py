@@ -1,0 +1,179 @@
+"""One record per measurement, with provenance; append-only, never half-written.
+
+A run lives in ``outputs/<run>/``. ``results.jsonl`` gets one JSON object per line, each line
+written by a single ``write`` on an ``O_APPEND`` descriptor under an exclusive lock, then fsynced:
+concurrent writers cannot interleave, and a crash can at worst leave a last line without its
+newline, which ``load`` reports and skips. Whole files (JSON, tables) are written to a temporary
+file and renamed over the target, so readers see the old or the new file, never a mix.
+
+A record that is measured again (a notebook re-run) supersedes the earlier one with the same key
+(notebook, workload, step, metric) when loaded; the file itself keeps both.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import math
+import os
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: appends are still single writes
+    fcntl = None
+
+# A checkout keeps outputs/ and data/ beside hwlib/; an installed copy (Colab) uses the working folder.
+_PKG_PARENT = Path(__file__).resolve().parent.parent
+REPO_ROOT = _PKG_PARENT if (_PKG_PARENT / "pyproject.toml").exists() else Path.cwd()
+KEY = ("notebook", "workload", "step", "metric")
+
+
+def outputs_root() -> Path:
+    return Path(os.environ.get("HWLIB_OUTPUTS", REPO_ROOT / "outputs"))
+
+
+def run_dir(run: str | os.PathLike | None = None) -> Path:
+    """The folder of a run, created if needed. A relative name lives under ``outputs/``
+    (``latest`` -> ``outputs/latest``, ``reference/h100`` -> ``outputs/reference/h100``; a path that
+    already starts with ``outputs/`` is taken from the repository root). Default: ``$HWLIB_RUN``,
+    else ``outputs/interactive``."""
+    run = run or os.environ.get("HWLIB_RUN") or "interactive"
+    p = Path(run)
+    if not p.is_absolute():
+        p = REPO_ROOT / p if p.parts[0] == "outputs" else outputs_root() / p
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _clean(x):
+    """JSON has no NaN/inf: store them as strings so a non-finite value is never silently a number."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def make_record(*, notebook: str, workload: str | None, step: str | None, metric: str, value, unit: str,
+                p20=None, p80=None, status: str = "ok", reason: str | None = None, profile: str | None = None,
+                params: dict | None = None, device: dict | None = None, versions: dict | None = None,
+                extra: dict | None = None) -> dict:
+    if status not in ("ok", "skipped", "n/a", "failed", "nonfinite"):
+        raise ValueError(f"status {status!r}: choose ok, skipped, n/a, failed or nonfinite")
+    rec = {"notebook": notebook, "workload": workload, "step": step, "metric": metric, "value": value,
+           "p20": p20, "p80": p80, "unit": unit, "status": status, "reason": reason, "profile": profile,
+           "params": params or {}, "device": device or {}, "versions": versions or {},
+           "git_commit": git_commit(),
+           "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    if extra:
+        rec.update(extra)
+    return _clean(rec)
+
+
+def append(records: list[dict] | dict, run: str | os.PathLike | None = None) -> Path:
+    """Append records to ``<run>/results.jsonl`` atomically (one write per call)."""
+    if isinstance(records, dict):
+        records = [records]
+    path = run_dir(run) / "results.jsonl"
+    payload = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in records).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if fcntl:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        # A previous writer killed mid-line leaves no trailing newline: start on a fresh line so
+        # that the torn line stays torn (and skipped) instead of swallowing this record.
+        size = os.fstat(fd).st_size
+        if size:
+            with open(path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    payload = b"\n" + payload
+        os.write(fd, payload)
+        os.fsync(fd)
+    finally:
+        if fcntl:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    return path
+
+
+def load(run: str | os.PathLike | None = None, *, latest_only: bool = True) -> list[dict]:
+    """Records of a run; with ``latest_only`` a re-measured key keeps only its newest record."""
+    path = run_dir(run) / "results.jsonl"
+    if not path.exists():
+        return []
+    recs, torn = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                torn += 1
+    if torn:
+        warnings.warn(f"{path}: skipped {torn} torn line(s) left by an interrupted writer", stacklevel=2)
+    if not latest_only:
+        return recs
+    latest: dict = {}
+    for r in recs:
+        latest[tuple(r.get(k) for k in KEY)] = r
+    return list(latest.values())
+
+
+def to_frame(records: list[dict]):
+    import pandas as pd
+    return pd.DataFrame.from_records(records)
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write a whole file so that readers see the old or the new content, never a mix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    return write_atomic(path, json.dumps(_clean(obj), indent=1, sort_keys=False, allow_nan=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, default=None):
+    path = Path(path)
+    if not path.exists():
+        return default
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

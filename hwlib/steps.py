@@ -1,0 +1,160 @@
+"""The optimizations as composable settings, and the cumulative ladder.
+
+Step k runs with the changes of steps 01..k. Each step states the tolerance of its "same math"
+check: the largest relative difference allowed between its loss curve and the previous step's
+over the first K steps from the same seed and data. Exact-math changes get a tight bound that only
+reordering of sums can use up; bf16 changes the arithmetic and gets a stated looser bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .device import ChoiceError, DeviceInfo, Unavailable, supports_bf16, supports_compile, supports_tf32
+
+
+@dataclass(frozen=True)
+class Settings:
+    tf32: bool = False               # TF32 tensor-core matmuls for fp32 tensors
+    autocast: str | None = None      # None, "bf16" or "fp16" (fp16 brings a GradScaler)
+    attention: str = "manual"        # "manual" (matmul-softmax-matmul) or "sdpa"
+    fused_adamw: bool = False        # AdamW(fused=True) and zero_grad(set_to_none=True)
+    compile: bool = False            # torch.compile(model)
+    vocab_multiple: int = 1          # pad the vocabulary to a multiple of this
+
+    def diff(self, other: "Settings") -> dict:
+        """Fields where ``self`` differs from ``other``: {name: (other's, self's)}."""
+        return {f.name: (getattr(other, f.name), getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)}
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    title: str
+    change: dict = field(default_factory=dict)
+    tolerance: float = 0.0           # relative, max over K steps, vs the previous step
+    gpu_only: bool = False
+    why_tolerance: str = ""
+
+
+LADDER: tuple[Step, ...] = (
+    Step("01_baseline_fp32", "fp32 eager, TF32 off", {}, 0.0,
+         why_tolerance="the reference every ratio is taken against"),
+    Step("02_tf32", "TF32 matmuls", {"tf32": True}, 5e-3, gpu_only=True,
+         why_tolerance="TF32 rounds matmul inputs to a 10-bit mantissa (rel. error ~1e-3 per product)"),
+    Step("03_bf16_autocast", "bf16 autocast", {"autocast": "bf16"}, 3e-2,
+         why_tolerance="bf16 keeps 8 mantissa bits: per-op error ~4e-3, grows over K optimizer steps"),
+    Step("04_sdpa_attention", "fused attention (SDPA)", {"attention": "sdpa"}, 1e-2,
+         why_tolerance="same math, other summation order and an online softmax, under bf16"),
+    Step("05_fused_optimizer", "fused AdamW, set_to_none", {"fused_adamw": True}, 1e-2,
+         why_tolerance="same update formula in one kernel; rounding order differs"),
+    Step("06_torch_compile", "torch.compile", {"compile": True}, 1e-2,
+         why_tolerance="same graph, fused kernels keep intermediates in fp32 registers"),
+    Step("07_nice_shapes", "vocabulary padded to a multiple of 64", {"vocab_multiple": 64}, 1e-2,
+         why_tolerance="padded logits are sliced off before the loss: same function, other GEMM tiling"),
+)
+
+STEP_NAMES = tuple(s.name for s in LADDER)
+
+
+def get_step(name: str) -> Step:
+    for s in LADDER:
+        if s.name == name or s.name.split("_", 1)[0] == name:
+            return s
+    raise ChoiceError("step", name, STEP_NAMES)
+
+
+def previous(name: str) -> Step | None:
+    i = STEP_NAMES.index(get_step(name).name)
+    return LADDER[i - 1] if i else None
+
+
+def settings_for(name: str) -> Settings:
+    """Cumulative settings of a step: every change up to and including it."""
+    step = get_step(name)
+    kw: dict = {}
+    for s in LADDER[: STEP_NAMES.index(step.name) + 1]:
+        kw.update(s.change)
+    return Settings(**kw)
+
+
+def check_available(step: Step, di: DeviceInfo) -> str | None:
+    """Why ``step`` cannot run as such on this device (a reason for a 'skipped' row), else None.
+
+    Only the step's own change is judged: a later step on CPU still runs, with the earlier
+    GPU-only changes inert there.
+    """
+    if step.gpu_only and di.kind != "cuda":
+        return f"{step.name} is GPU-only ({step.title}); this device is {di.kind}"
+    if "tf32" in step.change and di.kind == "cuda" and not supports_tf32(di):
+        return f"TF32 needs sm_80 or newer; this GPU is sm_{di.capability[0]}{di.capability[1]}"
+    if "compile" in step.change:
+        ok, why = supports_compile(di)
+        if not ok:
+            return f"torch.compile unavailable: {why}"
+    return None
+
+
+def resolve_autocast(settings: Settings, di: DeviceInfo) -> Settings:
+    """bf16 before Ampere becomes fp16 with a GradScaler (the documented fallback)."""
+    if settings.autocast == "bf16" and not supports_bf16(di):
+        return dataclasses.replace(settings, autocast="fp16")
+    if settings.autocast == "fp16" and di.kind != "cuda":
+        raise Unavailable("fp16 autocast with a GradScaler is a CUDA recipe; on CPU use bf16")
+    if settings.autocast not in (None, "bf16", "fp16"):
+        raise ChoiceError("autocast", settings.autocast, (None, "bf16", "fp16"))
+    if settings.attention not in ("manual", "sdpa"):
+        raise ChoiceError("attention", settings.attention, ("manual", "sdpa"))
+    return settings
+
+
+def _new_precision_api() -> bool:
+    # torch >= 2.9 has per-backend fp32_precision; mixing it with the legacy allow_tf32 flags
+    # raises, so hwlib uses exactly one of the two APIs.
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+@contextlib.contextmanager
+def backend_flags(settings: Settings):
+    """Set the fp32 math mode a step needs (matmuls and cuDNN convolutions), restore it after.
+
+    Baseline means IEEE fp32 everywhere: cuDNN convolutions default to TF32, so they are set too.
+    """
+    if _new_precision_api():
+        mm, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+        saved = (mm.fp32_precision, conv.fp32_precision)
+        mode = "tf32" if settings.tf32 else "ieee"
+        try:
+            mm.fp32_precision, conv.fp32_precision = mode, mode
+            yield
+        finally:
+            mm.fp32_precision, conv.fp32_precision = saved
+    else:
+        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = settings.tf32
+            torch.backends.cudnn.allow_tf32 = settings.tf32
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def autocast_ctx(settings: Settings, device: torch.device):
+    if settings.autocast is None:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if settings.autocast == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def describe(name: str) -> list[dict]:
+    """The step's change against the step before, as rows for a table."""
+    step = get_step(name)
+    prev = previous(name)
+    before = settings_for(prev.name) if prev else Settings()
+    after = settings_for(step.name)
+    return [{"setting": k, "before": a, "after": b} for k, (a, b) in after.diff(before).items()]

@@ -1,0 +1,349 @@
+"""Run N training steps of a workload under a step's settings, and measure them.
+
+One measurement = one seeded run: the first ``plan.check`` steps give the loss curve that the
+"same math" check compares with the step before (they are also the warm-up that absorbs
+compilation and allocator growth), then ``plan.warmup`` more steps, then ``plan.timed`` steps timed
+by ``bench.StepClock``. Compile time is the first step's wall time minus a steady step, reported
+apart. A loss that turns NaN or inf marks the result ``nonfinite``: its time is not reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from . import bench, ceilings as ceilings_mod, results
+from .device import DeviceInfo, Unavailable, info, resolve_device
+from .profiles import Plan, plan as plan_for, resolve_profile
+from .steps import (LADDER, STEP_NAMES, Settings, Step, autocast_ctx, backend_flags, check_available, get_step, previous,
+                    resolve_autocast, settings_for)
+from .workloads import get_workload
+
+
+@dataclass
+class StepResult:
+    workload: str
+    step: str
+    profile: str
+    device: dict
+    status: str                        # ok, skipped, nonfinite
+    reason: str | None = None
+    config: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    seed: int = 0
+    losses: list = field(default_factory=list)   # every step's loss, in order
+    check_steps: int = 0
+    timing: bench.Timing | None = None
+    first_step_s: float | None = None
+    compile_s: float | None = None
+    items_per_step: int = 0
+    unit: str = "tokens"
+    flops_per_step: float = 0.0
+    peak_mem_gib: float | None = None
+    sdpa_backend: str | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def check_losses(self) -> list:
+        return self.losses[: self.check_steps]
+
+    @property
+    def items_per_s(self) -> float | None:
+        return self.items_per_step / (self.timing.median_ms / 1e3) if self.timing else None
+
+    @property
+    def model_tflops(self) -> float | None:
+        return self.flops_per_step / (self.timing.median_ms / 1e3) / 1e12 if self.timing else None
+
+    def mfu(self, ceil: dict | None) -> float | None:
+        peak = (ceil or {}).get("matmul_tflops", {}).get("bf16")
+        return self.model_tflops / peak if (self.model_tflops and peak) else None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+def _make_optimizer(model: torch.nn.Module, cfg, settings: Settings):
+    # Decay matrices only (GPT-2 practice): biases and LayerNorm gains stay undecayed.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"fused": True} if settings.fused_adamw else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def detect_sdpa_backend(fn) -> str:
+    """Which attention kernel ran, read off the aten ops that ``fn()`` dispatched."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.name for e in prof.events()}
+    for key, label in (("_scaled_dot_product_flash_attention_for_cpu", "flash (CPU kernel)"),
+                       ("_scaled_dot_product_flash_attention", "flash"),
+                       ("_scaled_dot_product_cudnn_attention", "cudnn"),
+                       ("_scaled_dot_product_efficient_attention", "memory-efficient"),
+                       ("_scaled_dot_product_fused_attention_overrideable", "fused (overrideable)"),
+                       ("_scaled_dot_product_attention_math", "math (unfused)")):
+        if any(key in n for n in names):
+            return label
+    return "none found"
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: str = "auto",
+             device: str | torch.device = "auto", seed: int = 0, plan: Plan | None = None,
+             source: str | None = None, check_only: bool = False, progress: bool = False,
+             **config) -> StepResult:
+    """Train ``workload`` under ``step``'s cumulative settings and measure it.
+
+    ``check_only`` runs just the seeded steps of the semantics check, untimed. Keyword arguments
+    beyond these override fields of the workload's config (``batch=8``, ``n_layer=4``).
+    A step this device cannot run comes back with ``status='skipped'`` and the reason.
+    """
+    dev = resolve_device(device)
+    prof = resolve_profile(profile, dev)
+    wl = get_workload(workload)
+    st: Step = get_step(step)
+    di: DeviceInfo = info(dev)
+    cfg = wl.config(prof, **config)
+    pl = plan or plan_for(prof)
+    if check_only:
+        pl = Plan(check=pl.check, warmup=0, timed=0)
+    if pl.check < 1 or pl.warmup < 0 or pl.timed < 0 or (not check_only and pl.timed < 1):
+        raise ValueError(f"plan needs check >= 1, warmup >= 0 and timed >= 1, got {pl}")
+    res = StepResult(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
+                     config=dataclasses.asdict(cfg), seed=seed, check_steps=pl.check,
+                     items_per_step=wl.items_per_step(cfg), unit=wl.unit, flops_per_step=wl.flops_per_step(cfg))
+    reason = check_available(st, di)
+    if reason:
+        res.status, res.reason = "skipped", reason
+        return res
+    settings = resolve_autocast(settings_for(st.name), di)
+    if settings.autocast != settings_for(st.name).autocast:
+        res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
+    res.settings = dataclasses.asdict(settings)
+
+    batches = wl.batches(cfg, dev, seed, source)
+    model = wl.build(cfg, settings, seed).to(dev)
+    opt = _make_optimizer(model, cfg, settings)
+    scaler = torch.amp.GradScaler("cuda") if settings.autocast == "fp16" else None
+    fwd = torch.compile(model) if settings.compile else model
+    set_to_none = settings.fused_adamw
+
+    def one_step(i: int) -> torch.Tensor:
+        batch = batches(i)
+        with autocast_ctx(settings, dev):
+            loss = wl.loss(fwd, batch)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return loss.detach()
+
+    losses: list[torch.Tensor] = []
+    total = pl.check + pl.warmup + pl.timed
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, desc=f"{wl.name} {st.name}", leave=False)
+    try:
+        with backend_flags(settings):
+            if settings.attention == "sdpa":
+                with torch.no_grad(), autocast_ctx(settings, dev):
+                    x = batches(0)
+                    res.sdpa_backend = detect_sdpa_backend(lambda: model(x[0][:1]))
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            res.first_step_s, first = bench.wall_s(lambda: one_step(0), dev)
+            losses.append(first)
+            bar and bar.update(1)
+            clock = bench.StepClock(dev)
+            for i in range(1, total):
+                if i == pl.check + pl.warmup:
+                    clock.mark()
+                losses.append(one_step(i))
+                if i >= pl.check + pl.warmup:
+                    clock.mark()
+                if bar is not None:
+                    bar.update(1)
+            vals = torch.stack(losses).float().cpu().tolist()  # one sync for the whole run
+            if pl.timed:
+                res.timing = clock.timing()
+            if dev.type == "cuda":
+                res.peak_mem_gib = torch.cuda.max_memory_allocated(dev) / 2**30
+    finally:
+        if bar is not None:
+            bar.close()
+        del model, opt, fwd
+        if settings.compile:
+            torch._dynamo.reset()
+        _free(dev)
+
+    res.losses = vals
+    bad = next((i for i, v in enumerate(vals) if not math.isfinite(v)), None)
+    if bad is not None:
+        res.status = "nonfinite"
+        res.reason = f"loss became {vals[bad]} at step {bad}; time not reported"
+        res.timing = None
+        return res
+    if settings.compile and res.timing:
+        res.compile_s = max(0.0, res.first_step_s - res.timing.median_ms / 1e3)
+    save_curve(res)
+    return res
+
+
+# --- the "same math" check ------------------------------------------------------------------------
+
+@dataclass
+class MathCheck:
+    step: str
+    against: str | None
+    max_rel_diff: float | None
+    tolerance: float
+    k: int
+    ok: bool
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.against is None:
+            return f"{self.step}: {self.detail or 'baseline, nothing to compare'}"
+        return (f"{self.step} vs {self.against}: max relative loss difference over {self.k} steps "
+                f"{self.max_rel_diff:.2e} (tolerance {self.tolerance:.0e}) -> {'same math' if self.ok else 'FAILED'}"
+                + (f"; {self.detail}" if self.detail else ""))
+
+
+def compare_curves(curr: list[float], prev: list[float], tolerance: float) -> float:
+    """Largest relative difference between two loss curves over their common length."""
+    k = min(len(curr), len(prev))
+    if k == 0:
+        raise ValueError("compare_curves: both curves need at least one loss")
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curr[:k], prev[:k])]
+    return max(diffs) if all(math.isfinite(d) for d in diffs) else float("inf")
+
+
+def _curve_path(workload: str, step: str, run=None):
+    return results.run_dir(run) / "curves" / workload / f"{step}.json"
+
+
+def _curve_key(res: StepResult) -> dict:
+    return {"config": res.config, "seed": res.seed, "device": res.device.get("name"), "k": res.check_steps}
+
+
+def save_curve(res: StepResult, run=None) -> None:
+    results.write_json(_curve_path(res.workload, res.step, run),
+                       {**_curve_key(res), "losses": res.check_losses, "settings": res.settings})
+
+
+def reference_curve(res: StepResult, step: str, run=None) -> list[float] | None:
+    """The loss curve of ``step`` with ``res``'s config, seed and device: from this run's saved
+    curves when present, else computed now (check steps only, untimed). None if that step is
+    unavailable here."""
+    saved = results.read_json(_curve_path(res.workload, step, run))
+    if saved and {k: saved.get(k) for k in ("config", "seed", "device", "k")} == _curve_key(res):
+        return saved["losses"]
+    overrides = {k: v for k, v in res.config.items()}
+    prev = run_step(res.workload, step, profile=res.profile, device=_device_arg(res), seed=res.seed,
+                    plan=Plan(check=res.check_steps, warmup=0, timed=0), check_only=True, **overrides)
+    return prev.check_losses if prev.status == "ok" else None
+
+
+def _device_arg(res: StepResult) -> str:
+    return "cuda" if res.device.get("kind") == "cuda" else "cpu"
+
+
+def same_math(res: StepResult, run=None) -> MathCheck:
+    """Compare ``res``'s first K losses with the nearest earlier step that ran on this device."""
+    st = get_step(res.step)
+    if res.status == "skipped":  # nothing ran, nothing to compare; the row says why
+        return MathCheck(res.step, None, None, st.tolerance, 0, True, f"skipped: {res.reason}")
+    if res.status != "ok":
+        return MathCheck(res.step, None, None, st.tolerance, 0, False, f"{res.status}: {res.reason}")
+    prev = previous(res.step)
+    while prev is not None:
+        curve = reference_curve(res, prev.name, run)
+        if curve is not None:
+            d = compare_curves(res.check_losses, curve, st.tolerance)
+            # Tolerances of skipped steps in between add up: their changes are part of this diff.
+            tol = sum(s.tolerance for s in _between(prev.name, res.step))
+            return MathCheck(res.step, prev.name, d, tol, min(len(curve), res.check_steps), d <= tol,
+                             st.why_tolerance)
+        prev = previous(prev.name)
+    return MathCheck(res.step, None, None, 0.0, 0, True)
+
+
+def _between(after: str, upto: str) -> list[Step]:
+    return list(LADDER[STEP_NAMES.index(after) + 1: STEP_NAMES.index(upto) + 1])
+
+
+# --- recording ------------------------------------------------------------------------------------
+
+def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ceilings: dict | None = None,
+           run=None) -> list[dict]:
+    """Write the result's metrics to the run's results.jsonl; returns the records written."""
+    from .device import versions
+    common = dict(notebook=notebook, workload=res.workload, step=res.step, profile=res.profile,
+                  params={"config": res.config, "settings": res.settings, "seed": res.seed,
+                          "check_steps": res.check_steps, "timed_steps": res.timing.n if res.timing else 0},
+                  device={k: res.device.get(k) for k in ("kind", "name", "capability", "total_mem_gib", "sm_count")},
+                  versions=versions())
+    recs = []
+    if res.status != "ok" or res.timing is None:
+        recs.append(results.make_record(metric="ms_per_step", value=None, unit="ms", status=res.status,
+                                        reason=res.reason, **common))
+    else:
+        t = res.timing
+        recs.append(results.make_record(metric="ms_per_step", value=t.median_ms, p20=t.p20_ms, p80=t.p80_ms,
+                                        unit="ms", **common))
+        recs.append(results.make_record(metric=f"{res.unit}_per_s", value=res.items_per_s,
+                                        p20=res.items_per_step / (t.p80_ms / 1e3),
+                                        p80=res.items_per_step / (t.p20_ms / 1e3), unit=f"{res.unit}/s", **common))
+        recs.append(results.make_record(metric="model_tflops", value=res.model_tflops, unit="TFLOP/s", **common))
+        mfu = res.mfu(ceilings)
+        recs.append(results.make_record(metric="mfu", value=mfu, unit="fraction of measured bf16 matmul",
+                                        status="ok" if mfu is not None else "n/a",
+                                        reason=None if mfu is not None else "no bf16 ceiling measured", **common))
+        if res.peak_mem_gib is not None:
+            recs.append(results.make_record(metric="peak_mem_gib", value=res.peak_mem_gib, unit="GiB", **common))
+        recs.append(results.make_record(metric="first_step_s", value=res.first_step_s, unit="s", **common))
+        if res.compile_s is not None:
+            recs.append(results.make_record(metric="compile_s", value=res.compile_s, unit="s", **common))
+        recs.append(results.make_record(metric="final_loss", value=res.final_loss, unit="nats", **common))
+        if res.sdpa_backend:
+            recs.append(results.make_record(metric="sdpa_backend", value=res.sdpa_backend, unit="", **common))
+    if check is not None and check.against is not None:
+        recs.append(results.make_record(metric="same_math_max_rel", value=check.max_rel_diff,
+                                        unit=f"relative, tolerance {check.tolerance:g}",
+                                        status="ok" if check.ok else "failed",
+                                        reason=None if check.ok else str(check),
+                                        extra={"against": check.against}, **common))
+    results.append(recs, run)
+    return recs
+
+
+def measure(workload: str, step: str, *, notebook: str, profile: str = "auto", device="auto", run=None,
+            progress: bool = True, **kw) -> tuple[StepResult, MathCheck]:
+    """``run_step`` + ``same_math`` + ``record``: what every ladder notebook does per workload.
+    The check's verdict is recorded before the caller asserts on it, so a failing check still
+    leaves its numbers in the run."""
+    res = run_step(workload, step, profile=profile, device=device, progress=progress, **kw)
+    check = same_math(res, run)
+    ceil = ceilings_mod.load_or_measure(resolve_device(device), run=run)
+    record(res, notebook=notebook, check=check, ceilings=ceil, run=run)
+    if res.status == "nonfinite":
+        warnings.warn(f"{workload} {step}: {res.reason}", stacklevel=2)
+    return res, check

@@ -1,0 +1,182 @@
+"""GPT-2-class language model: pre-LayerNorm decoder, learned positions, tied embeddings, GELU (tanh).
+
+Full profile is GPT-2 small (12 layers, width 768, 12 heads, context 1024, vocabulary 50257,
+batch 16: 16,384 tokens a step, 124M parameters). Smoke is a tiny model that trains on a CPU in
+seconds.
+
+FLOPs of one training step (forward x 3 for forward + backward; Kaplan et al. 2020, with attention
+counted in full as PaLM's MFU does):
+
+    tokens * 3 * [ L * (24 d^2 + 4 T d) + 2 d V ]
+
+24 d^2: QKV (6 d^2), output projection (2 d^2) and MLP (16 d^2) per token; 4 T d: Q K^T and A V;
+2 d V: the tied output projection. V is the unpadded vocabulary: padding is work, not useful work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..device import ChoiceError
+from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
+from ..shapes import padded
+from ..steps import Settings
+from .base import Workload
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    context: int = 1024
+    vocab: int = 50257
+    batch: int = 16
+    lr: float = 6e-4
+    weight_decay: float = 0.1
+    data_tokens: int = 2_000_000
+
+    def __post_init__(self):
+        for f in ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GPTConfig.{f} must be a positive integer, got {v!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+
+
+PROFILES = {
+    "full": GPTConfig(),
+    "smoke": GPTConfig(n_layer=2, n_head=4, d_model=64, context=64, vocab=500, batch=8, lr=3e-3,
+                       data_tokens=100_000),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, attention: str):
+        super().__init__()
+        self.n_head, self.d = cfg.n_head, cfg.d_model
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attention = attention
+        self.register_buffer("causal", torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril(),
+                             persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.d, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # The textbook form: a [B, H, T, T] score matrix goes through memory three times.
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(~self.causal[:T, :T], float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, attention: str):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg, attention)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.mlp_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_padded = padded(cfg.vocab, vocab_multiple)
+        self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, attention) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+
+    def init_weights(self, seed: int) -> "GPT":
+        """GPT-2 initialisation from a CPU generator, parameter by parameter in a fixed order.
+
+        The padded vocabulary rows start at zero and the padded logits are sliced off before the
+        loss, so they get no gradient: the padded model computes the unpadded model's function.
+        """
+        g = torch.Generator().manual_seed(seed)
+        std_proj = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.startswith("wte"):
+                    p.zero_()
+                    p[: self.cfg.vocab].normal_(0.0, 0.02, generator=g)
+                elif name.endswith("bias"):
+                    p.zero_()
+                elif ".ln_" in name or name.startswith("ln_"):
+                    p.fill_(1.0)
+                elif name.endswith("c_proj.weight") or name.endswith("mlp_proj.weight"):
+                    p.normal_(0.0, std_proj, generator=g)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        return self
+
+    def set_attention(self, attention: str) -> None:
+        for b in self.blocks:
+            b.attn.attention = attention
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.cfg.context:
+            raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output projection
+        if self.vocab_padded != self.cfg.vocab:
+            logits = logits[..., : self.cfg.vocab]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
+
+
+class GPTWorkload(Workload):
+    name = "gpt"
+    unit = "tokens"
+
+    def config(self, profile: str, **overrides) -> GPTConfig:
+        if profile not in PROFILES:
+            raise ChoiceError("profile", profile, tuple(PROFILES))
+        bad = set(overrides) - {f.name for f in dataclasses.fields(GPTConfig)}
+        if bad:
+            raise ChoiceError("GPT config field", sorted(bad)[0], [f.name for f in dataclasses.fields(GPTConfig)])
+        return dataclasses.replace(PROFILES[profile], **overrides)
+
+    def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
+        return GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple).init_weights(seed)
+
+    def batches(self, cfg: GPTConfig, device: torch.device, seed: int, source: str | None = None):
+        if source:
+            tokens = text_file_tokens(source, cfg.vocab)
+        else:
+            tokens = cached_synthetic_tokens(cfg.data_tokens, cfg.vocab, seed=seed)
+        return TokenBatches(tokens, cfg.batch, cfg.context, device)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return model(x, y)
+
+    def flops_per_step(self, cfg: GPTConfig) -> float:
+        L, d, T, V = cfg.n_layer, cfg.d_model, cfg.context, cfg.vocab
+        return 3.0 * self.items_per_step(cfg) * (L * (24 * d * d + 4 * T * d) + 2 * d * V)
+
+    def items_per_step(self, cfg: GPTConfig) -> int:
+        return cfg.batch * cfg.context
