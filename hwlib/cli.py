@@ -116,7 +116,7 @@ def reproduce(args) -> int:
     total = time.perf_counter() - t_all
     state["_last_seconds"] = round(total, 1)
     results.write_json(state_path, state)
-    failed = [k for k, v in state.items() if not k.startswith("_") and v["status"] != "ok"]
+    failed = [nb.stem for nb in nbs if state.get(nb.stem, {}).get("status") != "ok"]
     print(f"hwlib reproduce: {total:.0f} s in all")
     if failed:
         print(f"hwlib reproduce: {len(failed)} notebook(s) failed: {', '.join(failed)} "

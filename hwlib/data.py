@@ -3,8 +3,10 @@
 The synthetic token stream has structure a small LM can learn, so that losses fall and a "same
 math" check compares curves that move, not noise around ln(V):
 
-* a sparse first-order Markov chain: every token has ``fanout`` successors with Zipf-like
-  probabilities (learnable by the embeddings and MLPs);
+* Zipf-distributed token frequencies (exponent ~1.1, as in natural text), so that, as with real
+  text, the first steps already learn the unigram distribution and the loss falls well below ln V;
+* a sparse first-order Markov chain: every token has ``fanout`` successors, themselves drawn
+  from the Zipf law, with Zipf-like transition probabilities (learnable by embeddings and MLPs);
 * copy spans: with probability ``copy_prob`` per position a span of the recent past repeats
   (learnable only by attention, like an induction head).
 
@@ -23,7 +25,9 @@ import torch
 
 from .results import REPO_ROOT, write_atomic
 
-DATA_DIR = Path(os.environ.get("HWLIB_DATA", REPO_ROOT / "data"))
+def data_dir() -> Path:
+    """Where generated data sets are cached: ``$HWLIB_DATA`` or the repository's ``data/``."""
+    return Path(os.environ.get("HWLIB_DATA", REPO_ROOT / "data"))
 
 
 def synthetic_tokens(n_tokens: int, vocab: int, *, seed: int = 0, fanout: int = 8, copy_prob: float = 0.02,
@@ -32,7 +36,9 @@ def synthetic_tokens(n_tokens: int, vocab: int, *, seed: int = 0, fanout: int = 
     if n_tokens < 1 or vocab < 2:
         raise ValueError(f"n_tokens >= 1 and vocab >= 2 needed, got n_tokens={n_tokens}, vocab={vocab}")
     rng = np.random.default_rng(seed)
-    succ = rng.integers(0, vocab, size=(vocab, fanout))
+    freq = 1.0 / (np.arange(vocab) + 2.7) ** 1.1
+    ids = rng.permutation(vocab)  # frequent tokens spread over the id range, as BPE ids are
+    succ = ids[rng.choice(vocab, size=(vocab, fanout), p=freq / freq.sum())]
     w = 1.0 / np.arange(1, fanout + 1) ** 1.2
     cdf = np.cumsum(w / w.sum())
     cols = -(-n_tokens // rows)
@@ -65,7 +71,7 @@ def _dtype_for(vocab: int):
 
 def cached_synthetic_tokens(n_tokens: int, vocab: int, seed: int = 0) -> np.ndarray:
     """The synthetic stream from ``data/``, generated and saved there on first use."""
-    path = DATA_DIR / f"synthetic_tokens_v{vocab}_n{n_tokens}_s{seed}.npy"
+    path = data_dir() / f"synthetic_tokens_v{vocab}_n{n_tokens}_s{seed}.npy"
     if path.exists():
         try:
             arr = np.load(path)

@@ -104,10 +104,12 @@ def _free(device: torch.device) -> None:
 def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: str = "auto",
              device: str | torch.device = "auto", seed: int = 0, plan: Plan | None = None,
              source: str | None = None, check_only: bool = False, progress: bool = False,
-             **config) -> StepResult:
+             settings: Settings | None = None, **config) -> StepResult:
     """Train ``workload`` under ``step``'s cumulative settings and measure it.
 
-    ``check_only`` runs just the seeded steps of the semantics check, untimed. Keyword arguments
+    ``check_only`` runs just the seeded steps of the semantics check, untimed. ``settings``
+    replaces the step's cumulative settings for a side experiment (its curve is not saved as the
+    step's reference). Keyword arguments
     beyond these override fields of the workload's config (``batch=8``, ``n_layer=4``).
     A step this device cannot run comes back with ``status='skipped'`` and the reason.
     """
@@ -129,8 +131,10 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     if reason:
         res.status, res.reason = "skipped", reason
         return res
-    settings = resolve_autocast(settings_for(st.name), di)
-    if settings.autocast != settings_for(st.name).autocast:
+    variant = settings is not None
+    wanted = settings if variant else settings_for(st.name)
+    settings = resolve_autocast(wanted, di)
+    if settings.autocast != wanted.autocast:
         res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
     res.settings = dataclasses.asdict(settings)
 
@@ -203,7 +207,8 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
         return res
     if settings.compile and res.timing:
         res.compile_s = max(0.0, res.first_step_s - res.timing.median_ms / 1e3)
-    save_curve(res)
+    if not variant:
+        save_curve(res)
     return res
 
 

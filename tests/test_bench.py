@@ -1,0 +1,59 @@
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hwlib import bench
+
+
+def test_quantile_matches_numpy():
+    rng = np.random.default_rng(1)
+    xs = rng.random(37).tolist()
+    for q in (0.0, 0.2, 0.5, 0.8, 1.0):
+        assert bench.quantile(xs, q) == pytest.approx(np.quantile(xs, q))
+
+
+def test_timing_from_samples():
+    t = bench.Timing.from_samples([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (t.median_ms, t.p20_ms, t.p80_ms, t.n) == (3.0, 1.8, 4.2, 5)
+    assert "samples_ms" not in t.to_dict() and t.to_dict(samples=True)["samples_ms"] == [5.0, 1.0, 3.0, 2.0, 4.0]
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [1.0, -2.0], [math.inf]])
+def test_timing_rejects_bad_samples(bad):
+    with pytest.raises(ValueError, match="samples_ms"):
+        bench.Timing.from_samples(bad)
+
+
+def test_step_clock_measures_each_step():
+    clock = bench.StepClock(torch.device("cpu"))
+    clock.mark()
+    for d in (0.02, 0.05, 0.01):
+        time.sleep(d)
+        clock.mark()
+    s = clock.samples_ms()
+    assert len(s) == 3
+    assert s[0] >= 19 and s[1] >= 49 and s[2] >= 9
+    assert s[1] > s[0] > s[2]   # ordered as the sleeps: each step timed on its own
+
+
+def test_step_clock_needs_two_marks():
+    clock = bench.StepClock(torch.device("cpu"))
+    clock.mark()
+    with pytest.raises(ValueError, match="mark"):
+        clock.timing()
+
+
+def test_time_fn_warms_up_and_passes_rotating_index():
+    seen = []
+    t = bench.time_fn(lambda i: seen.append(i), torch.device("cpu"), warmup=2, iters=5)
+    assert seen == list(range(7)) and t.n == 5
+    with pytest.raises(ValueError, match="iters"):
+        bench.time_fn(lambda i: None, torch.device("cpu"), iters=0)
+
+
+def test_wall_s_includes_the_call():
+    s, out = bench.wall_s(lambda: time.sleep(0.03) or 7, torch.device("cpu"))
+    assert s >= 0.029 and out == 7

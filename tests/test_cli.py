@@ -1,0 +1,93 @@
+"""The reproduction runner on tiny notebooks: failures, time limits, resume, --only, --force."""
+
+import json
+import subprocess
+import sys
+
+import nbformat as nbf
+import pytest
+
+from hwlib import cli, results
+
+
+def make_nb(path, body):
+    nb = nbf.v4.new_notebook()
+    p = nbf.v4.new_code_cell('profile = "auto"\ndevice = "auto"')
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [p, nbf.v4.new_code_cell(body)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbf.write(nb, path)
+
+
+WRITE = ('import os, json\nopen(os.path.join(os.environ["HWLIB_RUN"], "{name}.txt"), "a").write(profile + "\\n")')
+
+
+@pytest.fixture
+def series(tmp_path):
+    d = tmp_path / "nbs"
+    d.mkdir()
+    make_nb(d / "00_first.ipynb", WRITE.format(name="00"))
+    make_nb(d / "01_broken.ipynb", "raise RuntimeError('boom in 01')")
+    make_nb(d / "02_after.ipynb", WRITE.format(name="02"))
+    make_nb(d / "03_slow.ipynb", "import time\ntime.sleep(120)")
+    make_nb(d / "99_tables.ipynb", WRITE.format(name="99"))
+    return d
+
+
+def reproduce(series, run, *extra):
+    return cli.main(["reproduce", "--notebooks", str(series), "--run", str(run), "--profile", "smoke",
+                     "--device", "cpu", "--timeout", "25", "--quiet", *extra])
+
+
+def test_goes_on_past_failures_reports_them_and_resumes(series, tmp_path, capsys):
+    run = tmp_path / "run1"
+    assert reproduce(series, run) == 1
+    err = capsys.readouterr().err
+    assert "2 notebook(s) failed: 01_broken, 03_slow" in err
+    state = json.loads((run / "state.json").read_text())
+    assert [state[k]["status"] for k in ("00_first", "01_broken", "02_after", "03_slow", "99_tables")] == \
+        ["ok", "failed", "ok", "timeout", "ok"]
+    assert "boom in 01" in state["01_broken"]["reason"]
+    assert (run / "02.txt").read_text() == "smoke\n"            # ran after the failure, with the profile
+    assert (run / "executed" / "00_first.ipynb").exists() and (run / "summary.json").exists()
+    # Resume: done notebooks are skipped, the failed ones and the tables notebook run again.
+    (series / "03_slow.ipynb").unlink()
+    make_nb(series / "01_broken.ipynb", WRITE.format(name="01"))
+    assert reproduce(series, run) == 0
+    assert (run / "00.txt").read_text() == "smoke\n" and (run / "99.txt").read_text() == "smoke\nsmoke\n"
+    assert "done earlier" in capsys.readouterr().out
+    # --force reruns what was done; --only restricts to the named notebooks.
+    assert reproduce(series, run, "--only", "00", "--force") == 0
+    assert (run / "00.txt").read_text() == "smoke\nsmoke\n" and (run / "02.txt").read_text() == "smoke\n"
+
+
+def test_bad_arguments_are_clear_errors(series, tmp_path, capsys):
+    assert reproduce(series, tmp_path / "r", "--only", "05") == 2
+    assert "unknown notebook '05'" in capsys.readouterr().err
+    assert cli.main(["reproduce", "--notebooks", str(series), "--profile", "huge"]) == 2
+    assert "unknown profile 'huge'" in capsys.readouterr().err
+    assert cli.main(["reproduce", "--notebooks", str(series), "--device", "tpu"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+    assert cli.main(["reproduce", "--notebooks", str(tmp_path), "--run", str(tmp_path / "r")]) == 2
+    assert "no numbered notebooks" in capsys.readouterr().err
+
+
+def test_profile_of_a_run_cannot_change_silently(series, tmp_path, capsys):
+    run = tmp_path / "r2"
+    assert reproduce(series, run, "--only", "00") == 0
+    assert cli.main(["reproduce", "--notebooks", str(series), "--run", str(run), "--profile", "full",
+                     "--device", "cpu", "--only", "00"]) == 2
+    assert "made with profile 'smoke'" in capsys.readouterr().err
+
+
+def test_env_and_table_commands(tmp_path, capsys):
+    assert cli.main(["env", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("device      cpu") and "precision" in out
+    assert cli.main(["table", "--run", str(tmp_path / "empty")]) == 2
+    assert "no results.jsonl records" in capsys.readouterr().err
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "hwlib.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "reproduce" in out.stdout

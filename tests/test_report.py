@@ -1,0 +1,87 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from hwlib import report, results
+
+
+def put(step, ms=None, tps=None, status="ok", reason=None, check=None, check_status="ok", mfu=None):
+    common = dict(notebook=step, workload="gpt", step=step, profile="full", device={"name": "Test GPU"})
+    recs = [results.make_record(metric="ms_per_step", value=ms, p20=ms and ms * 0.9, p80=ms and ms * 1.1,
+                                unit="ms", status=status, reason=reason, **common)]
+    if tps:
+        recs.append(results.make_record(metric="tokens_per_s", value=tps, unit="tokens/s", **common))
+        recs.append(results.make_record(metric="model_tflops", value=tps / 1000, unit="TFLOP/s", **common))
+        recs.append(results.make_record(metric="mfu", value=mfu, unit="", **common))
+    if check is not None:
+        recs.append(results.make_record(metric="same_math_max_rel", value=check, unit="relative, tolerance 0.01",
+                                        status=check_status, **common))
+    results.append(recs)
+
+
+@pytest.fixture
+def ladder(isolated_run):
+    put("01_baseline_fp32", ms=10.0, tps=1000.0, mfu=0.1)
+    put("02_tf32", status="skipped", reason="GPU-only")
+    put("03_bf16_autocast", ms=5.0, tps=2000.0, check=1e-3, mfu=0.2)
+    put("04_sdpa_attention", ms=4.0, tps=2500.0, check=0.5, check_status="failed", mfu=0.25)
+    results.write_json(isolated_run / "ceilings.json", {"copy_gbps": 3000.0, "matmul_tflops": {"bf16": 800.0}})
+    return isolated_run
+
+
+def test_ladder_rows_derive_speedups(ladder):
+    rows = {r["step"]: r for r in report.ladder_rows(results.load(), "gpt")}
+    assert list(rows) == ["01_baseline_fp32", "02_tf32", "03_bf16_autocast", "04_sdpa_attention"]
+    assert rows["01_baseline_fp32"]["speedup_vs_baseline"] == 1.0
+    assert rows["03_bf16_autocast"]["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert rows["03_bf16_autocast"]["speedup_vs_prev"] == pytest.approx(2.0)   # skipped 02 is not "prev"
+    assert rows["02_tf32"]["status"] == "skipped" and rows["02_tf32"]["speedup_vs_baseline"] is None
+    assert rows["04_sdpa_attention"]["status"] == "math changed"
+
+
+def test_markdown_table_and_prose_use_the_numbers(ladder):
+    rows = report.ladder_rows(results.load(), "gpt")
+    md = report.markdown_table(rows)
+    assert "| 03_bf16_autocast | ok | 5.0 (4.5-5.5) | 2,000 | 2.00 |" in md
+    assert "skipped: GPU-only" in md and "math changed" in md
+    text = report.what_we_saw(rows, "gpt")
+    assert "1,000 tokens/s" in text and "2.00x" in text and "02_tf32 is skipped: GPU-only" in text
+    assert "changed the math" in text
+
+
+def test_write_all_and_summary_schema(ladder):
+    written = report.write_all()
+    for p in written.values():
+        assert Path(p).exists() and Path(p).stat().st_size > 0
+    s = json.loads((ladder / "summary.json").read_text())
+    assert set(s) == {"device", "versions", "profile", "ceilings", "workloads", "kernels"}
+    assert s["ceilings"]["matmul_tflops"]["bf16"] == 800.0
+    steps = s["workloads"]["gpt"]["steps"]
+    assert [x["step"] for x in steps][:2] == ["01_baseline_fp32", "02_tf32"]
+    for k in ("status", "ms_per_step", "ms_p20", "ms_p80", "tokens_per_s", "model_tflops", "mfu",
+              "peak_mem_gib", "speedup_vs_baseline", "final_loss"):
+        assert k in steps[0]
+
+
+def test_readme_block_between_markers(ladder, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_START}\nold table\n{report.README_END}\noutro\n")
+    assert report.update_readme(readme, ladder) is True
+    text = readme.read_text()
+    assert "old table" not in text and "Test GPU" in text and text.startswith("intro") and text.endswith("outro\n")
+    assert report.update_readme(readme, ladder) is False    # idempotent
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        report.update_readme(readme, ladder)
+
+
+def test_committed_readme_matches_reference_run():
+    ref = results.REPO_ROOT / "outputs" / "reference" / "h100"
+    if not (ref / "results.jsonl").exists():
+        pytest.skip("no reference run committed")
+    readme = results.REPO_ROOT / "README.md"
+    text = readme.read_text()
+    start, end = text.index(report.README_START), text.index(report.README_END)
+    assert text[start + len(report.README_START):end].strip() == report.readme_block(ref).strip(), \
+        "README's reference table is stale: run `make readme`"

@@ -1,0 +1,70 @@
+import dataclasses
+
+import pytest
+import torch
+
+from hwlib import steps
+from hwlib.device import ChoiceError, Unavailable
+from test_device import fake
+
+
+def test_ladder_is_cumulative():
+    s1, s7 = steps.settings_for("01_baseline_fp32"), steps.settings_for("07_nice_shapes")
+    assert s1 == steps.Settings()
+    assert s7 == steps.Settings(tf32=True, autocast="bf16", attention="sdpa", fused_adamw=True, compile=True,
+                                vocab_multiple=64)
+    assert steps.settings_for("04") == steps.settings_for("04_sdpa_attention")
+    for a, b in zip(steps.LADDER, steps.LADDER[1:]):
+        # each step adds exactly its own change to the step before
+        assert steps.settings_for(b.name).diff(steps.settings_for(a.name)).keys() == b.change.keys()
+
+
+def test_previous_and_describe():
+    assert steps.previous("01_baseline_fp32") is None
+    assert steps.previous("03_bf16_autocast").name == "02_tf32"
+    assert steps.describe("06_torch_compile") == [{"setting": "compile", "before": False, "after": True}]
+
+
+def test_unknown_step_names_the_choices():
+    with pytest.raises(ChoiceError) as e:
+        steps.get_step("08_magic")
+    assert "'08_magic'" in str(e.value) and "07_nice_shapes" in str(e.value)
+
+
+def test_tolerances_are_stated():
+    for s in steps.LADDER[1:]:
+        assert 0 < s.tolerance <= 0.05 and s.why_tolerance
+
+
+def test_gpu_only_step_on_cpu_is_skipped_with_reason():
+    why = steps.check_available(steps.get_step("02_tf32"), fake(kind="cpu"))
+    assert why and "GPU-only" in why and "cpu" in why
+    assert steps.check_available(steps.get_step("03_bf16_autocast"), fake(kind="cpu")) is None
+    assert "sm_75" in steps.check_available(steps.get_step("02_tf32"), fake(cap=(7, 5)))
+    assert "compile" in steps.check_available(steps.get_step("06_torch_compile"), fake(cap=(6, 1)))
+
+
+def test_bf16_falls_back_to_fp16_before_ampere():
+    s = steps.settings_for("03_bf16_autocast")
+    assert steps.resolve_autocast(s, fake(cap=(7, 5))).autocast == "fp16"
+    assert steps.resolve_autocast(s, fake(cap=(8, 0))).autocast == "bf16"
+    with pytest.raises(Unavailable, match="fp16"):
+        steps.resolve_autocast(dataclasses.replace(s, autocast="fp16"), fake(kind="cpu"))
+    with pytest.raises(ChoiceError, match="'fp8'"):
+        steps.resolve_autocast(dataclasses.replace(s, autocast="fp8"), fake())
+
+
+def _tf32_state():
+    if steps._new_precision_api():
+        return torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def test_backend_flags_set_and_restore():
+    before = _tf32_state()
+    with steps.backend_flags(steps.Settings(tf32=True)):
+        on = _tf32_state()
+        with steps.backend_flags(steps.Settings(tf32=False)):
+            off = _tf32_state()
+    assert on != off and on in (("tf32", "tf32"), (True, True)) and off in (("ieee", "ieee"), (False, False))
+    assert _tf32_state() == before

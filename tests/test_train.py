@@ -1,0 +1,96 @@
+import pytest
+import torch
+
+from hwlib import report, results, train
+from hwlib.device import ChoiceError
+from hwlib.profiles import Plan
+from hwlib.workloads.gpt import GPTWorkload
+
+PLAN = Plan(check=4, warmup=1, timed=3)
+
+
+def run(step="01_baseline_fp32", **kw):
+    kw.setdefault("plan", PLAN)
+    return train.run_step("gpt", step, profile="smoke", device="cpu", **kw)
+
+
+def test_smoke_step_trains_and_is_timed():
+    r = run()
+    assert r.status == "ok" and len(r.losses) == 8 and r.timing.n == 3
+    assert r.losses[-1] < r.losses[0] - 0.2          # the synthetic data is learnable
+    assert r.items_per_s == pytest.approx(r.items_per_step / (r.timing.median_ms / 1e3))
+    assert r.model_tflops > 0 and r.compile_s is None
+
+
+def test_same_seed_same_losses_bit_for_bit():
+    assert run().losses == run().losses
+
+
+def test_same_math_check_passes_for_same_math_and_fails_for_other_math(isolated_run):
+    base = run()
+    sdpa = run("04_sdpa_attention")    # bf16 + fused attention: same math within tolerance
+    chk = train.same_math(sdpa)
+    assert chk.ok and chk.against == "03_bf16_autocast" and chk.max_rel_diff < chk.tolerance
+    # A real change of math (twice the learning rate) must fail the tolerance of an exact-math step.
+    other = run(lr=2 * base.config["lr"])
+    d = train.compare_curves(other.check_losses, base.check_losses, 0)
+    assert d > 0.01
+
+
+def test_gpu_only_step_on_cpu_is_a_skipped_row(isolated_run, cpu_only):
+    r = run("02_tf32")
+    assert r.status == "skipped" and "GPU-only" in r.reason and r.timing is None
+    chk = train.same_math(r)
+    assert chk.ok and "skipped" in str(chk)
+    train.record(r, notebook="02_tf32", check=chk)
+    rows = report.ladder_rows(results.load(), "gpt")
+    assert rows[0]["status"] == "skipped" and "GPU-only" in rows[0]["reason"] and rows[0]["throughput"] is None
+
+
+def test_skipped_step_in_between_widens_the_tolerance(isolated_run, cpu_only):
+    run()  # 01's curve is saved; 02 is skipped on CPU
+    chk = train.same_math(run("03_bf16_autocast"))
+    assert chk.against == "01_baseline_fp32"
+    assert chk.tolerance == pytest.approx(5e-3 + 3e-2)
+
+
+def test_nonfinite_loss_is_reported_not_timed(isolated_run, monkeypatch):
+    calls = {"n": 0}
+    real = GPTWorkload.loss
+
+    def poisoned(self, model, batch):
+        calls["n"] += 1
+        loss = real(self, model, batch)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(GPTWorkload, "loss", poisoned)
+    r = run()
+    assert r.status == "nonfinite" and "step 2" in r.reason and r.timing is None
+    chk = train.same_math(r)
+    assert not chk.ok
+    train.record(r, notebook="01", check=chk)
+    (row,) = report.ladder_rows(results.load(), "gpt")
+    assert row["status"] == "nonfinite" and row["ms_per_step"] is None and row["throughput"] is None
+
+
+def test_measure_records_before_asserting(isolated_run):
+    res, chk = train.measure("gpt", "01_baseline_fp32", notebook="01", profile="smoke", device="cpu",
+                             plan=PLAN, progress=False)
+    metrics = {r["metric"]: r for r in results.load()}
+    assert {"ms_per_step", "tokens_per_s", "model_tflops", "mfu", "final_loss"} <= set(metrics)
+    assert metrics["ms_per_step"]["value"] == res.timing.median_ms
+    assert metrics["mfu"]["value"] == pytest.approx(res.model_tflops / results.read_json(
+        isolated_run / "ceilings.json")["matmul_tflops"]["bf16"])
+
+
+@pytest.mark.parametrize("kw,match", [({"workload": "bert"}, "'bert'"), ({"step": "42"}, "'42'"),
+                                      ({"profile": "medium"}, "'medium'"), ({"device": "npu"}, "'npu'")])
+def test_bad_names_are_clear_errors(kw, match):
+    args = {"workload": "gpt", "step": "01_baseline_fp32", "profile": "smoke", "device": "cpu", **kw}
+    with pytest.raises(ChoiceError, match=match):
+        train.run_step(args.pop("workload"), args.pop("step"), **args)
+
+
+def test_plan_must_time_something():
+    with pytest.raises(ValueError, match="timed >= 1"):
+        run(plan=Plan(check=2, warmup=0, timed=0))
