@@ -180,6 +180,10 @@ def what_we_saw(rows: list[dict], workload: str) -> str:
     if last.get("mfu") is not None:
         parts.append(f"The last step uses {last['mfu']:.1%} of the measured bf16 matmul ceiling "
                      f"({last['model_tflops']:.0f} model TFLOP/s).")
+    sdpa = next((r for r in rows if r.get("sdpa_backend")), None)
+    if sdpa:
+        parts.append(f"The attention kernel that SDPA dispatched from {sdpa['step']} on was "
+                     f"'{sdpa['sdpa_backend']}' (read off the aten ops, not assumed).")
     skipped = [r for r in rows if r["status"] != "ok"]
     for r in skipped:
         parts.append(f"{r['step']} is {r['status']}: {r['reason'] or 'see the check above'}.")
