@@ -25,6 +25,9 @@ class Settings:
     fused_adamw: bool = False        # AdamW(fused=True) and zero_grad(set_to_none=True)
     compile: bool = False            # torch.compile(model)
     vocab_multiple: int = 1          # pad the vocabulary to a multiple of this
+    # Memory techniques (notebook 13), not ladder steps:
+    checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
+    offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
 
     def diff(self, other: "Settings") -> dict:
         """Fields where ``self`` differs from ``other``: {name: (other's, self's)}."""

@@ -44,7 +44,8 @@ class StepResult:
     items_per_step: int = 0
     unit: str = "tokens"
     flops_per_step: float = 0.0
-    peak_mem_gib: float | None = None
+    peak_mem_gib: float | None = None      # allocated by tensors
+    peak_reserved_gib: float | None = None # taken from the device by the caching allocator
     sdpa_backend: str | None = None
     notes: list = field(default_factory=list)
 
@@ -69,13 +70,68 @@ class StepResult:
         return self.losses[-1] if self.losses else None
 
 
-def _make_optimizer(model: torch.nn.Module, cfg, settings: Settings):
-    # Decay matrices only (GPT-2 practice): biases and LayerNorm gains stay undecayed.
+def make_optimizer(model: torch.nn.Module, cfg, settings: Settings):
+    """AdamW as GPT-2 trains it: matrices decayed, biases and LayerNorm gains not."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kw = {"fused": True} if settings.fused_adamw else {}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **kw)
+    kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    if settings.offload_optimizer:
+        from .memory.offload import OffloadedAdamW
+        return OffloadedAdamW(groups, **kw)
+    return torch.optim.AdamW(groups, **kw, **({"fused": True} if settings.fused_adamw else {}))
+
+
+class Session:
+    """A workload's model, optimizer, scaler and data under one ``Settings``: everything a
+    training step needs, and what a checkpoint saves. Callers wrap use in ``backend_flags``."""
+
+    def __init__(self, workload: str, cfg, settings: Settings, device: torch.device, seed: int = 0,
+                 source: str | None = None, micro_batch: int | None = None):
+        self.wl = get_workload(workload)
+        # Gradient accumulation: each step's batch runs as exact micro-batches of at most this size.
+        self.micro_batch = micro_batch
+        self.cfg, self.settings, self.device, self.seed = cfg, settings, device, seed
+        self.batches = self.wl.batches(cfg, device, seed, source)
+        self.model = self.wl.build(cfg, settings, seed).to(device)
+        self.opt = make_optimizer(self.model, cfg, settings)
+        self.scaler = torch.amp.GradScaler("cuda") if settings.autocast == "fp16" else None
+        self.fwd = torch.compile(self.model) if settings.compile else self.model
+
+    def forward_backward(self, batch, weight: float = 1.0) -> torch.Tensor:
+        """Loss of ``batch`` and its gradient, scaled by ``weight``, added to ``.grad``."""
+        with autocast_ctx(self.settings, self.device):
+            loss = self.wl.loss(self.fwd, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise TypeError(f"workload {self.wl.name!r}: loss must be a scalar tensor attached to the graph, "
+                            f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        scaled = loss * weight if weight != 1.0 else loss
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=self.settings.fused_adamw)
+
+    def step(self, i: int) -> torch.Tensor:
+        batch = self.batches(i)
+        if self.micro_batch:
+            from .memory.accumulation import accumulate, batch_size, plan_micro_batches
+            loss = accumulate(self.forward_backward, batch, plan_micro_batches(batch_size(batch), self.micro_batch))
+        else:
+            loss = self.forward_backward(batch)
+        self.optimizer_step()
+        return loss
+
+    def close(self) -> None:
+        self.model = self.opt = self.fwd = self.scaler = None
+        if self.settings.compile:
+            torch._dynamo.reset()
+        _free(self.device)
 
 
 def detect_sdpa_backend(fn) -> str:
@@ -104,12 +160,13 @@ def _free(device: torch.device) -> None:
 def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: str = "auto",
              device: str | torch.device = "auto", seed: int = 0, plan: Plan | None = None,
              source: str | None = None, check_only: bool = False, progress: bool = False,
-             settings: Settings | None = None, **config) -> StepResult:
+             settings: Settings | None = None, micro_batch: int | None = None, **config) -> StepResult:
     """Train ``workload`` under ``step``'s cumulative settings and measure it.
 
     ``check_only`` runs just the seeded steps of the semantics check, untimed. ``settings``
     replaces the step's cumulative settings for a side experiment (its curve is not saved as the
-    step's reference). Keyword arguments
+    step's reference). ``micro_batch`` accumulates each batch exactly in micro-batches of at
+    most that many samples. Keyword arguments
     beyond these override fields of the workload's config (``batch=8``, ``n_layer=4``).
     A step this device cannot run comes back with ``status='skipped'`` and the reason.
     """
@@ -131,33 +188,14 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     if reason:
         res.status, res.reason = "skipped", reason
         return res
-    variant = settings is not None
+    variant = settings is not None or micro_batch is not None
     wanted = settings if variant else settings_for(st.name)
     settings = resolve_autocast(wanted, di)
     if settings.autocast != wanted.autocast:
         res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
     res.settings = dataclasses.asdict(settings)
 
-    batches = wl.batches(cfg, dev, seed, source)
-    model = wl.build(cfg, settings, seed).to(dev)
-    opt = _make_optimizer(model, cfg, settings)
-    scaler = torch.amp.GradScaler("cuda") if settings.autocast == "fp16" else None
-    fwd = torch.compile(model) if settings.compile else model
-    set_to_none = settings.fused_adamw
-
-    def one_step(i: int) -> torch.Tensor:
-        batch = batches(i)
-        with autocast_ctx(settings, dev):
-            loss = wl.loss(fwd, batch)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-        return loss.detach()
+    sess = Session(wl.name, cfg, settings, dev, seed, source, micro_batch=micro_batch)
 
     losses: list[torch.Tensor] = []
     total = pl.check + pl.warmup + pl.timed
@@ -169,18 +207,18 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
         with backend_flags(settings):
             if settings.attention == "sdpa":
                 with torch.no_grad(), autocast_ctx(settings, dev):
-                    x = batches(0)
-                    res.sdpa_backend = detect_sdpa_backend(lambda: model(x[0][:1]))
+                    x = sess.batches(0)
+                    res.sdpa_backend = detect_sdpa_backend(lambda: sess.model(x[0][:1]))
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            res.first_step_s, first = bench.wall_s(lambda: one_step(0), dev)
+            res.first_step_s, first = bench.wall_s(lambda: sess.step(0), dev)
             losses.append(first)
             bar and bar.update(1)
             clock = bench.StepClock(dev)
             for i in range(1, total):
                 if i == pl.check + pl.warmup:
                     clock.mark()
-                losses.append(one_step(i))
+                losses.append(sess.step(i))
                 if i >= pl.check + pl.warmup:
                     clock.mark()
                 if bar is not None:
@@ -190,13 +228,11 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
                 res.timing = clock.timing()
             if dev.type == "cuda":
                 res.peak_mem_gib = torch.cuda.max_memory_allocated(dev) / 2**30
+                res.peak_reserved_gib = torch.cuda.max_memory_reserved(dev) / 2**30
     finally:
         if bar is not None:
             bar.close()
-        del model, opt, fwd
-        if settings.compile:
-            torch._dynamo.reset()
-        _free(dev)
+        sess.close()
 
     res.losses = vals
     bad = next((i for i, v in enumerate(vals) if not math.isfinite(v)), None)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from ..device import ChoiceError
 from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
@@ -96,10 +97,32 @@ class Block(nn.Module):
         return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))
 
 
+def parse_blocks(spec: str, n_layer: int) -> frozenset[int]:
+    """Which blocks to checkpoint: "none", "all", "every_K" or indices "0,2,4"."""
+    s = str(spec).strip().lower()
+    if s in ("", "none"):
+        return frozenset()
+    if s == "all":
+        return frozenset(range(n_layer))
+    if s.startswith("every_") and s[6:].isdigit() and int(s[6:]) > 0:
+        return frozenset(range(0, n_layer, int(s[6:])))
+    try:
+        idx = frozenset(int(t) for t in s.split(","))
+    except ValueError:
+        raise ValueError(f"checkpointing {spec!r}: use 'none', 'all', 'every_K' or block indices like '0,2,4'") from None
+    bad = sorted(i for i in idx if not 0 <= i < n_layer)
+    if bad:
+        raise ValueError(f"checkpointing {spec!r}: block {bad[0]} does not exist (the model has {n_layer} blocks)")
+    return idx
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1):
+    def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
+                 checkpointing: str = "none"):
         super().__init__()
         self.cfg = cfg
+        # Checkpointed blocks keep only their input; their activations are recomputed in backward.
+        self.checkpointed = parse_blocks(checkpointing, cfg.n_layer)
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
@@ -138,8 +161,11 @@ class GPT(nn.Module):
         if T > self.cfg.context:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            if i in self.checkpointed and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output projection
         if self.vocab_padded != self.cfg.vocab:
             logits = logits[..., : self.cfg.vocab]
@@ -161,7 +187,8 @@ class GPTWorkload(Workload):
         return dataclasses.replace(PROFILES[profile], **overrides)
 
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
-        return GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple).init_weights(seed)
+        return GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
+                   checkpointing=settings.checkpointing).init_weights(seed)
 
     def batches(self, cfg: GPTConfig, device: torch.device, seed: int, source: str | None = None):
         if source:

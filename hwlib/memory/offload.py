@@ -1,0 +1,173 @@
+"""AdamW with its moments in pinned CPU memory, updated on the GPU bucket by bucket.
+
+What it frees: the two fp32 moments, 8 bytes per parameter (1.0 GB for GPT-2 small), less the
+GPU staging it keeps: two buckets of moments (2 x 2 x 4 x ``bucket_params`` bytes).
+
+What it costs: every step moves the moments over the host link twice, 8 bytes per parameter in
+each direction (host->device before the update, device->host after). The copies run on their own
+CUDA streams, double-buffered: bucket k+1's moments stream in and bucket k-1's stream out while
+bucket k is updated, so the cost approaches max(H2D, D2H) time rather than their sum plus compute.
+
+The update is torch's AdamW formula (decoupled weight decay), op for op as its single-tensor
+implementation computes it, so parameters match the on-device optimizer up to kernel rounding.
+On a CPU device the same code runs with plain copies (for tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class OffloadedAdamW:
+    def __init__(self, param_groups, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, bucket_params: int = 8 << 20):
+        groups = list(param_groups)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.param_groups = []
+        for g in groups:
+            g = dict(g)
+            g["params"] = [p for p in g["params"] if p.requires_grad]
+            for k, v in (("lr", lr), ("betas", betas), ("eps", eps), ("weight_decay", weight_decay)):
+                g.setdefault(k, v)
+            self.param_groups.append(g)
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError("OffloadedAdamW: no parameters that require gradients")
+        self.device = params[0].device
+        cuda = self.device.type == "cuda"
+        # Buckets never straddle groups (one set of hyper-parameters per bucket).
+        self.buckets = []
+        for gi, g in enumerate(self.param_groups):
+            cur, n = [], 0
+            for p in g["params"]:
+                if cur and n + p.numel() > bucket_params:
+                    self.buckets.append((gi, cur))
+                    cur, n = [], 0
+                cur.append(p)
+                n += p.numel()
+            if cur:
+                self.buckets.append((gi, cur))
+        self.sizes = [sum(p.numel() for p in ps) for _, ps in self.buckets]
+        # Host copies of the moments, one flat buffer per bucket and moment.
+        self.m_host = [torch.zeros(n, dtype=torch.float32, pin_memory=cuda) for n in self.sizes]
+        self.v_host = [torch.zeros(n, dtype=torch.float32, pin_memory=cuda) for n in self.sizes]
+        big = max(self.sizes)
+        self.stage = [(torch.empty(big, device=self.device), torch.empty(big, device=self.device)) for _ in range(2)]
+        self.step_count = 0
+        if cuda:
+            self.h2d, self.d2h = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            self.d2h_done = [None] * len(self.buckets)
+
+    @property
+    def state_bytes_on_host(self) -> int:
+        return 8 * sum(self.sizes)
+
+    @property
+    def staging_bytes_on_device(self) -> int:
+        return 2 * 2 * 4 * max(self.sizes)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def _views(self, slot: int, k: int):
+        m, v = self.stage[slot]
+        n = self.sizes[k]
+        return m[:n], v[:n]
+
+    def _load(self, k: int) -> None:
+        m, v = self._views(k % 2, k)
+        m.copy_(self.m_host[k], non_blocking=True)
+        v.copy_(self.v_host[k], non_blocking=True)
+
+    def _store(self, k: int) -> None:
+        m, v = self._views(k % 2, k)
+        self.m_host[k].copy_(m, non_blocking=True)
+        self.v_host[k].copy_(v, non_blocking=True)
+
+    @torch.no_grad()
+    def _update(self, k: int) -> None:
+        gi, ps = self.buckets[k]
+        g = self.param_groups[gi]
+        lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        m, v = self._views(k % 2, k)
+        offs = 0
+        for p in ps:
+            n = p.numel()
+            if p.grad is not None:
+                grad = p.grad.reshape(-1).float()
+                pm, pv = m[offs:offs + n], v[offs:offs + n]
+                flat = p.view(-1)
+                # torch.optim.AdamW, single-tensor path, in its order of operations
+                flat.mul_(1 - lr * wd)
+                pm.lerp_(grad, 1 - b1)
+                pv.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                bc1 = 1 - b1 ** self.step_count
+                bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
+                denom = (pv.sqrt() / bc2_sqrt).add_(eps)
+                flat.addcdiv_(pm, denom, value=-lr / bc1)
+            offs += n
+
+    def step(self) -> None:
+        self.step_count += 1
+        nb = len(self.buckets)
+        if self.device.type != "cuda":
+            for k in range(nb):
+                self._load(k)
+                self._update(k)
+                self._store(k)
+            return
+        main = torch.cuda.current_stream(self.device)
+        prev_step_done = self.d2h_done[-1] if nb else None   # the d2h stream is in order: covers all
+        loaded = [None] * nb
+
+        def prefetch(k: int) -> None:
+            # Slot k % 2 was last used by bucket k-2 (this step) or by the previous step's buckets;
+            # its write-back (which itself waited for the update) must be done before we refill it.
+            # The host buffers were last written by the previous step's write-backs.
+            with torch.cuda.stream(self.h2d):
+                dep = self.d2h_done[k - 2] if k >= 2 else prev_step_done
+                if dep is not None:
+                    self.h2d.wait_event(dep)
+                self._load(k)
+                loaded[k] = torch.cuda.Event()
+                loaded[k].record(self.h2d)
+
+        for k in range(min(2, nb)):
+            prefetch(k)
+        for k in range(nb):
+            main.wait_event(loaded[k])
+            self._update(k)
+            updated = torch.cuda.Event()
+            updated.record(main)
+            with torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(updated)
+                self._store(k)
+                self.d2h_done[k] = torch.cuda.Event()
+                self.d2h_done[k].record(self.d2h)
+            if k + 2 < nb:
+                prefetch(k + 2)
+
+    def state_dict(self) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+            torch.cuda.synchronize(self.device)
+        return {"step": self.step_count, "m": [t.clone() for t in self.m_host], "v": [t.clone() for t in self.v_host],
+                "hyper": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if [t.numel() for t in sd["m"]] != self.sizes:
+            raise ValueError(f"optimizer state: bucket sizes {[t.numel() for t in sd['m']]} do not match "
+                             f"this model's {self.sizes}")
+        self.step_count = sd["step"]
+        for dst, src in zip(self.m_host + self.v_host, sd["m"] + sd["v"]):
+            dst.copy_(src)
+        for g, h in zip(self.param_groups, sd["hyper"]):
+            g.update(h)
