@@ -137,8 +137,10 @@ class Session:
 def detect_sdpa_backend(fn) -> str:
     """Which attention kernel ran, read off the aten ops that ``fn()`` dispatched."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the profiler's notes on event cycles are not ours to show
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
     names = {e.name for e in prof.events()}
     for key, label in (("_scaled_dot_product_flash_attention_for_cpu", "flash (CPU kernel)"),
                        ("_scaled_dot_product_flash_attention", "flash"),

@@ -12,7 +12,8 @@ from hwlib.memory.tracker import MemoryTracker
 from hwlib.steps import Settings, settings_for
 from hwlib.train import Session, make_optimizer
 from hwlib.workloads import get_workload
-from hwlib.workloads.gpt import GPTWorkload, parse_blocks
+from hwlib.workloads import gpt as gpt_mod
+from hwlib.workloads.gpt import GPTWorkload, parse_checkpointing
 
 WL = get_workload("gpt")
 CPU = torch.device("cpu")
@@ -164,7 +165,8 @@ def test_offloaded_adamw_matches_torch_adamw():
     off = OffloadedAdamW([{"params": [p for p in b.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                           {"params": [p for p in b.parameters() if p.dim() < 2], "weight_decay": 0.0}],
                          lr=3e-3, betas=(0.9, 0.95), eps=1e-8, bucket_params=5000)
-    assert len(off.buckets) > 4   # several buckets, some split inside a group
+    assert len(off.buckets) > 4 and max(off.sizes) == 5000   # parameters larger than a bucket are split
+    assert sum(off.sizes) == sum(p.numel() for p in b.parameters())
     x = torch.randint(0, cfg.vocab, (4, 16))
     for _ in range(5):
         for m, o in ((a, ref), (b, off)):
@@ -241,27 +243,30 @@ def test_a_save_killed_midway_leaves_the_old_checkpoint(tmp_path, monkeypatch):
 
 # --- activation checkpointing and the tracker ---------------------------------------------------
 
-def test_activation_checkpointing_is_the_same_function():
+@pytest.mark.parametrize("spec", ["all", "0", "all,head", "head"])
+def test_activation_checkpointing_is_the_same_function(spec, monkeypatch):
+    monkeypatch.setattr(gpt_mod, "HEAD_CHUNK", 7)   # several chunks, the last one short
     cfg = WL.config("smoke")
     a = WL.build(cfg, Settings(), seed=0).double()
-    b = WL.build(cfg, Settings(checkpointing="all"), seed=0).double()
-    assert b.checkpointed == {0, 1}
+    b = WL.build(cfg, Settings(checkpointing=spec), seed=0).double()
+    assert (b.checkpointed, b.checkpoint_head) == parse_checkpointing(spec, cfg.n_layer)
     x = torch.randint(0, cfg.vocab, (2, 20))
     la, lb = a(x, x), b(x, x)
     la.backward()
     lb.backward()
-    assert torch.equal(la, lb)
+    assert torch.allclose(la, lb, rtol=1e-12, atol=0)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
 
 
 def test_checkpointing_spec():
-    assert parse_blocks("none", 4) == set() and parse_blocks("every_2", 4) == {0, 2}
-    assert parse_blocks("1,3", 4) == {1, 3} and parse_blocks("all", 3) == {0, 1, 2}
+    assert parse_checkpointing("none", 4) == (set(), False) and parse_checkpointing("every_2", 4) == ({0, 2}, False)
+    assert parse_checkpointing("1,3", 4) == ({1, 3}, False) and parse_checkpointing("all", 3) == ({0, 1, 2}, False)
+    assert parse_checkpointing("all,head", 2) == ({0, 1}, True) and parse_checkpointing("head", 2) == (set(), True)
     with pytest.raises(ValueError, match="block 7 does not exist"):
-        parse_blocks("0,7", 4)
+        parse_checkpointing("0,7", 4)
     with pytest.raises(ValueError, match="'odd'"):
-        parse_blocks("odd", 4)
+        parse_checkpointing("odd", 4)
 
 
 def test_tracker_phases_with_injected_stats():

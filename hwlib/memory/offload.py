@@ -20,9 +20,12 @@ import math
 import torch
 
 
+BUCKET_PARAMS = 8 << 20   # 8M parameters: 32 MB of each moment per bucket
+
+
 class OffloadedAdamW:
     def __init__(self, param_groups, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, bucket_params: int = 8 << 20):
+                 weight_decay: float = 1e-2, bucket_params: int = BUCKET_PARAMS):
         groups = list(param_groups)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -38,19 +41,25 @@ class OffloadedAdamW:
             raise ValueError("OffloadedAdamW: no parameters that require gradients")
         self.device = params[0].device
         cuda = self.device.type == "cuda"
-        # Buckets never straddle groups (one set of hyper-parameters per bucket).
+        # A bucket is a list of (parameter, start, end) segments of its flattened data: a large
+        # parameter (GPT-2's 38.6M-entry embedding) spans several buckets, so the GPU staging stays
+        # at two buckets. Buckets never straddle groups (one set of hyper-parameters per bucket).
         self.buckets = []
         for gi, g in enumerate(self.param_groups):
             cur, n = [], 0
             for p in g["params"]:
-                if cur and n + p.numel() > bucket_params:
-                    self.buckets.append((gi, cur))
-                    cur, n = [], 0
-                cur.append(p)
-                n += p.numel()
+                start = 0
+                while start < p.numel():
+                    take = min(p.numel() - start, bucket_params - n)
+                    cur.append((p, start, start + take))
+                    n += take
+                    start += take
+                    if n == bucket_params:
+                        self.buckets.append((gi, cur))
+                        cur, n = [], 0
             if cur:
                 self.buckets.append((gi, cur))
-        self.sizes = [sum(p.numel() for p in ps) for _, ps in self.buckets]
+        self.sizes = [sum(b - a for _, a, b in segs) for _, segs in self.buckets]
         # Host copies of the moments, one flat buffer per bucket and moment.
         self.m_host = [torch.zeros(n, dtype=torch.float32, pin_memory=cuda) for n in self.sizes]
         self.v_host = [torch.zeros(n, dtype=torch.float32, pin_memory=cuda) for n in self.sizes]
@@ -98,19 +107,19 @@ class OffloadedAdamW:
         g = self.param_groups[gi]
         lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
         m, v = self._views(k % 2, k)
+        bc1 = 1 - b1 ** self.step_count
+        bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
         offs = 0
-        for p in ps:
-            n = p.numel()
+        for p, a, b in ps:
+            n = b - a
             if p.grad is not None:
-                grad = p.grad.reshape(-1).float()
+                grad = p.grad.reshape(-1)[a:b].float()
                 pm, pv = m[offs:offs + n], v[offs:offs + n]
-                flat = p.view(-1)
+                flat = p.view(-1)[a:b]
                 # torch.optim.AdamW, single-tensor path, in its order of operations
                 flat.mul_(1 - lr * wd)
                 pm.lerp_(grad, 1 - b1)
                 pv.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                bc1 = 1 - b1 ** self.step_count
-                bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
                 denom = (pv.sqrt() / bc2_sqrt).add_(eps)
                 flat.addcdiv_(pm, denom, value=-lr / bc1)
             offs += n

@@ -1,7 +1,7 @@
 """The memory/speed study of notebook 13: one measurement per technique, same seed and data.
 
 Techniques are applied on top of a base ladder step (its cumulative settings): precision, activation
-checkpointing of every block, exact accumulation of the same batch in micro-batches, optimizer
+checkpointing of every block (and of the output head, computed in chunks), exact accumulation of the same batch in micro-batches, optimizer
 states offloaded to the host, and their combinations. Each is measured like a ladder step
 (``train.run_step``) and its loss curve is compared with the base: all of them but the precision
 change compute the same function, so their curves must agree within the base step's tolerance.
@@ -21,11 +21,12 @@ from ..workloads import get_workload
 TECHNIQUES: dict[str, tuple[dict, int]] = {
     "fp32 (TF32)": ({"autocast": None}, 1),
     "bf16": ({}, 1),
-    "bf16 + checkpointing": ({"checkpointing": "all"}, 1),
+    "bf16 + checkpointing(blocks)": ({"checkpointing": "all"}, 1),
+    "bf16 + checkpointing(blocks, head)": ({"checkpointing": "all,head"}, 1),
     "bf16 + accumulation x4": ({}, 4),
     "bf16 + offload": ({"offload_optimizer": True}, 1),
-    "bf16 + checkpointing + offload": ({"checkpointing": "all", "offload_optimizer": True}, 1),
-    "bf16 + checkpointing + accumulation x4": ({"checkpointing": "all"}, 4),
+    "bf16 + checkpointing(blocks, head) + offload": ({"checkpointing": "all,head", "offload_optimizer": True}, 1),
+    "bf16 + checkpointing(blocks, head) + accumulation x4": ({"checkpointing": "all,head"}, 4),
 }
 
 

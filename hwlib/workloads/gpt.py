@@ -97,23 +97,30 @@ class Block(nn.Module):
         return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))
 
 
-def parse_blocks(spec: str, n_layer: int) -> frozenset[int]:
-    """Which blocks to checkpoint: "none", "all", "every_K" or indices "0,2,4"."""
-    s = str(spec).strip().lower()
-    if s in ("", "none"):
-        return frozenset()
-    if s == "all":
-        return frozenset(range(n_layer))
-    if s.startswith("every_") and s[6:].isdigit() and int(s[6:]) > 0:
-        return frozenset(range(0, n_layer, int(s[6:])))
+HEAD_CHUNK = 2048  # tokens per chunk of the checkpointed output head: ~1 GB of logits and their grads at V=50257
+
+
+def parse_checkpointing(spec: str, n_layer: int) -> tuple[frozenset[int], bool]:
+    """What to checkpoint: blocks ("none", "all", "every_K" or indices "0,2,4"), plus "head" for
+    the output projection and loss, computed in chunks of ``HEAD_CHUNK`` tokens. "all,head" does both."""
+    parts = [t.strip() for t in str(spec).strip().lower().split(",") if t.strip()]
+    head = "head" in parts
+    rest = [t for t in parts if t != "head"]
+    if not rest or rest == ["none"]:
+        return frozenset(), head
+    if rest == ["all"]:
+        return frozenset(range(n_layer)), head
+    if len(rest) == 1 and rest[0].startswith("every_") and rest[0][6:].isdigit() and int(rest[0][6:]) > 0:
+        return frozenset(range(0, n_layer, int(rest[0][6:]))), head
     try:
-        idx = frozenset(int(t) for t in s.split(","))
+        idx = frozenset(int(t) for t in rest)
     except ValueError:
-        raise ValueError(f"checkpointing {spec!r}: use 'none', 'all', 'every_K' or block indices like '0,2,4'") from None
+        raise ValueError(f"checkpointing {spec!r}: use 'none', 'all', 'every_K' or block indices like '0,2,4', "
+                         f"optionally with ',head'") from None
     bad = sorted(i for i in idx if not 0 <= i < n_layer)
     if bad:
         raise ValueError(f"checkpointing {spec!r}: block {bad[0]} does not exist (the model has {n_layer} blocks)")
-    return idx
+    return idx, head
 
 
 class GPT(nn.Module):
@@ -122,7 +129,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         # Checkpointed blocks keep only their input; their activations are recomputed in backward.
-        self.checkpointed = parse_blocks(checkpointing, cfg.n_layer)
+        self.checkpointed, self.checkpoint_head = parse_checkpointing(checkpointing, cfg.n_layer)
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
@@ -166,12 +173,27 @@ class GPT(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output projection
-        if self.vocab_padded != self.cfg.vocab:
-            logits = logits[..., : self.cfg.vocab]
+        if targets is not None and self.checkpoint_head and torch.is_grad_enabled():
+            # The [tokens, V] logits are the largest activation: compute loss in chunks whose logits
+            # are recomputed in backward, so at most one chunk's logits exist at a time.
+            xs, ts = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+            total = sum(torch.utils.checkpoint.checkpoint(self._head_loss_sum, xs[i:i + HEAD_CHUNK],
+                                                          ts[i:i + HEAD_CHUNK], use_reentrant=False)
+                        for i in range(0, xs.size(0), HEAD_CHUNK))
+            return total / ts.numel()
+        logits = self._logits(x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
+
+    def _logits(self, x):
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output projection
+        if self.vocab_padded != self.cfg.vocab:
+            logits = logits[..., : self.cfg.vocab]
+        return logits
+
+    def _head_loss_sum(self, x, targets):
+        return F.cross_entropy(self._logits(x), targets, reduction="sum")
 
 
 class GPTWorkload(Workload):
