@@ -1,6 +1,13 @@
 import os
 
 import pytest
+import torch
+
+# Triton picks its interpreter when it is first imported, and `import hwlib` already imports it
+# (through torch._dynamo): so choose here, before any test module is collected. Without a CUDA GPU
+# the Triton kernels run interpreted on CPU tensors; with one they compile as usual.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(autouse=True)

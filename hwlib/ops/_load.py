@@ -1,0 +1,81 @@
+"""Load kernel sources from the repository's ``kernels/`` folder.
+
+``kernels/`` is deliberately not a Python package (PyPI has a package named ``kernels``): Triton
+files are imported by path under a private module name, ``.cu`` files are read as text for
+``hwlib.cuda``. ``HWLIB_KERNELS`` points elsewhere (an installed copy of hwlib has no kernels/).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from hwlib.device import Unavailable
+from hwlib.results import REPO_ROOT
+
+_MODULES: dict = {}
+
+
+def kernels_dir() -> Path:
+    return Path(os.environ.get("HWLIB_KERNELS") or REPO_ROOT / "kernels")
+
+
+def kernel_path(filename: str) -> Path:
+    p = kernels_dir() / filename
+    if not p.is_file():
+        raise Unavailable(f"kernel source {p} not found: run from a clone of the repository "
+                          f"or set HWLIB_KERNELS to its kernels/ folder")
+    return p
+
+
+def triton_interpreted() -> bool:
+    """Whether @triton.jit decorates into the CPU interpreter now (Triton reads the variable when
+    a kernel module is imported, so it must be set before that)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_interpreter_mismatch() -> str | None:
+    """Why Triton kernels loaded now would break, if they would: Triton decorates its own library
+    (``tl.zeros`` ...) at its first import, so TRITON_INTERPRET must match from before that import
+    (``import hwlib`` imports torch._dynamo, which imports triton)."""
+    if "triton" not in sys.modules:
+        return None
+    import triton.language as tl
+    lib_interpreted = type(tl.zeros).__name__ == "InterpretedFunction"
+    if lib_interpreted == triton_interpreted():
+        return None
+    return (f"TRITON_INTERPRET is {'set' if triton_interpreted() else 'unset'} now but was "
+            f"{'set' if lib_interpreted else 'unset'} when triton was first imported; set it before "
+            f"importing torch or hwlib (tests: conftest.py does)")
+
+
+def load_python_kernel(filename: str):
+    """Import ``kernels/<filename>`` (a Triton module) once per interpreter mode."""
+    path = kernel_path(filename)
+    key = (str(path), path.stat().st_mtime_ns, triton_interpreted())
+    if key in _MODULES:
+        return _MODULES[key]
+    try:
+        import triton  # noqa: F401  (a clear reason when it is missing)
+    except ImportError as e:
+        raise Unavailable(f"triton is not installed ({e})") from e
+    why = triton_interpreter_mismatch()
+    if why:
+        raise Unavailable(why)
+    name = f"hwlib._kernels.{path.stem}{'_interp' if key[2] else ''}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod           # Triton's jit looks kernels' globals up through their module
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise Unavailable(f"loading {path.name} failed: {type(e).__name__}: {e}") from e
+    _MODULES[key] = mod
+    return mod
+
+
+def read_kernel_source(filename: str) -> str:
+    return kernel_path(filename).read_text()
