@@ -213,6 +213,22 @@ def test_gradient_float32_and_triton_match_reference(triton_device):
             assert g_.dtype == dtype and rel_err(g_.cpu().double(), r_) < tol, (backend, dtype)
 
 
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU, nvcc and ninja")
+def test_cuda_gradients():
+    a, b, c, re = make((130,), 100, key=("gcu",))
+    z = complex(re, 0.1)
+    w = torch.randn(130, 100, dtype=torch.complex128, generator=_gen("wcu"))
+    ref = bk_reference.backward_loop(a, b, c, z, w)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        got = _grads("cuda", *(x.to("cuda", dtype) for x in (a, b, c)), z, w.to("cuda"))
+        for g_, r_ in zip(got, ref):
+            assert rel_err(g_.cpu().double(), r_) < tol, dtype
+    inputs = (a[:2, :5].contiguous().cuda().requires_grad_(),
+              b[:2, :4].contiguous().cuda().requires_grad_(), c[:2, :4].contiguous().cuda().requires_grad_())
+    assert torch.autograd.gradcheck(lambda *t: resolvent_diagonal(*t, z, backend="cuda"), inputs,
+                                    eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
 def test_gradients_reach_expanded_and_strided_leaves():
     n = 6
     a, _, _, re = make((4,), n, key=("leaf",))
