@@ -25,6 +25,7 @@ class Settings:
     fused_adamw: bool = False        # AdamW(fused=True) and zero_grad(set_to_none=True)
     compile: bool = False            # torch.compile(model)
     vocab_multiple: int = 1          # pad the vocabulary to a multiple of this
+    bk_backend: str = "torch"        # BK-Core backend of the resnet_bk workload (hwlib.ops)
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
@@ -43,6 +44,7 @@ class Step:
     tolerance: float = 0.0           # relative, max over K steps, vs the previous step
     gpu_only: bool = False
     why_tolerance: str = ""
+    workloads: tuple[str, ...] | None = None   # None: every workload; else the ones it applies to
 
 
 LADDER: tuple[Step, ...] = (
@@ -60,6 +62,9 @@ LADDER: tuple[Step, ...] = (
          why_tolerance="same graph, fused kernels keep intermediates in fp32 registers"),
     Step("07_nice_shapes", "vocabulary padded to a multiple of 64", {"vocab_multiple": 64}, 1e-2,
          why_tolerance="padded logits are sliced off before the loss: same function, other GEMM tiling"),
+    Step("12_bk_core", "BK-Core through the fastest custom kernel", {"bk_backend": "auto"}, 1e-2,
+         why_tolerance="same recursions in fp32 in one kernel, other rounding, under bf16 elsewhere",
+         workloads=("resnet_bk",)),
 )
 
 STEP_NAMES = tuple(s.name for s in LADDER)
@@ -100,6 +105,13 @@ def check_available(step: Step, di: DeviceInfo) -> str | None:
         ok, why = supports_compile(di)
         if not ok:
             return f"torch.compile unavailable: {why}"
+    return None
+
+
+def applies(step: Step, workload: str) -> str | None:
+    """Why ``step`` does not apply to ``workload`` (an 'n/a' row), else None."""
+    if step.workloads is not None and workload not in step.workloads:
+        return f"{step.name} changes a layer that {workload} does not have (applies to {', '.join(step.workloads)})"
     return None
 
 

@@ -20,7 +20,7 @@ import torch
 from . import bench, ceilings as ceilings_mod, results
 from .device import DeviceInfo, Unavailable, info, resolve_device
 from .profiles import Plan, plan as plan_for, resolve_profile
-from .steps import (LADDER, STEP_NAMES, Settings, Step, autocast_ctx, backend_flags, check_available, get_step, previous,
+from .steps import (LADDER, STEP_NAMES, Settings, Step, applies, autocast_ctx, backend_flags, check_available, get_step, previous,
                     resolve_autocast, settings_for)
 from .workloads import get_workload
 
@@ -186,6 +186,10 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     res = StepResult(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
                      config=dataclasses.asdict(cfg), seed=seed, check_steps=pl.check,
                      items_per_step=wl.items_per_step(cfg), unit=wl.unit, flops_per_step=wl.flops_per_step(cfg))
+    na = applies(st, wl.name)
+    if na:
+        res.status, res.reason = "n/a", na
+        return res
     reason = check_available(st, di)
     if reason:
         res.status, res.reason = "skipped", reason
@@ -312,7 +316,7 @@ def _device_arg(res: StepResult) -> str:
 def same_math(res: StepResult, run=None) -> MathCheck:
     """Compare ``res``'s first K losses with the nearest earlier step that ran on this device."""
     st = get_step(res.step)
-    if res.status == "skipped":  # nothing ran, nothing to compare; the row says why
+    if res.status in ("skipped", "n/a"):  # nothing ran, nothing to compare; the row says why
         return MathCheck(res.step, None, None, st.tolerance, 0, True, f"skipped: {res.reason}")
     if res.status != "ok":
         return MathCheck(res.step, None, None, st.tolerance, 0, False, f"{res.status}: {res.reason}")

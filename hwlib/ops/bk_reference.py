@@ -52,7 +52,8 @@ def resolvent_diagonal_dense(diag: torch.Tensor, upper: torch.Tensor, lower: tor
 
 
 def resolvent_diagonal_theta_phi(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, z,
-                                 dtype: torch.dtype = torch.complex64) -> torch.Tensor:
+                                 dtype: torch.dtype = torch.complex64,
+                                 division_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The seed's determinant recursion, as written there (0-based), in ``dtype``:
 
         theta_0 = 1, theta_1 = d_0, theta_{i+1} = d_i theta_i - k_{i-1} theta_{i-1}
@@ -61,6 +62,8 @@ def resolvent_diagonal_theta_phi(diag: torch.Tensor, upper: torch.Tensor, lower:
 
     theta_N = det(T - zI) grows like |2.07|^N for the model's matrix (a = -2, k = 1, z = i): complex64
     turns non-finite from N ~ 123, complex128 from N ~ 952. Do not use it for anything but showing that.
+    ``division_dtype`` runs the final division in another precision (the seed's "mixed precision":
+    recursions in complex64, division in complex128).
     """
     if dtype not in REAL_OF:
         raise TypeError(f"dtype must be torch.complex64 or torch.complex128, got {dtype}")
@@ -79,7 +82,9 @@ def resolvent_diagonal_theta_phi(diag: torch.Tensor, upper: torch.Tensor, lower:
         phi[n - 2] = d[..., n - 1]
     for i in range(n - 3, -1, -1):
         phi[i] = d[..., i + 1] * phi[i + 1] - k[..., i + 1] * phi[i + 2]
-    return torch.stack([theta[i] * phi[i] for i in range(n)], dim=-1) / theta[n].unsqueeze(-1)
+    div = division_dtype or dtype
+    num = torch.stack([theta[i] * phi[i] for i in range(n)], dim=-1)
+    return num.to(div) / theta[n].to(div).unsqueeze(-1)
 
 
 # --- the spec: plain loops over N, batched over the leading dimension ----------------------------

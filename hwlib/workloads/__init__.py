@@ -5,8 +5,9 @@ from __future__ import annotations
 from ..device import ChoiceError
 from .base import Workload
 from .gpt import GPTWorkload
+from .resnet_bk import ResNetBKWorkload
 
-WORKLOADS: dict[str, Workload] = {"gpt": GPTWorkload()}
+WORKLOADS: dict[str, Workload] = {"gpt": GPTWorkload(), "resnet_bk": ResNetBKWorkload()}
 
 
 def get_workload(name: str) -> Workload:

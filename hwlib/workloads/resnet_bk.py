@@ -1,0 +1,180 @@
+"""ResNet-BK: a language model whose token mixing is the BK-Core.
+
+Each block (pre-LayerNorm, residual) maps the hidden states to H learned potentials per token,
+v = tanh(W_v LN(x)) in [-1, 1]; for each head the tridiagonal T has diagonal a = -2 + v and
+off-diagonals b = c = 1 (the seed's discrete Schroedinger operator); the BK-Core returns
+G = diag((T - zI)^-1) with z = 1j, and the features [Re G, Im G] (2H per token) are projected back
+to the width d and added to the residual; a GELU MLP (4d) follows. A tied output projection ends
+the model.
+
+G_ii depends on the potential at every position, left and right: as a next-token model it sees the
+future, as the seed's model did. The workload is kept as the seed built it because it measures
+training speed; its loss falls faster than a causal model's would.
+
+FLOPs of one training step (matmuls only; the BK-Core is memory-bound, O(N) per sequence, and is
+measured by bytes in notebook 12):
+
+    tokens * 3 * [ L * (2 d H + 4 H d + 16 d^2) + 2 d V ]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
+from ..device import ChoiceError
+from ..shapes import padded
+from ..steps import Settings
+from .base import Workload
+
+
+@dataclass(frozen=True)
+class BKConfig:
+    n_layer: int = 8
+    n_head: int = 16          # potentials (BK-Core sequences) per token and layer
+    d_model: int = 512
+    context: int = 2048       # N of the BK-Core
+    vocab: int = 16384
+    batch: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    z_imag: float = 1.0
+    data_tokens: int = 2_000_000
+
+    def __post_init__(self):
+        for f in ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"BKConfig.{f} must be a positive integer, got {v!r}")
+        if not self.z_imag > 0:
+            raise ValueError(f"BKConfig.z_imag must be > 0 (z on the real axis hits the spectrum), got {self.z_imag}")
+
+
+PROFILES = {
+    "full": BKConfig(),
+    "smoke": BKConfig(n_layer=2, n_head=4, d_model=64, context=64, vocab=500, batch=8, lr=3e-3, data_tokens=100_000),
+}
+
+
+class BKMixer(nn.Module):
+    def __init__(self, cfg: BKConfig, backend: str):
+        super().__init__()
+        self.to_potential = nn.Linear(cfg.d_model, cfg.n_head)
+        self.from_features = nn.Linear(2 * cfg.n_head, cfg.d_model)
+        self.n_head, self.z = cfg.n_head, complex(0.0, cfg.z_imag)
+        self.backend = backend
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        v = torch.tanh(self.to_potential(x)).float()          # the op is float32/float64 only
+        a = (v - 2.0).transpose(1, 2).reshape(B * self.n_head, N)
+        ones = torch.ones(B * self.n_head, max(N - 1, 0), device=x.device, dtype=a.dtype)
+        g = _bk(a, ones, ones, self.z, self.backend).view(B, self.n_head, N).transpose(1, 2)
+        feats = torch.cat([g.real, g.imag], dim=-1)            # [B, N, 2H]
+        return self.from_features(feats)
+
+
+@torch.compiler.disable
+def _bk(a, b, c, z, backend):
+    # An opaque call for torch.compile: the kernels are already one launch each, and tracing the
+    # reference loops would unroll N steps into the graph.
+    from ..ops import resolvent_diagonal
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        return resolvent_diagonal(a, b, c, z, backend=backend)
+
+
+class BKBlock(nn.Module):
+    def __init__(self, cfg: BKConfig, backend: str):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.mix = BKMixer(cfg, backend)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.mlp_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x):
+        x = x + self.mix(self.ln_1(x))
+        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class ResNetBK(nn.Module):
+    def __init__(self, cfg: BKConfig, backend: str = "torch", vocab_multiple: int = 1):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_padded = padded(cfg.vocab, vocab_multiple)
+        self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleList(BKBlock(cfg, backend) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+
+    def init_weights(self, seed: int) -> "ResNetBK":
+        g = torch.Generator().manual_seed(seed)
+        std_proj = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.startswith("wte"):
+                    p.zero_()
+                    p[: self.cfg.vocab].normal_(0.0, 0.02, generator=g)
+                elif name.endswith("bias"):
+                    p.zero_()
+                elif ".ln_" in name or name.startswith("ln_"):
+                    p.fill_(1.0)
+                elif name.endswith("from_features.weight") or name.endswith("mlp_proj.weight"):
+                    p.normal_(0.0, std_proj, generator=g)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        return self
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.cfg.context:
+            raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        if self.vocab_padded != self.cfg.vocab:
+            logits = logits[..., : self.cfg.vocab]
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
+
+
+class ResNetBKWorkload(Workload):
+    name = "resnet_bk"
+    unit = "tokens"
+
+    def config(self, profile: str, **overrides) -> BKConfig:
+        if profile not in PROFILES:
+            raise ChoiceError("profile", profile, tuple(PROFILES))
+        fields = [f.name for f in dataclasses.fields(BKConfig)]
+        bad = sorted(set(overrides) - set(fields))
+        if bad:
+            raise ChoiceError("ResNet-BK config field", bad[0], fields)
+        return dataclasses.replace(PROFILES[profile], **overrides)
+
+    def build(self, cfg: BKConfig, settings: Settings, seed: int) -> ResNetBK:
+        if settings.checkpointing not in ("none", ""):
+            raise ValueError(f"checkpointing {settings.checkpointing!r}: the resnet_bk workload has none yet")
+        return ResNetBK(cfg, backend=settings.bk_backend, vocab_multiple=settings.vocab_multiple).init_weights(seed)
+
+    def batches(self, cfg: BKConfig, device: torch.device, seed: int, source: str | None = None):
+        tokens = text_file_tokens(source, cfg.vocab) if source else cached_synthetic_tokens(cfg.data_tokens, cfg.vocab, seed)
+        return TokenBatches(tokens, cfg.batch, cfg.context, device)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return model(x, y)
+
+    def flops_per_step(self, cfg: BKConfig) -> float:
+        L, d, H, V = cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab
+        return 3.0 * self.items_per_step(cfg) * (L * (2 * d * H + 4 * H * d + 16 * d * d) + 2 * d * V)
+
+    def items_per_step(self, cfg: BKConfig) -> int:
+        return cfg.batch * cfg.context
