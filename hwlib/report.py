@@ -39,6 +39,8 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         if not m:
             continue
         ms = m.get("ms_per_step", {})
+        if ms.get("measurement"):   # only metrics of the same measurement as the newest step time
+            m = {k: v for k, v in m.items() if v.get("measurement") in (None, ms["measurement"])}
         status = ms.get("status", "ok")
         check = m.get("same_math_max_rel")
         if check and check.get("status") == "failed":

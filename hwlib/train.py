@@ -342,7 +342,12 @@ def _between(after: str, upto: str) -> list[Step]:
 def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ceilings: dict | None = None,
            run=None) -> list[dict]:
     """Write the result's metrics to the run's results.jsonl; returns the records written."""
+    import uuid
+
     from .device import versions
+    # One id for every metric of this measurement: a re-run that records fewer metrics (a step now
+    # skipped) must not be read together with the previous run's leftovers.
+    mid = {"measurement": uuid.uuid4().hex[:12]}
     common = dict(notebook=notebook, workload=res.workload, step=res.step, profile=res.profile,
                   params={"config": res.config, "settings": res.settings, "seed": res.seed,
                           "check_steps": res.check_steps, "timed_steps": res.timing.n if res.timing else 0},
@@ -351,33 +356,33 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
     recs = []
     if res.status != "ok" or res.timing is None:
         recs.append(results.make_record(metric="ms_per_step", value=None, unit="ms", status=res.status,
-                                        reason=res.reason, **common))
+                                        reason=res.reason, extra=mid, **common))
     else:
         t = res.timing
         recs.append(results.make_record(metric="ms_per_step", value=t.median_ms, p20=t.p20_ms, p80=t.p80_ms,
-                                        unit="ms", **common))
+                                        unit="ms", extra=mid, **common))
         recs.append(results.make_record(metric=f"{res.unit}_per_s", value=res.items_per_s,
                                         p20=res.items_per_step / (t.p80_ms / 1e3),
-                                        p80=res.items_per_step / (t.p20_ms / 1e3), unit=f"{res.unit}/s", **common))
-        recs.append(results.make_record(metric="model_tflops", value=res.model_tflops, unit="TFLOP/s", **common))
+                                        p80=res.items_per_step / (t.p20_ms / 1e3), unit=f"{res.unit}/s", extra=mid, **common))
+        recs.append(results.make_record(metric="model_tflops", value=res.model_tflops, unit="TFLOP/s", extra=mid, **common))
         mfu = res.mfu(ceilings)
         recs.append(results.make_record(metric="mfu", value=mfu, unit="fraction of measured bf16 matmul",
                                         status="ok" if mfu is not None else "n/a",
-                                        reason=None if mfu is not None else "no bf16 ceiling measured", **common))
+                                        reason=None if mfu is not None else "no bf16 ceiling measured", extra=mid, **common))
         if res.peak_mem_gib is not None:
-            recs.append(results.make_record(metric="peak_mem_gib", value=res.peak_mem_gib, unit="GiB", **common))
-        recs.append(results.make_record(metric="first_step_s", value=res.first_step_s, unit="s", **common))
+            recs.append(results.make_record(metric="peak_mem_gib", value=res.peak_mem_gib, unit="GiB", extra=mid, **common))
+        recs.append(results.make_record(metric="first_step_s", value=res.first_step_s, unit="s", extra=mid, **common))
         if res.compile_s is not None:
-            recs.append(results.make_record(metric="compile_s", value=res.compile_s, unit="s", **common))
-        recs.append(results.make_record(metric="final_loss", value=res.final_loss, unit="nats", **common))
+            recs.append(results.make_record(metric="compile_s", value=res.compile_s, unit="s", extra=mid, **common))
+        recs.append(results.make_record(metric="final_loss", value=res.final_loss, unit="nats", extra=mid, **common))
         if res.sdpa_backend:
-            recs.append(results.make_record(metric="sdpa_backend", value=res.sdpa_backend, unit="", **common))
+            recs.append(results.make_record(metric="sdpa_backend", value=res.sdpa_backend, unit="", extra=mid, **common))
     if check is not None and check.against is not None:
         recs.append(results.make_record(metric="same_math_max_rel", value=check.max_rel_diff,
                                         unit=f"relative, tolerance {check.tolerance:g}",
                                         status="ok" if check.ok else "failed",
                                         reason=None if check.ok else str(check),
-                                        extra={"against": check.against}, **common))
+                                        extra={"against": check.against, **mid}, **common))
     results.append(recs, run)
     return recs
 

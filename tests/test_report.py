@@ -85,3 +85,14 @@ def test_committed_readme_matches_reference_run():
     start, end = text.index(report.README_START), text.index(report.README_END)
     assert text[start + len(report.README_START):end].strip() == report.readme_block(ref).strip(), \
         "README's reference table is stale: run `make readme`"
+
+
+def test_a_rerun_with_fewer_metrics_does_not_mix_with_stale_ones(isolated_run):
+    from hwlib import train
+    from hwlib.profiles import Plan
+    r = train.run_step("gpt", "01_baseline_fp32", profile="smoke", device="cpu", plan=Plan(2, 0, 2))
+    train.record(r, notebook="01")
+    r.status, r.reason, r.timing = "skipped", "now skipped", None
+    train.record(r, notebook="01")
+    (row,) = report.ladder_rows(results.load(), "gpt")
+    assert row["status"] == "skipped" and row["throughput"] is None and row["final_loss"] is None

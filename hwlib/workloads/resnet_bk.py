@@ -40,7 +40,7 @@ class BKConfig:
     n_head: int = 16          # potentials (BK-Core sequences) per token and layer
     d_model: int = 512
     context: int = 2048       # N of the BK-Core
-    vocab: int = 16384
+    vocab: int = 50257       # GPT-2's BPE vocabulary, as the GPT workload
     batch: int = 8
     lr: float = 1e-3
     weight_decay: float = 0.1
