@@ -54,7 +54,8 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         row["throughput"] = _num(thr.get("value"))
         row["same_math_max_rel"] = _num(check.get("value")) if check else None
         row["same_math_tol"] = check.get("unit", "").replace("relative, tolerance ", "") if check else None
-        row["sdpa_backend"] = m.get("sdpa_backend", {}).get("value")
+        sdpa = m.get("sdpa_backend", {}).get("value")
+        row["sdpa_backend"] = None if sdpa in (None, "none found") else sdpa   # no attention in the model
         row["profile"] = ms.get("profile")
         row["device"] = (ms.get("device") or {}).get("name")
         # A step whose math changed keeps its measured speed-up; its status says not to trust it.

@@ -214,7 +214,8 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
             if settings.attention == "sdpa":
                 with torch.no_grad(), autocast_ctx(settings, dev):
                     x = sess.batches(0)
-                    res.sdpa_backend = detect_sdpa_backend(lambda: sess.model(x[0][:1]))
+                    found = detect_sdpa_backend(lambda: sess.model(x[0][:1]))
+                    res.sdpa_backend = None if found == "none found" else found   # a model without attention
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             res.first_step_s, first = bench.wall_s(lambda: sess.step(0), dev)
