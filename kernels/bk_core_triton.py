@@ -210,3 +210,198 @@ def bk_backward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, grad: torc
         a, b_, c_, _z_tensor(z, a), w, da, db_, dc_, ws, B, N, a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), c.stride(0), c.stride(1), w.stride(0), w.stride(1), BLOCK=block)
     return da, db, dc
+
+
+# --- chunked forward: B * P lanes instead of B -----------------------------------------------------
+#
+# The sweeps above give one lane per sequence and a dependent chain of ~3N reciprocals per lane:
+# at B = 8192 an H100 idles on latency. The chunked forward splits each sequence into P chunks of
+# L positions (lane = (sequence, chunk)) and joins the chunks exactly through Moebius maps:
+#
+#   gL_i = 1 / (d_i - k_{i-1} gL_{i-1}) is the projective action g = p / q of
+#   M_i = [[0, 1], [-k_{i-1}, d_i]] on (p, q); gR_i = 1 / (d_i - k_i gR_{i+1}) likewise with k_i.
+#
+# One kernel, one program = BS sequences x PP chunks (PP = next power of 2 >= cdiv(N, L)):
+#   phase 1  each lane loads its chunk's a, b, c once into registers (L unrolled) and composes the
+#            chunk's left map E_p = M_{pL+L-1} ... M_{pL} and right map F_p = M'_{pL} ... M'_{pL+L-1},
+#            rescaling the 2x2 complex product by its largest |re|, |im| every 4 steps (projective:
+#            any scale is exact, nothing over- or underflows).
+#   phase 2  tl.associative_scan over the chunk axis (combine = matrix product, rescaled):
+#            prefix products give gL at the end of every chunk, suffix products (reverse=True) gR
+#            at the start of every chunk; they go through a 4-float-per-chunk workspace and a
+#            barrier to the neighbours: gL entering chunk p from the left, gR from the right.
+#            The maps act on the start column (0, 1), exact: the first step has k_{-1} = 0 (and
+#            k_{N-1} = 0 on the right). (Not tl.gather for the shift: its warp-local layout
+#            propagated back into phase 1 and replicated the work 8x at 255 registers; with the
+#            workspace, sm_90: 107 registers, no spills, one lane per thread, no layout
+#            conversions, for L = 16, PP = 128, 4 warps.)
+#   phase 3  from those boundary values the chunk runs the stable continued fractions of the
+#            two-pass kernel out of registers: left to right keeping sL_i (registers), right to left
+#            G_i = 1 / (d_i - sL_i - k_i gR_{i+1}) written once.
+# Bytes per element (float32 in, complex64 out): 12 read (a, b, c, once; plus b, c at one position
+# per chunk, 8 / L, from cache) + 8 written = 20, the minimum; plus the boundary workspace, 16 B
+# written and 16 read per chunk (2 B per element at L = 16, within one program: L2 traffic, at
+# most 1 B per element reaching DRAM). No second pass over the inputs.
+# FLOPs per element: ~3 complex reciprocals and ~4 complex multiply-adds as before plus 2 complex
+# 2x2 map steps (~24) and the scans (O(1) per chunk): about 70 real FLOPs per element.
+# Accuracy: gL / gR inside a chunk are the same recursions as bk_forward; only the boundary values
+# come through the map products (rounding ~ L + log P matrix products, damped by the contraction).
+# Access pattern: lane (sequence, chunk) reads its L positions column by column (lanes L elements
+# apart; every 32-byte sector serves the next positions from L1); the stores likewise.
+
+CHUNK = 16              # positions per lane (registers: ~4 L floats per lane)
+MAX_CHUNKS = 256        # chunks per sequence (lanes per program); longer N gets longer chunks
+CHUNK_LANES = 128       # lanes per program for short N (several sequences per program)
+
+
+@triton.jit
+def _mscale(m0, m1, m2, m3, m4, m5, m6, m7):
+    # divide a complex 2x2 (8 floats) by its largest |component|: projectively the same map
+    m = tl.maximum(tl.maximum(tl.maximum(tl.abs(m0), tl.abs(m1)), tl.maximum(tl.abs(m2), tl.abs(m3))),
+                   tl.maximum(tl.maximum(tl.abs(m4), tl.abs(m5)), tl.maximum(tl.abs(m6), tl.abs(m7))))
+    s = tl.where(m > 0, 1.0 / tl.where(m > 0, m, 1.0), 1.0)
+    return m0 * s, m1 * s, m2 * s, m3 * s, m4 * s, m5 * s, m6 * s, m7 * s
+
+
+@triton.jit
+def _mstep(m, k, dr, di, valid):
+    # [[0, 1], [-k, d]] @ m on valid lanes; m = (r00, i00, r01, i01, r10, i10, r11, i11)
+    n10r = dr * m[4] - di * m[5] - k * m[0]
+    n10i = dr * m[5] + di * m[4] - k * m[1]
+    n11r = dr * m[6] - di * m[7] - k * m[2]
+    n11i = dr * m[7] + di * m[6] - k * m[3]
+    return (tl.where(valid, m[4], m[0]), tl.where(valid, m[5], m[1]),
+            tl.where(valid, m[6], m[2]), tl.where(valid, m[7], m[3]),
+            tl.where(valid, n10r, m[4]), tl.where(valid, n10i, m[5]),
+            tl.where(valid, n11r, m[6]), tl.where(valid, n11i, m[7]))
+
+
+@triton.jit
+def _mcombine(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    # scan combine: a holds the maps applied first (earlier chunks on the left; on the right, with
+    # reverse=True, the later chunks), so the product is b @ a, rescaled
+    c00r, c00i = _cmul(b0, b1, a0, a1)
+    t_r, t_i = _cmul(b2, b3, a4, a5)
+    c01r, c01i = _cmul(b0, b1, a2, a3)
+    u_r, u_i = _cmul(b2, b3, a6, a7)
+    c10r, c10i = _cmul(b4, b5, a0, a1)
+    v_r, v_i = _cmul(b6, b7, a4, a5)
+    c11r, c11i = _cmul(b4, b5, a2, a3)
+    w_r, w_i = _cmul(b6, b7, a6, a7)
+    return _mscale(c00r + t_r, c00i + t_i, c01r + u_r, c01i + u_i,
+                   c10r + v_r, c10i + v_i, c11r + w_r, c11i + w_i)
+
+
+@triton.jit
+def _mratio(m):
+    # the map applied to (0, 1): g = m01 / m11
+    s = 1.0 / (m[6] * m[6] + m[7] * m[7])
+    return (m[2] * m[6] + m[3] * m[7]) * s, (m[3] * m[6] - m[2] * m[7]) * s
+
+
+@triton.jit
+def _bk_forward_chunked_kernel(a_ptr, b_ptr, c_ptr, z_ptr, out_ptr, ws_ptr, B, N,
+                               sab, san, sbb, sbn, scb, scn, sob, son,
+                               L: tl.constexpr, BS: tl.constexpr, PP: tl.constexpr):
+    dt = a_ptr.dtype.element_ty
+    seq = (tl.program_id(0) * BS + tl.arange(0, BS)).to(tl.int64)[:, None]       # [BS, 1]
+    chunk = tl.arange(0, PP)[None, :]                                              # [1, PP]
+    live = seq < B
+    san, sbn, scn, son = tl.cast(san, tl.int64), tl.cast(sbn, tl.int64), tl.cast(scn, tl.int64), tl.cast(son, tl.int64)
+    zr = tl.load(z_ptr)
+    zi = tl.load(z_ptr + 1)
+    a_row, b_row, c_row, o_row = a_ptr + seq * sab, b_ptr + seq * sbb, c_ptr + seq * scb, out_ptr + seq * sob
+    start = chunk.to(tl.int64) * L                                                 # [1, PP]
+    zero = tl.zeros([BS, PP], dtype=dt)
+    one = zero + 1.0
+
+    # phase 1: the chunk into registers, its left and right maps
+    av = ()
+    kv = ()
+    for j in tl.static_range(L):
+        pos = start + j
+        av = av + (tl.load(a_row + pos * san, mask=live & (pos < N), other=0.0),)
+        has_k = live & (pos < N - 1)
+        kv = kv + (tl.load(b_row + pos * sbn, mask=has_k, other=0.0) * tl.load(c_row + pos * scn, mask=has_k, other=0.0),)
+    has_prev = live & (start > 0) & (start < N)
+    kprev = (tl.load(b_row + (start - 1) * sbn, mask=has_prev, other=0.0)
+             * tl.load(c_row + (start - 1) * scn, mask=has_prev, other=0.0))
+    ml = (one, zero, zero, zero, zero, zero, one, zero)
+    mr = (one, zero, zero, zero, zero, zero, one, zero)
+    for j in tl.static_range(L):
+        kl = kprev if j == 0 else kv[j - 1]
+        ml = _mstep(ml, kl, av[j] - zr, zero - zi, start + j < N)
+        mr = _mstep(mr, kv[L - 1 - j], av[L - 1 - j] - zr, zero - zi, start + (L - 1 - j) < N)
+        if j % 4 == 3 or j == L - 1:
+            ml = _mscale(*ml)
+            mr = _mscale(*mr)
+
+    # phase 2: prefix products (left) and suffix products (right) over the chunks of each sequence;
+    # the values leaving each chunk go through a small workspace to the neighbouring chunks
+    ml = tl.associative_scan(ml, 1, _mcombine)
+    mr = tl.associative_scan(mr, 1, _mcombine, reverse=True)
+    glr, gli = _mratio(ml)                       # gL at the last position of each chunk
+    grr, gri = _mratio(mr)                       # gR at the first position of each chunk
+    w = ws_ptr + (tl.program_id(0) * BS + tl.arange(0, BS))[:, None] * (4 * PP) + chunk * 4
+    tl.store(w, glr)
+    tl.store(w + 1, gli)
+    tl.store(w + 2, grr)
+    tl.store(w + 3, gri)
+    tl.debug_barrier()
+    first = chunk == 0
+    last = chunk == PP - 1
+    slr = kprev * tl.load(w - 4, mask=~first, other=0.0)       # sL at the chunk's first position
+    sli = kprev * tl.load(w - 3, mask=~first, other=0.0)
+    gr_r = tl.load(w + 6, mask=~last, other=0.0)                # gR just right of the chunk
+    gr_i = tl.load(w + 7, mask=~last, other=0.0)
+
+    # phase 3: the chunk's own sweeps from its boundary values, out of registers
+    slv = ()
+    for j in tl.static_range(L):
+        slv = slv + ((slr, sli),)
+        g_r, g_i = _crcp(av[j] - zr - slr, -zi - sli)
+        slr, sli = kv[j] * g_r, kv[j] * g_i
+    for j in tl.static_range(L - 1, -1, -1):
+        pos = start + j
+        srr, sri = kv[j] * gr_r, kv[j] * gr_i
+        dr = av[j] - zr
+        g_r, g_i = _crcp(dr - slv[j][0] - srr, -zi - slv[j][1] - sri)
+        keep = live & (pos < N)
+        tl.store(o_row + pos * son, g_r, mask=keep)
+        tl.store(o_row + pos * son + 1, g_i, mask=keep)
+        gr_r, gr_i = _crcp(dr - srr, -zi - sri)
+
+
+def chunk_plan(N: int, chunk: int = CHUNK, lanes: int = CHUNK_LANES):
+    """(L, PP, BS, num_warps) for the chunked forward at length N: chunks of ``chunk`` positions
+    (longer when N needs more than MAX_CHUNKS), PP = next power of 2 of the chunk count, BS
+    sequences per program so that a program has at least ``lanes`` lanes."""
+    L = max(int(chunk), triton.cdiv(N, MAX_CHUNKS))
+    pp = triton.next_power_of_2(triton.cdiv(N, L))
+    bs = max(1, lanes // pp)
+    return L, pp, bs, max(1, min(8, bs * pp // 32))
+
+
+def bk_forward_chunked(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, chunk: int = CHUNK,
+                       out: torch.Tensor | None = None, lanes: int = CHUNK_LANES) -> torch.Tensor:
+    """Same result as ``bk_forward`` (G [B, N] complex, any input / ``out`` strides), with one lane
+    per (sequence, chunk of ``chunk`` positions): 20 bytes per element for float32 (see above)."""
+    B, N = _check(a, b, c)
+    if chunk < 1:
+        raise ValueError(f"bk_forward_chunked: chunk must be >= 1, got {chunk}")
+    cd = torch.complex64 if a.dtype == torch.float32 else torch.complex128
+    if out is None:
+        out = torch.empty((B, N), dtype=cd, device=a.device)
+    if out.shape != (B, N) or out.dtype != cd:
+        raise ValueError(f"bk_forward_chunked: out must be {cd} of shape {(B, N)}")
+    if B == 0 or N == 0:
+        return out
+    o = torch.view_as_real(out)
+    b_, c_ = (b, c) if N > 1 else (a, a)
+    L, pp, bs, warps = chunk_plan(N, chunk, lanes)
+    grid = triton.cdiv(B, bs)
+    ws = torch.empty((grid * bs * pp * 4,), dtype=a.dtype, device=a.device)
+    _bk_forward_chunked_kernel[(grid,)](
+        a, b_, c_, _z_tensor(z, a), o, ws, B, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1), o.stride(0), o.stride(1), L=L, BS=bs, PP=pp, num_warps=warps)
+    return out

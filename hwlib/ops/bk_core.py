@@ -10,7 +10,8 @@ Backends (same math, same results to rounding):
 ==============  ==========================================================================
 ``torch_loop``  a Python loop over N, batched over B: the readable spec (``bk_reference``)
 ``torch``       associative scans, ~log2 N tensor ops (``bk_scan``): long N on any device
-``triton``      ``kernels/bk_core_triton.py``; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
+``triton``      ``kernels/bk_core_triton.py``; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
+                forward chunked (``bk_forward_chunked``) from N >= 4 chunks, backward two-pass
 ``cuda``        ``kernels/bk_core.cu`` through ``hwlib.cuda`` (load_inline); CUDA tensors only
 ``auto``        CUDA tensors: cuda, then triton, then torch; CPU tensors: torch. A backend that
                 cannot build or run is skipped with a warning naming it and the reason.
@@ -35,6 +36,7 @@ from ._load import load_python_kernel, triton_interpreted
 
 BACKENDS = ("auto", "torch_loop", "torch", "triton", "cuda")
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}
+CHUNKED_MIN_CHUNKS = 4  # triton forward: chunked (one lane per chunk) from N >= this many chunks
 _BROKEN: dict = {}      # (backend, device type) -> why it failed to build or run, so we try once
 
 
@@ -95,7 +97,10 @@ def _forward(name, a, b, c, z):
     if name == "torch":
         return bk_scan.forward_scan(a, b, c, z)
     if name == "triton":
-        return _triton().bk_forward(a, b, c, z)
+        tk = _triton()
+        if a.shape[-1] >= CHUNKED_MIN_CHUNKS * tk.CHUNK:     # B * N / L lanes instead of B
+            return tk.bk_forward_chunked(a, b, c, z)
+        return tk.bk_forward(a, b, c, z)
     from . import bk_cuda
     return bk_cuda.forward(a, b, c, z)
 
