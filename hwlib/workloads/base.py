@@ -9,6 +9,31 @@ import torch
 from ..steps import Settings
 
 
+def init_lm_weights(model: torch.nn.Module, seed: int, vocab: int, n_layer: int, residual_out: tuple[str, ...]):
+    """GPT-2 initialisation from a CPU generator, parameter by parameter in a fixed order:
+    N(0, 0.02) weights, N(0, 0.02 / sqrt(2 L)) for projections into the residual stream (names
+    ending in ``residual_out``), zero biases, unit LayerNorm gains. Padded vocabulary rows of
+    ``wte`` start at zero; with the padded logits sliced off before the loss they get no gradient,
+    so a padded model computes the unpadded model's function."""
+    import math
+    g = torch.Generator().manual_seed(seed)
+    std_proj = 0.02 / math.sqrt(2 * n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("wte"):
+                p.zero_()
+                p[:vocab].normal_(0.0, 0.02, generator=g)
+            elif name.endswith("bias"):
+                p.zero_()
+            elif ".ln_" in name or name.startswith("ln_"):
+                p.fill_(1.0)
+            elif name.endswith(residual_out):
+                p.normal_(0.0, std_proj, generator=g)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model
+
+
 class Workload:
     name: str = ""
     unit: str = "items"  # what throughput counts: tokens, samples
@@ -35,3 +60,36 @@ class Workload:
 
     def items_per_step(self, cfg: Any) -> int:
         raise NotImplementedError
+
+
+class TokenLMWorkload(Workload):
+    """A next-token language model over ``hwlib.data`` token streams: config profiles, batches and
+    loss are the same for every such workload; subclasses give the model, its config and FLOPs."""
+
+    unit = "tokens"
+    profiles: dict = {}
+
+    def config(self, profile: str, **overrides):
+        import dataclasses
+
+        from ..device import ChoiceError
+        if profile not in self.profiles:
+            raise ChoiceError("profile", profile, tuple(self.profiles))
+        base = self.profiles[profile]
+        fields = [f.name for f in dataclasses.fields(base)]
+        bad = sorted(set(overrides) - set(fields))
+        if bad:
+            raise ChoiceError(f"{type(base).__name__} field", bad[0], fields)
+        return dataclasses.replace(base, **overrides)
+
+    def batches(self, cfg, device: torch.device, seed: int, source: str | None = None):
+        from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
+        tokens = text_file_tokens(source, cfg.vocab) if source else cached_synthetic_tokens(cfg.data_tokens, cfg.vocab, seed)
+        return TokenBatches(tokens, cfg.batch, cfg.context, device)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return model(x, y)
+
+    def items_per_step(self, cfg) -> int:
+        return cfg.batch * cfg.context

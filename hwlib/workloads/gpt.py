@@ -15,7 +15,6 @@ counted in full as PaLM's MFU does):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,11 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..device import ChoiceError
-from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
 from ..shapes import padded
 from ..steps import Settings
-from .base import Workload
+from .base import TokenLMWorkload, init_lm_weights
 
 
 @dataclass(frozen=True)
@@ -137,27 +134,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "GPT":
-        """GPT-2 initialisation from a CPU generator, parameter by parameter in a fixed order.
-
-        The padded vocabulary rows start at zero and the padded logits are sliced off before the
-        loss, so they get no gradient: the padded model computes the unpadded model's function.
-        """
-        g = torch.Generator().manual_seed(seed)
-        std_proj = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.startswith("wte"):
-                    p.zero_()
-                    p[: self.cfg.vocab].normal_(0.0, 0.02, generator=g)
-                elif name.endswith("bias"):
-                    p.zero_()
-                elif ".ln_" in name or name.startswith("ln_"):
-                    p.fill_(1.0)
-                elif name.endswith("c_proj.weight") or name.endswith("mlp_proj.weight"):
-                    p.normal_(0.0, std_proj, generator=g)
-                else:
-                    p.normal_(0.0, 0.02, generator=g)
-        return self
+        """GPT-2 initialisation (``base.init_lm_weights``), the same on every device."""
+        return init_lm_weights(self, seed, self.cfg.vocab, self.cfg.n_layer, ("c_proj.weight", "mlp_proj.weight"))
 
     def set_attention(self, attention: str) -> None:
         for b in self.blocks:
@@ -196,36 +174,14 @@ class GPT(nn.Module):
         return F.cross_entropy(self._logits(x), targets, reduction="sum")
 
 
-class GPTWorkload(Workload):
+class GPTWorkload(TokenLMWorkload):
     name = "gpt"
-    unit = "tokens"
-
-    def config(self, profile: str, **overrides) -> GPTConfig:
-        if profile not in PROFILES:
-            raise ChoiceError("profile", profile, tuple(PROFILES))
-        bad = set(overrides) - {f.name for f in dataclasses.fields(GPTConfig)}
-        if bad:
-            raise ChoiceError("GPT config field", sorted(bad)[0], [f.name for f in dataclasses.fields(GPTConfig)])
-        return dataclasses.replace(PROFILES[profile], **overrides)
+    profiles = PROFILES
 
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
         return GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
                    checkpointing=settings.checkpointing).init_weights(seed)
 
-    def batches(self, cfg: GPTConfig, device: torch.device, seed: int, source: str | None = None):
-        if source:
-            tokens = text_file_tokens(source, cfg.vocab)
-        else:
-            tokens = cached_synthetic_tokens(cfg.data_tokens, cfg.vocab, seed=seed)
-        return TokenBatches(tokens, cfg.batch, cfg.context, device)
-
-    def loss(self, model, batch):
-        x, y = batch
-        return model(x, y)
-
     def flops_per_step(self, cfg: GPTConfig) -> float:
         L, d, T, V = cfg.n_layer, cfg.d_model, cfg.context, cfg.vocab
         return 3.0 * self.items_per_step(cfg) * (L * (24 * d * d + 4 * T * d) + 2 * d * V)
-
-    def items_per_step(self, cfg: GPTConfig) -> int:
-        return cfg.batch * cfg.context

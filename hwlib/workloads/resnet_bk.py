@@ -19,19 +19,15 @@ measured by bytes in notebook 12):
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
-from ..device import ChoiceError
 from ..shapes import padded
 from ..steps import Settings
-from .base import Workload
+from .base import TokenLMWorkload, init_lm_weights
 
 
 @dataclass(frozen=True)
@@ -114,22 +110,8 @@ class ResNetBK(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "ResNetBK":
-        g = torch.Generator().manual_seed(seed)
-        std_proj = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.startswith("wte"):
-                    p.zero_()
-                    p[: self.cfg.vocab].normal_(0.0, 0.02, generator=g)
-                elif name.endswith("bias"):
-                    p.zero_()
-                elif ".ln_" in name or name.startswith("ln_"):
-                    p.fill_(1.0)
-                elif name.endswith("from_features.weight") or name.endswith("mlp_proj.weight"):
-                    p.normal_(0.0, std_proj, generator=g)
-                else:
-                    p.normal_(0.0, 0.02, generator=g)
-        return self
+        return init_lm_weights(self, seed, self.cfg.vocab, self.cfg.n_layer,
+                               ("from_features.weight", "mlp_proj.weight"))
 
     def forward(self, idx, targets=None):
         B, T = idx.shape
@@ -146,35 +128,15 @@ class ResNetBK(nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
 
 
-class ResNetBKWorkload(Workload):
+class ResNetBKWorkload(TokenLMWorkload):
     name = "resnet_bk"
-    unit = "tokens"
-
-    def config(self, profile: str, **overrides) -> BKConfig:
-        if profile not in PROFILES:
-            raise ChoiceError("profile", profile, tuple(PROFILES))
-        fields = [f.name for f in dataclasses.fields(BKConfig)]
-        bad = sorted(set(overrides) - set(fields))
-        if bad:
-            raise ChoiceError("ResNet-BK config field", bad[0], fields)
-        return dataclasses.replace(PROFILES[profile], **overrides)
+    profiles = PROFILES
 
     def build(self, cfg: BKConfig, settings: Settings, seed: int) -> ResNetBK:
         if settings.checkpointing not in ("none", ""):
             raise ValueError(f"checkpointing {settings.checkpointing!r}: the resnet_bk workload has none yet")
         return ResNetBK(cfg, backend=settings.bk_backend, vocab_multiple=settings.vocab_multiple).init_weights(seed)
 
-    def batches(self, cfg: BKConfig, device: torch.device, seed: int, source: str | None = None):
-        tokens = text_file_tokens(source, cfg.vocab) if source else cached_synthetic_tokens(cfg.data_tokens, cfg.vocab, seed)
-        return TokenBatches(tokens, cfg.batch, cfg.context, device)
-
-    def loss(self, model, batch):
-        x, y = batch
-        return model(x, y)
-
     def flops_per_step(self, cfg: BKConfig) -> float:
         L, d, H, V = cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab
         return 3.0 * self.items_per_step(cfg) * (L * (2 * d * H + 4 * H * d + 16 * d * d) + 2 * d * V)
-
-    def items_per_step(self, cfg: BKConfig) -> int:
-        return cfg.batch * cfg.context
