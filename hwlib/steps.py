@@ -25,6 +25,10 @@ class Settings:
     fused_adamw: bool = False        # AdamW(fused=True) and zero_grad(set_to_none=True)
     compile: bool = False            # torch.compile(model)
     vocab_multiple: int = 1          # pad the vocabulary to a multiple of this
+    loader: str = "simple"           # "simple", "tuned" or "resident" (hwlib.loader)
+    cuda_graphs: bool = False        # compiled with mode="reduce-overhead": the step's kernels replayed as CUDA graphs
+    channels_last: bool = False      # NHWC memory format for convolutions and their inputs
+    packing: bool = False            # sequences packed without padding, attention kept within each sequence
     bk_backend: str = "torch"        # BK-Core backend of the resnet_bk workload (hwlib.ops)
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
@@ -45,6 +49,7 @@ class Step:
     gpu_only: bool = False
     why_tolerance: str = ""
     workloads: tuple[str, ...] | None = None   # None: every workload; else the ones it applies to
+    why_na: dict = field(default_factory=dict)  # workload -> why the step does not apply to it
 
 
 LADDER: tuple[Step, ...] = (
@@ -56,13 +61,34 @@ LADDER: tuple[Step, ...] = (
          why_tolerance="bf16 keeps 8 mantissa bits: per-op error ~4e-3, grows over K optimizer steps"),
     Step("04_sdpa_attention", "fused attention (SDPA)", {"attention": "sdpa"}, 1e-2,
          why_tolerance="same math, other summation order and an online softmax, under bf16",
-         workloads=("gpt",)),
+         workloads=("gpt", "encoder_nli", "vit_bdh"),
+         why_na={"resnet_bk": "no attention: its token mixing is the BK-Core",
+                 "vit_bdh_linear": "linear attention has no softmax for a fused kernel to fuse"}),
     Step("05_fused_optimizer", "fused AdamW, set_to_none", {"fused_adamw": True}, 1e-2,
          why_tolerance="same update formula in one kernel; rounding order differs"),
     Step("06_torch_compile", "torch.compile", {"compile": True}, 1e-2,
          why_tolerance="same graph, fused kernels keep intermediates in fp32 registers"),
     Step("07_nice_shapes", "vocabulary padded to a multiple of 64", {"vocab_multiple": 64}, 1e-2,
          why_tolerance="padded logits are sliced off before the loss: same function, other GEMM tiling"),
+    Step("08_dataloader", "loader workers, pinned memory, prefetch, non_blocking copies", {"loader": "tuned"}, 1e-2,
+         why_tolerance="bit-identical batches; only run-to-run rounding of the compiled kernels differs",
+         workloads=("vit_bdh", "vit_bdh_linear", "encoder_nli"),
+         why_na={"gpt": "batches are slices of a pinned in-memory token tensor: nothing to decode or overlap",
+                 "resnet_bk": "batches are slices of a pinned in-memory token tensor: nothing to decode or overlap"}),
+    Step("09_cuda_graphs", "CUDA graphs (torch.compile mode='reduce-overhead')", {"cuda_graphs": True}, 1e-2,
+         gpu_only=True, why_tolerance="the same compiled kernels, replayed from a graph"),
+    Step("10_channels_last", "channels_last memory format", {"channels_last": True}, 1e-2,
+         why_tolerance="same convolution, other layout and cuDNN algorithm",
+         workloads=("vit_bdh", "vit_bdh_linear"),
+         why_na={"gpt": "no convolution", "resnet_bk": "no convolution", "encoder_nli": "no convolution"}),
+    Step("11_sequence_packing", "sequences packed, padding removed", {"packing": True}, 1e-2,
+         why_tolerance="the same sequences and loss; attention stays within each sequence, sums reordered",
+         workloads=("encoder_nli",),
+         why_na={"gpt": "its token stream is packed from step 01 (full rows of concatenated text, no padding); "
+                        "notebook 11 measures what padding would cost it",
+                 "resnet_bk": "its token stream is packed from step 01 (no padding)",
+                 "vit_bdh": "every image is 65 tokens: no padding",
+                 "vit_bdh_linear": "every image is 65 tokens: no padding"}),
     Step("12_bk_core", "BK-Core through the fastest custom kernel", {"bk_backend": "auto"}, 1e-2,
          why_tolerance="same recursions in fp32 in one kernel, other rounding, under bf16 elsewhere",
          workloads=("resnet_bk",)),
@@ -102,7 +128,7 @@ def check_available(step: Step, di: DeviceInfo) -> str | None:
         return f"{step.name} is GPU-only ({step.title}); this device is {di.kind}"
     if "tf32" in step.change and di.kind == "cuda" and not supports_tf32(di):
         return f"TF32 needs sm_80 or newer; this GPU is sm_{di.capability[0]}{di.capability[1]}"
-    if "compile" in step.change:
+    if "compile" in step.change or "cuda_graphs" in step.change:
         ok, why = supports_compile(di)
         if not ok:
             return f"torch.compile unavailable: {why}"
@@ -112,6 +138,8 @@ def check_available(step: Step, di: DeviceInfo) -> str | None:
 def applies(step: Step, workload: str) -> str | None:
     """Why ``step`` does not apply to ``workload`` (an 'n/a' row), else None."""
     if step.workloads is not None and workload not in step.workloads:
+        if workload in step.why_na:
+            return step.why_na[workload]
         return f"{step.name} changes a layer that {workload} does not have (applies to {', '.join(step.workloads)})"
     return None
 
@@ -126,6 +154,9 @@ def resolve_autocast(settings: Settings, di: DeviceInfo) -> Settings:
         raise ChoiceError("autocast", settings.autocast, (None, "bf16", "fp16"))
     if settings.attention not in ("manual", "sdpa"):
         raise ChoiceError("attention", settings.attention, ("manual", "sdpa"))
+    from .loader import LOADER_MODES
+    if settings.loader not in LOADER_MODES:
+        raise ChoiceError("loader", settings.loader, LOADER_MODES)
     return settings
 
 

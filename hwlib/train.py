@@ -47,6 +47,7 @@ class StepResult:
     peak_mem_gib: float | None = None      # allocated by tensors
     peak_reserved_gib: float | None = None # taken from the device by the caching allocator
     sdpa_backend: str | None = None
+    host_wait_ms: float | None = None      # per timed step, host blocked on the loader (hwlib.loader)
     notes: list = field(default_factory=list)
 
     @property
@@ -92,11 +93,17 @@ class Session:
         # Gradient accumulation: each step's batch runs as exact micro-batches of at most this size.
         self.micro_batch = micro_batch
         self.cfg, self.settings, self.device, self.seed = cfg, settings, device, seed
-        self.batches = self.wl.batches(cfg, device, seed, source)
+        self.batches = self.wl.batches(cfg, device, seed, source, settings)
         self.model = self.wl.build(cfg, settings, seed).to(device)
+        if settings.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)   # 4-d weights only
         self.opt = make_optimizer(self.model, cfg, settings)
         self.scaler = torch.amp.GradScaler("cuda") if settings.autocast == "fp16" else None
-        self.fwd = torch.compile(self.model) if settings.compile else self.model
+        self.fwd = self.model
+        if settings.compile or settings.cuda_graphs:
+            # reduce-overhead records the forward and backward graphs as CUDA graphs and replays them.
+            mode = "reduce-overhead" if settings.cuda_graphs and device.type == "cuda" else None
+            self.fwd = torch.compile(self.model, mode=mode)
 
     def forward_backward(self, batch, weight: float = 1.0) -> torch.Tensor:
         """Loss of ``batch`` and its gradient, scaled by ``weight``, added to ``.grad``."""
@@ -107,7 +114,8 @@ class Session:
                             f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
         scaled = loss * weight if weight != 1.0 else loss
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.detach()
+        # A CUDA-graph output lives in the graph's memory pool and is overwritten by the next replay.
+        return loss.detach().clone() if self.settings.cuda_graphs else loss.detach()
 
     def optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -118,6 +126,8 @@ class Session:
         self.opt.zero_grad(set_to_none=self.settings.fused_adamw)
 
     def step(self, i: int) -> torch.Tensor:
+        if self.settings.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()   # a new iteration: earlier outputs may be reused
         batch = self.batches(i)
         if self.micro_batch:
             from .memory.accumulation import accumulate, batch_size, plan_micro_batches
@@ -128,8 +138,11 @@ class Session:
         return loss
 
     def close(self) -> None:
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
         self.model = self.opt = self.fwd = self.scaler = None
-        if self.settings.compile:
+        if self.settings.compile or self.settings.cuda_graphs:
             torch._dynamo.reset()
         _free(self.device)
 
@@ -210,11 +223,18 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
         from tqdm.auto import tqdm
         bar = tqdm(total=total, desc=f"{wl.name} {st.name}", leave=False)
     try:
+        if settings.loader == "resident":
+            make = getattr(sess.batches, "make_resident", None)
+            if make is not None:
+                make(total)
+            else:  # a plain batch function: call it now for every step, keep the results
+                kept = {i: sess.batches(i) for i in range(total)}
+                sess.batches = kept.__getitem__
         with backend_flags(settings):
             if settings.attention == "sdpa":
                 with torch.no_grad(), autocast_ctx(settings, dev):
                     x = sess.batches(0)
-                    found = detect_sdpa_backend(lambda: sess.model(x[0][:1]))
+                    found = detect_sdpa_backend(lambda: sess.wl.loss(sess.model, x))
                     res.sdpa_backend = None if found == "none found" else found   # a model without attention
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -222,9 +242,11 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
             losses.append(first)
             bar and bar.update(1)
             clock = bench.StepClock(dev)
+            wait0 = None
             for i in range(1, total):
                 if i == pl.check + pl.warmup:
                     clock.mark()
+                    wait0 = getattr(sess.batches, "wait_s", None)
                 losses.append(sess.step(i))
                 if i >= pl.check + pl.warmup:
                     clock.mark()
@@ -233,6 +255,9 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
             vals = torch.stack(losses).float().cpu().tolist()  # one sync for the whole run
             if pl.timed:
                 res.timing = clock.timing()
+                wait1 = getattr(sess.batches, "wait_s", None)
+                if wait1 is not None and wait0 is not None:
+                    res.host_wait_ms = (wait1 - wait0) * 1e3 / pl.timed
             if dev.type == "cuda":
                 res.peak_mem_gib = torch.cuda.max_memory_allocated(dev) / 2**30
                 res.peak_reserved_gib = torch.cuda.max_memory_reserved(dev) / 2**30
@@ -376,6 +401,9 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
         if res.compile_s is not None:
             recs.append(results.make_record(metric="compile_s", value=res.compile_s, unit="s", extra=mid, **common))
         recs.append(results.make_record(metric="final_loss", value=res.final_loss, unit="nats", extra=mid, **common))
+        if res.host_wait_ms is not None:
+            recs.append(results.make_record(metric="host_wait_ms", value=res.host_wait_ms, unit="ms",
+                                            extra=mid, **common))
         if res.sdpa_backend:
             recs.append(results.make_record(metric="sdpa_backend", value=res.sdpa_backend, unit="", extra=mid, **common))
     if check is not None and check.against is not None:

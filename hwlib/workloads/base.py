@@ -37,18 +37,33 @@ def init_lm_weights(model: torch.nn.Module, seed: int, vocab: int, n_layer: int,
 class Workload:
     name: str = ""
     unit: str = "items"  # what throughput counts: tokens, samples
+    profiles: dict = {}  # profile name -> frozen config dataclass
 
     def config(self, profile: str, **overrides) -> Any:
         """The workload's size for a profile; keyword overrides name config fields."""
-        raise NotImplementedError
+        import dataclasses
+
+        from ..device import ChoiceError
+        if profile not in self.profiles:
+            raise ChoiceError("profile", profile, tuple(self.profiles))
+        base = self.profiles[profile]
+        fields = [f.name for f in dataclasses.fields(base)]
+        bad = sorted(set(overrides) - set(fields))
+        if bad:
+            raise ChoiceError(f"{type(base).__name__} field", bad[0], fields)
+        return dataclasses.replace(base, **overrides)
 
     def build(self, cfg: Any, settings: Settings, seed: int) -> torch.nn.Module:
         """The model, initialised on the CPU from ``seed`` so that every step, on every device,
         starts from the same weights."""
         raise NotImplementedError
 
-    def batches(self, cfg: Any, device: torch.device, seed: int, source: str | None = None) -> Callable[[int], Any]:
-        """``batches(i)`` returns batch ``i``, the same for every step of the ladder."""
+    def batches(self, cfg: Any, device: torch.device, seed: int, source: str | None = None,
+                settings: Settings | None = None) -> Callable[[int], Any]:
+        """``batches(i)`` returns batch ``i``, the same for every step of the ladder. Workloads with
+        a CPU-side pipeline honour ``settings.loader`` (``hwlib.loader``), ``settings.packing`` and
+        ``settings.channels_last``; the callable may have ``close()`` (called when the run ends)
+        and ``make_resident(n)`` (batches 0..n-1 kept on the device before timing)."""
         raise NotImplementedError
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -67,22 +82,8 @@ class TokenLMWorkload(Workload):
     loss are the same for every such workload; subclasses give the model, its config and FLOPs."""
 
     unit = "tokens"
-    profiles: dict = {}
 
-    def config(self, profile: str, **overrides):
-        import dataclasses
-
-        from ..device import ChoiceError
-        if profile not in self.profiles:
-            raise ChoiceError("profile", profile, tuple(self.profiles))
-        base = self.profiles[profile]
-        fields = [f.name for f in dataclasses.fields(base)]
-        bad = sorted(set(overrides) - set(fields))
-        if bad:
-            raise ChoiceError(f"{type(base).__name__} field", bad[0], fields)
-        return dataclasses.replace(base, **overrides)
-
-    def batches(self, cfg, device: torch.device, seed: int, source: str | None = None):
+    def batches(self, cfg, device: torch.device, seed: int, source: str | None = None, settings=None):
         from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
         tokens = text_file_tokens(source, cfg.vocab) if source else cached_synthetic_tokens(cfg.data_tokens, cfg.vocab, seed)
         return TokenBatches(tokens, cfg.batch, cfg.context, device)
