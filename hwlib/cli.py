@@ -11,6 +11,7 @@ from the others' results and therefore always run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -48,10 +49,12 @@ def select(nbs: list[Path], only: str | None) -> list[Path]:
 
 
 def _run_one(nb: Path, out_nb: Path, log: Path, env: dict, timeout: float, cell_timeout: float,
-             profile: str, device: str) -> tuple[str, str]:
+             profile: str, device: str, workloads: list[str] | None = None) -> tuple[str, str]:
     cmd = [sys.executable, "-m", "papermill", str(nb), str(out_nb), "-k", "python3", "--cwd", str(nb.parent),
            "-p", "profile", profile, "-p", "device", device, "--execution-timeout", str(int(cell_timeout)),
            "--no-progress-bar", "--log-output"]
+    if workloads:
+        cmd += ["-y", json.dumps({"workloads": workloads})]   # JSON is YAML: a list parameter
     with open(log, "w") as lf:
         # Own process group: on timeout the kernel dies with papermill, not left behind holding the GPU.
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -76,6 +79,10 @@ def reproduce(args) -> int:
     profile = resolve_profile(args.profile, dev)
     folder = Path(args.notebooks).resolve()
     nbs = select(list_notebooks(folder), args.only)
+    workloads = None
+    if getattr(args, "workloads", None):
+        from .workloads import get_workload
+        workloads = [get_workload(w).name for w in args.workloads.split(",") if w.strip()]
     run = results.run_dir(args.run)
     executed = run / "executed"
     executed.mkdir(exist_ok=True)
@@ -99,7 +106,7 @@ def reproduce(args) -> int:
         bar.set_postfix_str(nb.stem)
         t0 = time.perf_counter()
         status, why = _run_one(nb, executed / nb.name, executed / f"{nb.stem}.log", env, args.timeout,
-                               args.cell_timeout, profile, dev.type)
+                               args.cell_timeout, profile, dev.type, workloads)
         secs = time.perf_counter() - t0
         state[nb.stem] = {"status": status, "seconds": round(secs, 1), "reason": why,
                           "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -174,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default="auto", help="auto (full on a GPU, smoke on CPU), full or smoke")
     r.add_argument("--device", default="auto", help="auto, cuda or cpu")
     r.add_argument("--force", action="store_true", help="rerun notebooks already done in this run")
+    r.add_argument("--workloads", help="comma-separated workloads for the notebooks' `workloads` parameter "
+                                         "(default: each notebook's own list)")
     r.add_argument("--timeout", type=float, default=900, help="seconds per notebook (default 900)")
     r.add_argument("--cell-timeout", type=float, default=600, help="seconds per cell (default 600)")
     r.add_argument("--notebooks", default=str(NOTEBOOKS_DIR), help=argparse.SUPPRESS)

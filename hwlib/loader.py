@@ -180,3 +180,32 @@ def _to(batch, device: torch.device, non_blocking: bool):
     if isinstance(batch, (tuple, list)):
         return type(batch)(_to(v, device, non_blocking) for v in batch)
     return batch
+
+
+def throughput(like: LoaderBatches, workers: int, n_batches: int = 30, warmup: int = 3) -> dict:
+    """How fast a loader alone delivers batches to the device, model excluded: the supply side of
+    the step. ``like`` gives the dataset, batch size, collate and device; ``workers`` 0 means the
+    simple loader (everything in this process, blocking copy), more means the tuned one. Timing
+    starts after ``warmup`` batches (worker start-up is reported apart) and ends with the device
+    synchronised, so the copies are inside the time."""
+    if n_batches < 1:
+        raise ValueError(f"n_batches must be >= 1, got {n_batches}")
+    mode = "tuned" if workers > 0 else "simple"
+    b = LoaderBatches(like.dataset, like.batch, like.device, like.seed, mode, workers=workers,
+                      prefetch=like.prefetch, collate=like.collate, to_device=like._to_device)
+    sync = torch.cuda.synchronize if like.device.type == "cuda" else (lambda *_: None)
+    try:
+        t0 = time.perf_counter()
+        for i in range(warmup):
+            b(i)
+        sync()
+        t1 = time.perf_counter()
+        for i in range(warmup, warmup + n_batches):
+            b(i)
+        sync()
+        t2 = time.perf_counter()
+    finally:
+        b.close()
+    per_s = n_batches / (t2 - t1)
+    return {"workers": workers, "mode": mode, "batches_per_s": per_s, "samples_per_s": per_s * like.batch,
+            "ms_per_batch": 1e3 / per_s, "startup_s": t1 - t0}

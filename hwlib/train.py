@@ -428,3 +428,47 @@ def measure(workload: str, step: str, *, notebook: str, profile: str = "auto", d
     if res.status == "nonfinite":
         warnings.warn(f"{workload} {step}: {res.reason}", stacklevel=2)
     return res, check
+
+
+def measure_data_wait(workload: str, step: str, *, notebook: str, also: tuple[str, ...] = (), profile: str = "auto",
+                      device="auto", run=None, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Share of step time spent on data, for ``step`` and the steps in ``also``.
+
+    The step runs again with every batch produced before timing and kept on the device
+    (``loader="resident"``): the same model, settings and batches at zero data cost. The share is
+    ``1 - t_resident / t_step``, against the step's time already recorded in this run. Steps in
+    ``also`` must differ from ``step`` only in the loader, so the one resident run is their floor too.
+    Records ``data_wait_share`` for each; returns the rows."""
+    st = get_step(step)
+    base = settings_for(st.name)
+    for other in also:
+        diff = settings_for(other).diff(base)
+        if set(diff) - {"loader"}:
+            raise ValueError(f"{other} differs from {st.name} in {sorted(set(diff) - {'loader'})}, not only the loader: "
+                             f"one resident run cannot be the floor of both")
+    res = run_step(workload, st.name, profile=profile, device=device, seed=seed, progress=progress,
+                   settings=dataclasses.replace(base, loader="resident"))
+    if res.status != "ok":
+        return [{"workload": workload, "step": s, "status": res.status, "reason": res.reason} for s in (st.name, *also)]
+    recs = results.load(run)
+    rows, out = [], []
+    for s in (st.name, *also):
+        ms = next((r for r in recs if r.get("workload") == workload and r.get("step") == s and r.get("notebook") == s
+                   and r.get("metric") == "ms_per_step" and r.get("value") is not None), None)  # the ladder's own row
+        if ms is None:
+            rows.append({"workload": workload, "step": s, "status": "not measured",
+                         "reason": f"{s} has no step time in this run: measure it first"})
+            continue
+        share = max(0.0, 1.0 - res.timing.median_ms / ms["value"])
+        loader_mode = (ms.get("params") or {}).get("settings", {}).get("loader")
+        rows.append({"workload": workload, "step": s, "status": "ok", "loader": loader_mode, "step_ms": ms["value"],
+                     "resident_ms": res.timing.median_ms, "data_wait_share": share})
+        out.append(results.make_record(
+            notebook=notebook, workload=workload, step=s, metric="data_wait_share", value=share,
+            unit="fraction of step time", params={"loader": loader_mode, "settings": res.settings, "seed": seed},
+            device={k: res.device.get(k) for k in ("kind", "name", "capability")}, profile=res.profile,
+            extra={"step_ms": ms["value"], "resident_ms": res.timing.median_ms,
+                   "resident_p20": res.timing.p20_ms, "resident_p80": res.timing.p80_ms}))
+    if out:
+        results.append(out, run)
+    return rows

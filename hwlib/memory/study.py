@@ -22,6 +22,8 @@ TECHNIQUES: dict[str, tuple[dict, int]] = {
     "fp32 (TF32)": ({"autocast": None}, 1),
     "bf16": ({}, 1),
     "bf16 + checkpointing(blocks)": ({"checkpointing": "all"}, 1),
+    "bf16 + checkpointing(head)": ({"checkpointing": "head"}, 1),
+    "bf16 + checkpointing(every 2nd block, head)": ({"checkpointing": "every_2,head"}, 1),
     "bf16 + checkpointing(blocks, head)": ({"checkpointing": "all,head"}, 1),
     "bf16 + accumulation x4": ({}, 4),
     "bf16 + offload": ({"offload_optimizer": True}, 1),

@@ -1,0 +1,297 @@
+"""DeBERTa-base-shaped NLI classifier: a bidirectional post-LayerNorm encoder over premise/hypothesis pairs.
+
+The seed (``003``) fine-tunes DeBERTa-v3-base on NLI with every pair padded to 512 tokens. This
+model has its shape: 12 layers, width 768, 12 heads, GELU (erf) MLP of 3072, post-LayerNorm
+(LayerNorm after each residual sum, as BERT and DeBERTa), an embedding LayerNorm, and DeBERTa's
+context pooler (dense + GELU on the [CLS] token) before a 3-way classifier trained with
+cross-entropy. No dropout, so that two steps of the ladder compute the same function. Full
+profile: batch 32 pairs of [CLS] premise [SEP] hypothesis [SEP] padded to 512, vocabulary 30522
+(BERT's size): 85.1M encoder + 23.8M embedding + 0.6M head = 109.5M parameters (DeBERTa-v3-base
+has the same 86M backbone and a 128k-token, 98M embedding).
+
+Not reproduced: DeBERTa's disentangled attention (content-to-position and position-to-content
+scores from relative-position embeddings) and its enhanced mask decoder. Plain learned absolute
+positions are added to the token embeddings instead. For what the ladder measures this does not
+matter: the extra terms are two more [T, T] score matrices per head, which cost FLOPs and memory
+like the content scores but change none of the optimizations studied (precision, fused attention,
+compile, CUDA graphs, loader, packing); a packed sequence keeps its own position ids exactly as it
+would keep its own relative positions. No segment (token-type) embeddings: DeBERTa-v3 has none.
+
+Two batch layouts (``hwlib.nli_data``), the same samples in the same order:
+
+* padded (steps 01-10): ids [B, 512] with a key-padding mask; every query attends to the real keys
+  of its own row;
+* packed (step 11, ``Settings.packing``): the pairs first-fit into rows of 512 tokens (3-4 rows
+  instead of 32 for the synthetic data), each token with its position inside its own pair and the
+  pair's index; attention gets the block-diagonal mask seq_q == seq_k, so every pair attends only
+  to itself, and the classifier reads each pair's [CLS] by a flat index. Row tails attend to each
+  other, never to a pair, so no softmax row is empty and nothing leaks into the loss.
+
+Why this mechanism: a dense [R, 1, 512, 512] boolean mask goes through ``F.scaled_dot_product_attention``
+(the memory-efficient kernel on CUDA; flash takes no mask) and through the manual path alike, runs
+on CPU, is traced by torch.compile without data-dependent control flow, and leaves one varying
+dimension (the row count R), so CUDA graphs record a handful of shapes. Masked-out tiles inside a
+row are still computed; FlexAttention's block mask or a varlen flash kernel could skip them, but
+attention is ~10% of this model's FLOPs at 512-token rows, and both need per-batch block metadata
+(and FlexAttention a compiled kernel even to be fast), while the dense mask removes the >90% of
+work that padding costs with no new code path.
+
+FLOPs of one training step count real tokens only (padding is work, not useful work; forward x 3
+for forward + backward, attention in full as PaLM's MFU does). For a batch of pairs of n_i tokens:
+
+    3 * [ L * ((8 d^2 + 4 d f) * sum n_i + 4 d * sum n_i^2) + B * (2 d^2 + 2 d C) ]
+
+8 d^2: QKV (6 d^2) and output projection (2 d^2) per token; 4 d f: the MLP (16 d^2 at f = 4d);
+4 d n_i per token: QK^T and AV over its own pair's n_i keys; 2 d^2 + 2 d C: pooler and classifier
+on each [CLS]. ``flops_per_step`` uses sum n_i = B E[n] and sum n_i^2 = B E[n^2] over the
+synthetic set of the config (seed 0, after truncation).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from .. import nli_data
+from ..shapes import padded
+from ..steps import Settings
+from .base import Workload, init_lm_weights
+from .gpt import parse_checkpointing
+
+
+@dataclass(frozen=True)
+class EncoderNLIConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    d_ff: int = 3072
+    context: int = 512
+    vocab: int = 30522
+    n_classes: int = 3
+    batch: int = 32
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    n_samples: int = 20_000       # synthetic pairs (an epoch is n_samples // batch steps)
+    n_words: int = 8000           # synthetic lexicon
+
+    def __post_init__(self):
+        for f in ("n_layer", "n_head", "d_model", "d_ff", "context", "vocab", "n_classes", "batch", "n_samples",
+                  "n_words"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"EncoderNLIConfig.{f} must be a positive integer, got {v!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"EncoderNLIConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.context < nli_data.MIN_CONTEXT:
+            raise ValueError(f"EncoderNLIConfig.context must be at least {nli_data.MIN_CONTEXT} "
+                             f"([CLS] premise [SEP] hypothesis [SEP]), got {self.context}")
+        if self.n_classes != len(nli_data.LABELS):
+            raise ValueError(f"EncoderNLIConfig.n_classes must be {len(nli_data.LABELS)} "
+                             f"({', '.join(nli_data.LABELS)}), got {self.n_classes}")
+        if self.n_words > (self.vocab - nli_data.N_RESERVED - 2) // 2:
+            raise ValueError(f"EncoderNLIConfig.n_words ({self.n_words}) must be at most half the hashed "
+                             f"vocabulary, {(self.vocab - nli_data.N_RESERVED - 2) // 2} for vocab {self.vocab}")
+        for f, lo in (("lr", 0.0), ("weight_decay", None)):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0 or (lo is not None and v <= lo):
+                need = "positive" if lo is not None else "non-negative"
+                raise ValueError(f"EncoderNLIConfig.{f} must be a finite {need} number, got {v!r}")
+
+
+PROFILES = {
+    "full": EncoderNLIConfig(),
+    "smoke": EncoderNLIConfig(n_layer=2, n_head=4, d_model=64, d_ff=256, context=128, vocab=1000, batch=8,
+                              lr=2e-3, n_samples=2000, n_words=300),
+}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: EncoderNLIConfig, attention: str):
+        super().__init__()
+        self.n_head, self.d = cfg.n_head, cfg.d_model
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attention = attention
+
+    def forward(self, x, mask):
+        """``mask``: bool, broadcastable to [B, H, T, T], True where the query may see the key."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(self.d, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(~mask, float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        return self.out(y.transpose(1, 2).reshape(B, T, C))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: EncoderNLIConfig, attention: str):
+        super().__init__()
+        self.attn = SelfAttention(cfg, attention)
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=1e-7)
+        self.mlp_in = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.mlp_out = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=1e-7)
+
+    def forward(self, x, mask):
+        x = self.ln_1(x + self.attn(x, mask))
+        return self.ln_2(x + self.mlp_out(F.gelu(self.mlp_in(x))))
+
+
+class EncoderNLI(nn.Module):
+    def __init__(self, cfg: EncoderNLIConfig, attention: str = "manual", vocab_multiple: int = 1,
+                 checkpointing: str = "none"):
+        super().__init__()
+        self.cfg = cfg
+        self.checkpointed, _ = parse_checkpointing(checkpointing, cfg.n_layer)   # "head": no vocabulary head here
+        self.vocab_padded = padded(cfg.vocab, vocab_multiple)
+        self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        self.ln_emb = nn.LayerNorm(cfg.d_model, eps=1e-7)
+        self.blocks = nn.ModuleList(EncoderLayer(cfg, attention) for _ in range(cfg.n_layer))
+        self.pool = nn.Linear(cfg.d_model, cfg.d_model)
+        self.classifier = nn.Linear(cfg.d_model, cfg.n_classes)
+
+    def init_weights(self, seed: int) -> "EncoderNLI":
+        """BERT initialisation: N(0, 0.02) weights and embeddings, zero biases, unit LayerNorm
+        gains, from a CPU generator (``base.init_lm_weights`` with no scaled residual projections)."""
+        return init_lm_weights(self, seed, self.cfg.vocab, self.cfg.n_layer, ())
+
+    def set_attention(self, attention: str) -> None:
+        for b in self.blocks:
+            b.attn.attention = attention
+
+    def forward(self, ids, labels=None, keep=None, pos=None, seq=None, cls=None):
+        """Padded: ``ids``, ``keep`` [B, T]. Packed: ``ids``, ``pos``, ``seq`` [R, T] and ``cls`` [B]
+        (``nli_data.PackCollate``). Returns the mean cross-entropy, or the logits without labels."""
+        R, T = ids.shape
+        if T > self.cfg.context:
+            raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
+        if seq is None:
+            x = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
+            mask = keep[:, None, None, :]                          # key padding, [B, 1, 1, T]
+        else:
+            x = self.wte(ids) + self.wpe(pos)
+            mask = (seq[:, :, None] == seq[:, None, :])[:, None]   # block-diagonal, [R, 1, T, T]
+        x = self.ln_emb(x)
+        for i, block in enumerate(self.blocks):
+            if i in self.checkpointed and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)
+            else:
+                x = block(x, mask)
+        h = x[:, 0] if seq is None else x.reshape(R * T, -1).index_select(0, cls)
+        logits = self.classifier(F.gelu(self.pool(h)))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float(), labels)
+
+
+@functools.lru_cache(maxsize=32)
+def length_moments(cfg: EncoderNLIConfig) -> tuple[float, float]:
+    """E[n] and E[n^2] of the pair lengths n (tokens, after truncation) of the synthetic set, seed 0."""
+    lengths = _synthetic(cfg, 0).lengths.astype("float64")
+    return float(lengths.mean()), float((lengths ** 2).mean())
+
+
+def flops_formula(cfg: EncoderNLIConfig, tokens: float, sum_sq: float, pairs: int) -> float:
+    """Forward + backward FLOPs for ``pairs`` pairs with ``tokens`` real tokens in all and
+    ``sum_sq`` = sum of squared pair lengths (see the module docstring)."""
+    L, d, f, C = cfg.n_layer, cfg.d_model, cfg.d_ff, cfg.n_classes
+    return 3.0 * (L * ((8 * d * d + 4 * d * f) * tokens + 4 * d * sum_sq) + pairs * (2 * d * d + 2 * d * C))
+
+
+@functools.lru_cache(maxsize=8)
+def _synthetic(cfg: EncoderNLIConfig, seed: int) -> nli_data.SyntheticNLI:
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # truncation is reported by the data set's .truncated
+        return nli_data.SyntheticNLI(cfg.n_samples, cfg.vocab, cfg.context, seed, cfg.n_words)
+
+
+def dataset(cfg: EncoderNLIConfig, seed: int = 0, source: str | None = None):
+    """The synthetic pairs for ``seed``, or the pairs of a local JSONL file."""
+    if source:
+        return nli_data.JsonlNLI(source, cfg.vocab, cfg.context)
+    ds = _synthetic(cfg, seed)
+    nli_data._warn_truncated(ds.truncated, len(ds), cfg.context, "synthetic NLI set")
+    return ds
+
+
+def padding_stats(cfg: EncoderNLIConfig, seed: int = 0, n_batches: int = 50, source: str | None = None) -> dict:
+    """What padding costs and what packing removes, over batches 0..n_batches-1 of the loader.
+
+    real: tokens of the pairs; padded: batch x context (steps 01-10); packed: rows x context after
+    first-fit packing (step 11). ``removed`` is the share of padding tokens that packing removes."""
+    from ..loader import _StepSampler
+    ds = dataset(cfg, seed, source)
+    order = _StepSampler(len(ds), cfg.batch, seed)
+    real = packed = 0
+    rows_seen: set[int] = set()
+    for i in range(n_batches):
+        lengths = ds.lengths[order.indices(i)]
+        rows = 1 + max(r for r, _ in nli_data.pack_rows(lengths, cfg.context))
+        rows_seen.add(rows)
+        real += int(lengths.sum())
+        packed += rows * cfg.context
+    pad = n_batches * cfg.batch * cfg.context
+    return {"batches": n_batches, "real_tokens": real, "padded_tokens": pad, "packed_tokens": packed,
+            "padding_share_padded": 1 - real / pad, "padding_share_packed": 1 - real / packed,
+            "removed": (pad - packed) / (pad - real) if pad > real else 0.0,
+            "packed_rows": sorted(rows_seen), "truncated_pairs": ds.truncated, "pairs": len(ds)}
+
+
+def _to_device(batch, device: torch.device, non_blocking: bool):
+    out = tuple(t.to(device, non_blocking=non_blocking) for t in batch)
+    if len(out) == 5:
+        # The packed row count changes from batch to batch: compile it as a dynamic dimension once
+        # instead of specialising on the first count and recompiling on the second.
+        for t in out[:3]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return out
+
+
+class EncoderNLIWorkload(Workload):
+    name = "encoder_nli"
+    unit = "samples"
+    profiles = PROFILES
+
+    def build(self, cfg: EncoderNLIConfig, settings: Settings, seed: int) -> EncoderNLI:
+        return EncoderNLI(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
+                          checkpointing=settings.checkpointing).init_weights(seed)
+
+    def batches(self, cfg: EncoderNLIConfig, device: torch.device, seed: int, source: str | None = None,
+                settings: Settings | None = None):
+        from ..loader import LoaderBatches
+        settings = settings or Settings()
+        ds = dataset(cfg, seed, source)
+        if len(ds) < cfg.batch:
+            where = f"NLI data file {source!r}" if source else "the synthetic NLI set"
+            raise ValueError(f"{where} has {len(ds)} pairs, fewer than one batch of {cfg.batch}")
+        collate = nli_data.PackCollate(cfg.context) if settings.packing else nli_data.PadCollate(cfg.context)
+        lb = LoaderBatches(ds, cfg.batch, device, seed, mode=settings.loader, collate=collate, to_device=_to_device)
+        lb.truncated = ds.truncated   # pairs cut to the context, for the notebook to show
+        return lb
+
+    def loss(self, model, batch):
+        if len(batch) == 3:
+            ids, keep, labels = batch
+            return model(ids, labels, keep=keep)
+        ids, pos, seq, cls, labels = batch
+        return model(ids, labels, pos=pos, seq=seq, cls=cls)
+
+    def flops_per_step(self, cfg: EncoderNLIConfig) -> float:
+        mean, mean_sq = length_moments(cfg)
+        return flops_formula(cfg, cfg.batch * mean, cfg.batch * mean_sq, cfg.batch)
+
+    def items_per_step(self, cfg: EncoderNLIConfig) -> int:
+        return cfg.batch
