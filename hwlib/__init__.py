@@ -4,3 +4,5 @@ Data flows one way: notebook parameters -> ``train`` -> ``bench`` -> ``results``
 """
 
 __version__ = "0.1.0"
+
+from . import audit  # noqa: E402  (hwlib.audit(model, optimizer, loader) is callable)

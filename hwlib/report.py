@@ -251,6 +251,9 @@ def write_all(run=None) -> dict:
             fig = ladder_figure(rows, w, ceil, path=d / "figures" / f"{w}_ladder.png")
             plt.close(fig)
             written[f"{w}.png"] = d / "figures" / f"{w}_ladder.png"
+    from . import claims
+    written["claims.md"] = results.write_atomic(d / "tables" / "claims.md", "# The seeds' claims beside this run's measurements\n\n"
+                                                + claims.markdown(claims.evaluate(d), level=2))
     written["summary.json"] = results.write_json(d / "summary.json", summary(d))
     return written
 
@@ -271,6 +274,11 @@ def readme_block(run) -> str:
     for w in s["workloads"]:
         rows = ladder_rows(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
+    from . import claims
+    lines += ["### The seeds' claims, measured", "",
+              "Each claim of the five seed write-ups beside the ratio this run measured for the same change "
+              "(`hwlib/claims.py` says how each is looked up; the verdicts are derived, not typed).", "",
+              claims.markdown(claims.evaluate(run), level=4), ""]
     lines.append(time_table(run))
     return "\n".join(lines)
 

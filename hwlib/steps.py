@@ -84,8 +84,8 @@ LADDER: tuple[Step, ...] = (
     Step("11_sequence_packing", "sequences packed, padding removed", {"packing": True}, 1e-2,
          why_tolerance="the same sequences and loss; attention stays within each sequence, sums reordered",
          workloads=("encoder_nli",),
-         why_na={"gpt": "its token stream is packed from step 01 (full rows of concatenated text, no padding); "
-                        "notebook 11 measures what padding would cost it",
+         why_na={"gpt": "its token stream is packed from step 01: every row is a full window of concatenated "
+                        "text, with no padding to remove",
                  "resnet_bk": "its token stream is packed from step 01 (no padding)",
                  "vit_bdh": "every image is 65 tokens: no padding",
                  "vit_bdh_linear": "every image is 65 tokens: no padding"}),

@@ -1,0 +1,168 @@
+import json
+
+import pytest
+
+from hwlib import claims, results
+
+REF = results.REPO_ROOT / "outputs" / "reference" / "h100"
+GPU = {"kind": "cuda", "name": "Test GPU"}
+
+
+def put_step(run, workload, step, ms, peak=None, spread=0.01, device=GPU):
+    common = dict(notebook=step, workload=workload, step=step, profile="full", device=device)
+    recs = [results.make_record(metric="ms_per_step", value=ms, p20=ms * (1 - spread), p80=ms * (1 + spread),
+                                unit="ms", **common),
+            results.make_record(metric="tokens_per_s", value=1e6 / ms, unit="tokens/s", **common)]
+    if peak is not None:
+        recs.append(results.make_record(metric="peak_mem_gib", value=peak, unit="GiB", **common))
+    results.append(recs, run)
+
+
+def put_technique(run, workload, name, ms, peak):
+    common = dict(notebook="13_memory", workload=workload, step=f"memory: {name}", profile="full")
+    results.append([results.make_record(metric="ms_per_step", value=ms, p20=ms, p80=ms, unit="ms", **common),
+                    results.make_record(metric="peak_alloc_gib", value=peak, unit="GiB", **common)], run)
+
+
+@pytest.fixture
+def synthetic(tmp_path):
+    """A gpt ladder (no encoder_nli): 01 100 ms, 02 50, 03 (bf16) 66.7 -> 1.5x over 01, 04 40,
+    05 (fused) 33.3 -> 1.2x, 06 (compile) 37 -> 0.9x; memory 10 -> 4 GiB at 03; a memory study
+    where checkpointing costs +40% time and cuts 60% memory; the seed recursion failing at N=122."""
+    run = tmp_path / "synthetic"
+    put_step(run, "gpt", "01_baseline_fp32", 100.0, peak=10.0)
+    put_step(run, "gpt", "02_tf32", 50.0, peak=10.0)
+    put_step(run, "gpt", "03_bf16_autocast", 100.0 / 1.5, peak=4.0)
+    put_step(run, "gpt", "04_sdpa_attention", 40.0, peak=4.0)
+    put_step(run, "gpt", "05_fused_optimizer", 40.0 / 1.2, peak=4.0)
+    put_step(run, "gpt", "06_torch_compile", 40.0 / 1.2 / 0.9, peak=4.0)
+    put_technique(run, "gpt", "bf16", 100.0, 10.0)
+    put_technique(run, "gpt", "bf16 + checkpointing(blocks)", 140.0, 4.0)
+    results.append(results.make_record(notebook="12_bk_core", workload="bk_core", step=None,
+                                       metric="theta_phi_first_failing_N_complex64", value=122, unit="N"), run)
+    return run
+
+
+def by_claim(rows, seed, text):
+    hits = [r for r in rows if r["seed"] == seed and r["claim"] == text]
+    assert len(hits) == 1, (seed, text, [r["claim"] for r in rows if r["seed"] == seed])
+    return hits[0]
+
+
+def test_verdicts_on_synthetic_results(synthetic):
+    rows = claims.evaluate(synthetic)
+    assert {r["verdict"] for r in rows} <= set(claims.VERDICTS)
+    fused = by_claim(rows, "003", "Fused AdamW")                    # 1.2x against 1.05-1.10x
+    assert fused["measured"] == pytest.approx(1.2) and fused["verdict"] == "holds"
+    assert fused["workload"] == "gpt" and fused["gpu"] == "Test GPU"
+    assert (fused["from"], fused["to"]) == ("04_sdpa_attention", "05_fused_optimizer")
+    assert "nearest measured workload" in fused["note"] and "encoder_nli" in fused["note"]
+    bf16 = by_claim(rows, "003", "bf16 autocast vs fp32")           # 1.5x against 2x
+    assert bf16["measured"] == pytest.approx(1.5) and bf16["verdict"] == "partly"
+    comp = by_claim(rows, "002", "torch.compile")                   # 0.9x against 10-30%
+    assert comp["measured"] == pytest.approx(0.9) and comp["verdict"] == "fails"
+    tf32 = by_claim(rows, "003", "TF32 on top of bf16")             # premise: measured 02 vs 01 instead
+    assert tf32["verdict"] == "premise fails" and tf32["measured"] == pytest.approx(2.0)
+    assert "bf16" in tf32["note"]
+    workers = by_claim(rows, "003", "Persistent workers")            # encoder_nli's step 08 is not in the run
+    assert workers["verdict"] == "not measured" and workers["measured"] is None
+    assert "encoder_nli" in workers["note"]
+    mem = by_claim(rows, "003", "bf16 autocast halves memory")      # 10 -> 4 GiB: -60% against -50%
+    assert mem["measured"] == pytest.approx(0.6) and mem["verdict"] == "holds"
+    slow = by_claim(rows, "002", "Gradient checkpointing costs time")  # +40% against ~30%
+    assert slow["measured"] == pytest.approx(1.4) and slow["verdict"] == "fails"
+    ck = by_claim(rows, "002", "Gradient checkpointing halves memory")
+    assert ck["measured"] == pytest.approx(0.6) and ck["verdict"] == "holds"
+    mixed = [r for r in rows if r["seed"] == "000" and r["claim"].startswith("Mixed-precision BK-Core")][0]
+    assert mixed["measured"] == 122 and mixed["verdict"] == "premise fails"
+    ddp = by_claim(rows, "000", "DDP training scales over 2-4 GPUs")
+    assert ddp["verdict"] == "not measured" and "GPUs" in ddp["note"]
+    for r in rows:
+        if r["seed"] == "001":
+            assert r["verdict"] == "not measured" and "generation" in r["note"]
+
+
+def test_a_cpu_run_gives_no_verdict_on_gpu_claims(tmp_path):
+    run = tmp_path / "cpu"
+    cpu = {"kind": "cpu", "name": "cpu"}
+    put_step(run, "gpt", "04_sdpa_attention", 40.0, device=cpu)
+    put_step(run, "gpt", "05_fused_optimizer", 20.0, device=cpu)
+    row = by_claim(claims.evaluate(run), "003", "Fused AdamW")
+    assert row["measured"] == pytest.approx(2.0) and row["verdict"] == "not measured"
+    assert "smoke" in row["note"]
+
+
+def test_a_gain_inside_the_timing_spread_is_no_gain(tmp_path):
+    run = tmp_path / "noisy"
+    put_step(run, "gpt", "05_fused_optimizer", 50.0, spread=0.2)
+    put_step(run, "gpt", "06_torch_compile", 50.0 / 1.08, spread=0.2)
+    row = by_claim(claims.evaluate(run), "002", "torch.compile")
+    assert row["measured"] == pytest.approx(1.08) and row["verdict"] == "fails"
+    assert "spread" in row["note"]
+
+
+@pytest.mark.parametrize("quantity,measured,bound,noise,expected", [
+    ("speed", 2.0, 2.0, 0.0, "holds"), ("speed", 1.5, 2.0, 0.0, "partly"), ("speed", 1.0, 2.0, 0.0, "fails"),
+    ("speed", 0.8, 1.1, 0.0, "fails"), ("speed", 1.05, 1.5, 0.1, "fails"), ("speed", 1.2, None, 0.1, "holds"),
+    ("memory_cut", 0.5, 0.5, 0.0, "holds"), ("memory_cut", 0.2, 0.5, 0.0, "partly"),
+    ("memory_cut", -0.1, 0.5, 0.0, "fails"), ("slowdown", 1.1, 1.3, 0.0, "holds"),
+    ("slowdown", 1.4, 1.3, 0.0, "fails"), ("speed", None, 2.0, 0.0, "not measured"),
+])
+def test_verdict_rules(quantity, measured, bound, noise, expected):
+    assert claims.verdict(quantity, measured, bound, noise) == expected
+
+
+def test_every_seed_has_a_table_with_all_its_claims(synthetic):
+    rows = claims.evaluate(synthetic)
+    tabs = claims.tables(rows)
+    assert list(tabs) == ["000", "001", "002", "003", "004"]
+    for sid, table in tabs.items():
+        n = sum(1 for c in claims.CLAIMS if c.seed == sid)
+        assert n >= 4
+        assert table.count("\n") == n + 2               # header, rule, one line per claim
+        assert table.startswith("| claim | claimed | measured here |")
+    md = claims.markdown(rows)
+    for s in claims.SEEDS.values():
+        assert f"{s.id} · {s.title}" in md and s.file in md
+    assert "| Fused AdamW | 1.05-1.10x | 1.20x |" in tabs["003"]
+
+
+def test_the_claim_table_is_well_formed():
+    for c in claims.CLAIMS:
+        assert c.seed in claims.SEEDS and c.claim and c.claimed and c.compares
+        if isinstance(c.measure, claims.NotHere):
+            assert c.measure.reason
+        for label, lk in c.also:
+            assert label and not isinstance(lk, claims.NotHere)
+
+
+def test_reference_h100_gives_the_gpt_ladder_ratios():
+    if not (REF / "results.jsonl").exists():
+        pytest.skip("no H100 reference run in this checkout")
+    summ = json.loads((REF / "summary.json").read_text())
+    steps = {s["step"]: s for s in summ["workloads"]["gpt"]["steps"]}
+    ratio = lambda a, b: steps[b]["tokens_per_s"] / steps[a]["tokens_per_s"]  # noqa: E731
+    rows = claims.evaluate(REF)
+    checks = {("003", "bf16 autocast vs fp32"): ratio("01_baseline_fp32", "03_bf16_autocast"),
+              ("003", "Fused AdamW"): ratio("04_sdpa_attention", "05_fused_optimizer"),
+              ("002", "torch.compile"): ratio("05_fused_optimizer", "06_torch_compile"),
+              ("002", "bf16 mixed precision trains faster"): ratio("02_tf32", "03_bf16_autocast"),
+              ("003", "TF32 on top of bf16"): ratio("01_baseline_fp32", "02_tf32")}
+    for (seed, text), expected in checks.items():
+        row = by_claim(rows, seed, text)
+        assert row["workload"] == "gpt" and row["gpu"] == summ["device"]["name"]
+        assert row["measured"] == pytest.approx(expected, rel=1e-9)
+    assert by_claim(rows, "003", "TF32 on top of bf16")["verdict"] == "premise fails"
+    assert by_claim(rows, "002", "torch.compile")["verdict"] == "holds"      # ~2x against 10-30%
+    mm = summ["ceilings"]["matmul_tflops"]
+    tf32 = by_claim(rows, "002", "TF32 speeds up fp32 matrix multiplications")
+    assert tf32["measured"] == pytest.approx(mm["tf32"] / mm["fp32"], rel=1e-9)
+    assert all(r["measured"] is None for r in rows if r["seed"] == "004" and r["verdict"] == "not measured")
+
+
+def test_a_missing_run_has_nothing_measured_and_is_not_created(tmp_path):
+    missing = tmp_path / "nope"
+    rows = claims.evaluate(missing)
+    assert not missing.exists()
+    assert {r["verdict"] for r in rows} == {"not measured", "premise fails"}
+    assert all(r["measured"] is None for r in rows)
