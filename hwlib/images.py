@@ -15,8 +15,8 @@ of a real input pipeline, so that step 08 has something to overlap:
 
 The synthetic set has structure to learn at several levels, so losses fall from the first steps
 and keep falling: the class sets the hue of the foreground (hues 0.1 apart, jittered by up to
-+-0.05, so colour alone is ambiguous between neighbours), the kind of pattern (horizontal, vertical
-or diagonal stripes, rings, checkerboard) and its spatial frequency; every image has its own phase,
++-0.05, so colour alone is ambiguous between neighbours), the kind of pattern (stripes at 0, 90 or +-45
+degrees, rings, checkerboard) and its spatial frequency; every image has its own phase,
 orientation jitter, contrast, background, a class-independent distractor blob and pixel noise.
 Diagonal stripes take a random sign, so the horizontal flip never turns one class into another.
 
@@ -168,12 +168,20 @@ class _ImageSet:
             flip = g.random() < 0.5
             # Crop of the zero-padded image at (dy, dx): the overlapping part of the original.
             out = np.zeros_like(img)
-            ys, xs = slice(max(0, PAD - dy), IMAGE - max(0, dy - PAD)), slice(max(0, PAD - dx), IMAGE - max(0, dx - PAD))
-            yo, xo = slice(max(0, dy - PAD), IMAGE - max(0, PAD - dy)), slice(max(0, dx - PAD), IMAGE - max(0, PAD - dx))
-            out[ys, xs] = img[yo, xo]
+            out[_dst(dy), _dst(dx)] = img[_src(dy), _src(dx)]
             img = out[:, ::-1] if flip else out
         x = (img.transpose(2, 0, 1).astype(np.float32) * (1.0 / (255.0 * STD))) - (MEAN / STD)
         return torch.from_numpy(np.ascontiguousarray(x)), torch.tensor(self.labels[index], dtype=torch.int64)
+
+
+def _dst(d: int) -> slice:
+    """Pixels of a crop at offset ``d`` into the padded image that come from the original."""
+    return slice(max(0, PAD - d), IMAGE - max(0, d - PAD))
+
+
+def _src(d: int) -> slice:
+    """Where those pixels lie in the original."""
+    return slice(max(0, d - PAD), IMAGE - max(0, PAD - d))
 
 
 class EncodedImages(_ImageSet):
@@ -226,7 +234,8 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
     _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
                 ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
                 ("numpy._core.multiarray", "scalar"), ("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"),
-                ("__builtin__", "object"), ("builtins", "object")}
+                ("__builtin__", "object"), ("builtins", "object"),
+                ("_codecs", "encode")}   # how Python 3 writes bytes at protocol 2
 
     def find_class(self, module, name):
         if (module, name) not in self._ALLOWED:
@@ -245,14 +254,16 @@ def read_cifar_batch(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     Errors name the file and what is wrong with it."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"CIFAR-10 file {str(p)!r} is missing" + ("" if not p.exists() else " (not a regular file)"))
+        raise FileNotFoundError(f"CIFAR-10 file {str(p)!r} is missing"
+                                + ("" if not p.exists() else " (not a regular file)"))
     try:
         with open(p, "rb") as f:
             d = _NumpyOnlyUnpickler(f, encoding="bytes").load()
     except Exception as e:  # truncated, not a pickle, or a pickle of something else
         raise ValueError(f"CIFAR-10 file {str(p)!r} is not a readable CIFAR pickle: {type(e).__name__}: {e}") from None
     if not isinstance(d, dict):
-        raise ValueError(f"CIFAR-10 file {str(p)!r} holds a {type(d).__name__}, expected a dict with 'data' and 'labels'")
+        raise ValueError(f"CIFAR-10 file {str(p)!r} holds a {type(d).__name__}, "
+                         f"expected a dict with 'data' and 'labels'")
     data, labels = _get(d, "data"), _get(d, "labels")
     if data is None or labels is None:
         raise ValueError(f"CIFAR-10 file {str(p)!r} lacks {'data' if data is None else 'labels'!r} "
@@ -274,7 +285,8 @@ def read_cifar_batch(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     return data.reshape(-1, CHANNELS, IMAGE, IMAGE).transpose(0, 2, 3, 1).copy(), labels
 
 
-def cifar10(source: str | os.PathLike, *, split: str = "train", seed: int = 0, augment: bool | None = None) -> ArrayImages:
+def cifar10(source: str | os.PathLike, *, split: str = "train", seed: int = 0,
+            augment: bool | None = None) -> ArrayImages:
     """CIFAR-10 from a local folder in the python format: ``data_batch_1`` .. ``data_batch_5``
     (train) and ``test_batch`` (test), the folder itself or one holding ``cifar-10-batches-py``.
     Augmentation defaults to on for train, off for test."""

@@ -44,18 +44,21 @@ def sample_generator(seed: int, index: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(index), int(epoch)])
 
 
-class _StepSampler(torch.utils.data.Sampler):
+class StepSampler(torch.utils.data.Sampler):
     """Yields the index lists of batches ``start, start + 1, ...`` of a seeded order (a fresh
     permutation each epoch; the last partial batch of an epoch is dropped)."""
 
     def __init__(self, n: int, batch: int, seed: int, start: int = 0):
         self.n, self.batch, self.seed, self.start = n, batch, seed, start
         self.per_epoch = n // batch
+        self._epoch, self._perm = None, None
 
     def indices(self, i: int) -> list[int]:
+        """The sample indices of batch ``i``."""
         epoch, k = divmod(i, self.per_epoch)
-        perm = np.random.default_rng([self.seed, epoch, 7]).permutation(self.n)
-        return [int(j) for j in perm[k * self.batch:(k + 1) * self.batch]]
+        if epoch != self._epoch:   # one permutation per epoch, not per batch
+            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch, 7]).permutation(self.n)
+        return [int(j) for j in self._perm[k * self.batch:(k + 1) * self.batch]]
 
     def __iter__(self):
         i = self.start
@@ -117,7 +120,7 @@ class LoaderBatches:
 
     # --- modes -------------------------------------------------------------------------------
     def _stream(self, start: int):
-        sampler = _StepSampler(len(self.dataset), self.batch, self.seed, start)
+        sampler = StepSampler(len(self.dataset), self.batch, self.seed, start)
         if self.mode == "tuned" and self.workers > 0:
             pin = self.device.type == "cuda"
             self._loader = torch.utils.data.DataLoader(

@@ -19,22 +19,24 @@ would keep its own relative positions. No segment (token-type) embeddings: DeBER
 
 Two batch layouts (``hwlib.nli_data``), the same samples in the same order:
 
-* padded (steps 01-10): ids [B, 512] with a key-padding mask; every query attends to the real keys
-  of its own row;
-* packed (step 11, ``Settings.packing``): the pairs first-fit into rows of 512 tokens (3-4 rows
-  instead of 32 for the synthetic data), each token with its position inside its own pair and the
-  pair's index; attention gets the block-diagonal mask seq_q == seq_k, so every pair attends only
-  to itself, and the classifier reads each pair's [CLS] by a flat index. Row tails attend to each
-  other, never to a pair, so no softmax row is empty and nothing leaks into the loss.
+* padded (steps 01-10): ids [B, 512] with a key-padding mask; every query attends to the real
+  keys of its own row;
+* packed (step 11, ``Settings.packing``): the pairs first-fit into rows of ``pack_len`` tokens
+  (512: 3-4 rows instead of 32 for the synthetic data), each token with its position inside its
+  own pair and the pair's index (-1 on a row's tail); attention gets the block-diagonal mask
+  seq_q == seq_k, so every pair attends only to itself, and the classifier reads each pair's
+  [CLS] by a flat index. Row tails attend to each other, never to a pair, so no softmax row is
+  empty and nothing leaks into the loss.
 
-Why this mechanism: a dense [R, 1, 512, 512] boolean mask goes through ``F.scaled_dot_product_attention``
-(the memory-efficient kernel on CUDA; flash takes no mask) and through the manual path alike, runs
-on CPU, is traced by torch.compile without data-dependent control flow, and leaves one varying
-dimension (the row count R), so CUDA graphs record a handful of shapes. Masked-out tiles inside a
-row are still computed; FlexAttention's block mask or a varlen flash kernel could skip them, but
-attention is ~10% of this model's FLOPs at 512-token rows, and both need per-batch block metadata
-(and FlexAttention a compiled kernel even to be fast), while the dense mask removes the >90% of
-work that padding costs with no new code path.
+Why this mechanism: a dense [R, 1, 512, 512] boolean mask goes through
+``F.scaled_dot_product_attention`` (on CUDA the memory-efficient or cuDNN kernel: flash takes no
+mask) and through the manual path alike, runs on CPU, is traced by torch.compile without
+data-dependent control flow, and leaves one varying dimension, the row count R, marked dynamic
+so that it compiles once and CUDA graphs record one graph per count (two or three). Masked-out
+tiles inside a row are still computed; FlexAttention's block mask or a varlen flash kernel could
+skip them, but attention over 512-token rows is ~10% of this model's FLOPs, and both need
+per-batch block metadata (FlexAttention also a compiled kernel to be fast at all), while the
+dense mask already removes the >90% of the work that padding costs.
 
 FLOPs of one training step count real tokens only (padding is work, not useful work; forward x 3
 for forward + backward, attention in full as PaLM's MFU does). For a batch of pairs of n_i tokens:
@@ -61,7 +63,7 @@ import torch.utils.checkpoint
 from .. import nli_data
 from ..shapes import padded
 from ..steps import Settings
-from .base import Workload, init_lm_weights
+from .base import Workload
 from .gpt import parse_checkpointing
 
 
@@ -72,17 +74,19 @@ class EncoderNLIConfig:
     d_model: int = 768
     d_ff: int = 3072
     context: int = 512
+    pack_len: int = 512          # tokens per packed row (step 11); every pair fits one: >= context
     vocab: int = 30522
     n_classes: int = 3
     batch: int = 32
     lr: float = 1e-4
     weight_decay: float = 0.01
+    init_std: float = 0.02        # BERT's; the narrow smoke model keeps std * sqrt(d) instead (PROFILES)
     n_samples: int = 20_000       # synthetic pairs (an epoch is n_samples // batch steps)
     n_words: int = 8000           # synthetic lexicon
 
     def __post_init__(self):
-        for f in ("n_layer", "n_head", "d_model", "d_ff", "context", "vocab", "n_classes", "batch", "n_samples",
-                  "n_words"):
+        for f in ("n_layer", "n_head", "d_model", "d_ff", "context", "pack_len", "vocab", "n_classes", "batch",
+                  "n_samples", "n_words"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EncoderNLIConfig.{f} must be a positive integer, got {v!r}")
@@ -91,13 +95,16 @@ class EncoderNLIConfig:
         if self.context < nli_data.MIN_CONTEXT:
             raise ValueError(f"EncoderNLIConfig.context must be at least {nli_data.MIN_CONTEXT} "
                              f"([CLS] premise [SEP] hypothesis [SEP]), got {self.context}")
+        if self.pack_len < self.context:
+            raise ValueError(f"EncoderNLIConfig.pack_len ({self.pack_len}) must be at least the context "
+                             f"({self.context}): a packed row holds whole pairs")
         if self.n_classes != len(nli_data.LABELS):
             raise ValueError(f"EncoderNLIConfig.n_classes must be {len(nli_data.LABELS)} "
                              f"({', '.join(nli_data.LABELS)}), got {self.n_classes}")
         if self.n_words > (self.vocab - nli_data.N_RESERVED - 2) // 2:
             raise ValueError(f"EncoderNLIConfig.n_words ({self.n_words}) must be at most half the hashed "
                              f"vocabulary, {(self.vocab - nli_data.N_RESERVED - 2) // 2} for vocab {self.vocab}")
-        for f, lo in (("lr", 0.0), ("weight_decay", None)):
+        for f, lo in (("lr", 0.0), ("init_std", 0.0), ("weight_decay", None)):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v < 0 or (lo is not None and v <= lo):
@@ -107,8 +114,12 @@ class EncoderNLIConfig:
 
 PROFILES = {
     "full": EncoderNLIConfig(),
-    "smoke": EncoderNLIConfig(n_layer=2, n_head=4, d_model=64, d_ff=256, context=128, vocab=1000, batch=8,
-                              lr=2e-3, n_samples=2000, n_words=300),
+    # Smoke rows hold two contexts: rows of 64 would mostly hold one ~42-token pair each. Its
+    # init_std keeps the full model's std * sqrt(d) = 0.55 (0.02 * sqrt(768 / 64)): at 0.02 a
+    # width-64 model starts with uniform attention and a [CLS] output all but independent of the
+    # words, so its first losses are the same whatever the pairs say.
+    "smoke": EncoderNLIConfig(n_layer=2, n_head=4, d_model=64, d_ff=256, context=64, pack_len=128, vocab=1000,
+                              batch=8, lr=2e-3, init_std=0.07, n_samples=2000, n_words=300),
 }
 
 
@@ -163,9 +174,22 @@ class EncoderNLI(nn.Module):
         self.classifier = nn.Linear(cfg.d_model, cfg.n_classes)
 
     def init_weights(self, seed: int) -> "EncoderNLI":
-        """BERT initialisation: N(0, 0.02) weights and embeddings, zero biases, unit LayerNorm
-        gains, from a CPU generator (``base.init_lm_weights`` with no scaled residual projections)."""
-        return init_lm_weights(self, seed, self.cfg.vocab, self.cfg.n_layer, ())
+        """BERT initialisation from a CPU generator, parameter by parameter in a fixed order:
+        N(0, init_std) weights and embeddings, zero biases, unit LayerNorm gains; padded
+        vocabulary rows zero (never looked up, so they get no gradient)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif ".ln_" in name or name.startswith("ln_"):
+                    p.fill_(1.0)
+                elif name.startswith("wte"):
+                    p.zero_()
+                    p[: self.cfg.vocab].normal_(0.0, self.cfg.init_std, generator=g)
+                else:
+                    p.normal_(0.0, self.cfg.init_std, generator=g)
+        return self
 
     def set_attention(self, attention: str) -> None:
         for b in self.blocks:
@@ -175,9 +199,9 @@ class EncoderNLI(nn.Module):
         """Padded: ``ids``, ``keep`` [B, T]. Packed: ``ids``, ``pos``, ``seq`` [R, T] and ``cls`` [B]
         (``nli_data.PackCollate``). Returns the mean cross-entropy, or the logits without labels."""
         R, T = ids.shape
-        if T > self.cfg.context:
-            raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
         if seq is None:
+            if T > self.cfg.context:
+                raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
             x = self.wte(ids) + self.wpe(torch.arange(T, device=ids.device))
             mask = keep[:, None, None, :]                          # key padding, [B, 1, 1, T]
         else:
@@ -196,7 +220,6 @@ class EncoderNLI(nn.Module):
         return F.cross_entropy(logits.float(), labels)
 
 
-@functools.lru_cache(maxsize=32)
 def length_moments(cfg: EncoderNLIConfig) -> tuple[float, float]:
     """E[n] and E[n^2] of the pair lengths n (tokens, after truncation) of the synthetic set, seed 0."""
     lengths = _synthetic(cfg, 0).lengths.astype("float64")
@@ -210,12 +233,17 @@ def flops_formula(cfg: EncoderNLIConfig, tokens: float, sum_sq: float, pairs: in
     return 3.0 * (L * ((8 * d * d + 4 * d * f) * tokens + 4 * d * sum_sq) + pairs * (2 * d * d + 2 * d * C))
 
 
-@functools.lru_cache(maxsize=8)
 def _synthetic(cfg: EncoderNLIConfig, seed: int) -> nli_data.SyntheticNLI:
+    return _synthetic_set(cfg.n_samples, cfg.vocab, cfg.context, seed, cfg.n_words)
+
+
+@functools.lru_cache(maxsize=8)
+def _synthetic_set(n: int, vocab: int, context: int, seed: int, n_words: int) -> nli_data.SyntheticNLI:
+    # Keyed by what shapes the data alone: every step and learning rate shares one set.
     import warnings
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # truncation is reported by the data set's .truncated
-        return nli_data.SyntheticNLI(cfg.n_samples, cfg.vocab, cfg.context, seed, cfg.n_words)
+        warnings.simplefilter("ignore")   # reported by dataset(), once per call site
+        return nli_data.SyntheticNLI(n, vocab, context, seed, n_words)
 
 
 def dataset(cfg: EncoderNLIConfig, seed: int = 0, source: str | None = None):
@@ -223,26 +251,26 @@ def dataset(cfg: EncoderNLIConfig, seed: int = 0, source: str | None = None):
     if source:
         return nli_data.JsonlNLI(source, cfg.vocab, cfg.context)
     ds = _synthetic(cfg, seed)
-    nli_data._warn_truncated(ds.truncated, len(ds), cfg.context, "synthetic NLI set")
+    nli_data.warn_truncated(ds.truncated, len(ds), cfg.context, "synthetic NLI set")
     return ds
 
 
 def padding_stats(cfg: EncoderNLIConfig, seed: int = 0, n_batches: int = 50, source: str | None = None) -> dict:
     """What padding costs and what packing removes, over batches 0..n_batches-1 of the loader.
 
-    real: tokens of the pairs; padded: batch x context (steps 01-10); packed: rows x context after
+    real: tokens of the pairs; padded: batch x context (steps 01-10); packed: rows x pack_len after
     first-fit packing (step 11). ``removed`` is the share of padding tokens that packing removes."""
-    from ..loader import _StepSampler
+    from ..loader import StepSampler
     ds = dataset(cfg, seed, source)
-    order = _StepSampler(len(ds), cfg.batch, seed)
+    order = StepSampler(len(ds), cfg.batch, seed)
     real = packed = 0
     rows_seen: set[int] = set()
     for i in range(n_batches):
         lengths = ds.lengths[order.indices(i)]
-        rows = 1 + max(r for r, _ in nli_data.pack_rows(lengths, cfg.context))
+        rows = 1 + max(r for r, _ in nli_data.pack_rows(lengths, cfg.pack_len))
         rows_seen.add(rows)
         real += int(lengths.sum())
-        packed += rows * cfg.context
+        packed += rows * cfg.pack_len
     pad = n_batches * cfg.batch * cfg.context
     return {"batches": n_batches, "real_tokens": real, "padded_tokens": pad, "packed_tokens": packed,
             "padding_share_padded": 1 - real / pad, "padding_share_packed": 1 - real / packed,
@@ -255,8 +283,9 @@ def _to_device(batch, device: torch.device, non_blocking: bool):
     if len(out) == 5:
         # The packed row count changes from batch to batch: compile it as a dynamic dimension once
         # instead of specialising on the first count and recompiling on the second.
+        from torch._dynamo import maybe_mark_dynamic
         for t in out[:3]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+            maybe_mark_dynamic(t, 0)
     return out
 
 
@@ -277,7 +306,7 @@ class EncoderNLIWorkload(Workload):
         if len(ds) < cfg.batch:
             where = f"NLI data file {source!r}" if source else "the synthetic NLI set"
             raise ValueError(f"{where} has {len(ds)} pairs, fewer than one batch of {cfg.batch}")
-        collate = nli_data.PackCollate(cfg.context) if settings.packing else nli_data.PadCollate(cfg.context)
+        collate = nli_data.PackCollate(cfg.pack_len) if settings.packing else nli_data.PadCollate(cfg.context)
         lb = LoaderBatches(ds, cfg.batch, device, seed, mode=settings.loader, collate=collate, to_device=_to_device)
         lb.truncated = ds.truncated   # pairs cut to the context, for the notebook to show
         return lb

@@ -80,14 +80,16 @@ class VitBDHConfig:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0 \
                     or (f == "lr" and v == 0):
-                raise ValueError(f"VitBDHConfig.{f} must be a finite number{' > 0' if f == 'lr' else ' >= 0'}, got {v!r}")
+                bound = "> 0" if f == "lr" else ">= 0"
+                raise ValueError(f"VitBDHConfig.{f} must be a finite number {bound}, got {v!r}")
         if self.data_images < self.batch:
-            raise ValueError(f"VitBDHConfig.data_images ({self.data_images}) must hold at least one batch ({self.batch})")
+            raise ValueError(f"VitBDHConfig.data_images ({self.data_images}) must hold at least one batch "
+                             f"({self.batch})")
 
 
 PROFILES = {
     "full": VitBDHConfig(),
-    "smoke": VitBDHConfig(n_layer=2, n_head=2, d_model=32, n_neuron=64, batch=16, lr=3e-3, data_images=512),
+    "smoke": VitBDHConfig(n_layer=2, n_head=2, d_model=32, n_neuron=64, batch=16, lr=1e-3, data_images=512),
 }
 
 
