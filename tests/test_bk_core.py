@@ -172,11 +172,14 @@ def test_triton_chunked_interleaved_layout_and_default_plan(triton_device):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU, nvcc and ninja")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_cuda_matches_dense_inverse(dtype):
-    for batch, n in [((), 1), ((3,), 2), ((2, 5), 17), ((130,), 256), ((3,), 1000)]:
+    # up to several tiles per sequence (the two-sweep path) and N = 16384 against the loop
+    for batch, n in [((), 1), ((3,), 2), ((2, 5), 17), ((130,), 256), ((3,), 1000), ((2,), 4501), ((2,), 16384)]:
         a, b, c, re = make(batch, n, dtype, key=("cuda",), device="cuda")
         z = complex(re, 0.05)
         g = resolvent_diagonal(a, b, c, z, backend="cuda")
-        assert rel_err(g.cpu(), resolvent_diagonal_dense(a.cpu(), b.cpu(), c.cpu(), z)) < TOL[dtype]
+        x64 = [x.cpu().double() for x in (a, b, c)]
+        ref = resolvent_diagonal_dense(*x64, z) if n <= 1000 else bk_reference.forward_loop(*x64, z)
+        assert rel_err(g.cpu(), ref) < TOL[dtype], (batch, n)
 
 
 TRITON_SM90 = r"""
@@ -554,6 +557,7 @@ def bk_host_lib(tmp_path_factory):
     lib = ctypes.CDLL(str(so))
     lib.bk_core_workspace_elems.restype = ctypes.c_longlong
     lib.bk_core_workspace_elems.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
+    lib.bk_core_tile_positions.argtypes = [ctypes.c_int, ctypes.c_int]
     for sfx in ("f32", "f64"):
         getattr(lib, f"bk_core_forward_host_{sfx}").argtypes = \
             [ctypes.c_void_p] * 5 + [ctypes.c_longlong] * 2 + [ctypes.c_double] * 2
@@ -564,24 +568,31 @@ def bk_host_lib(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_cu_block_logic_on_host(bk_host_lib, dtype):
-    """The .cu forward and backward (same block code as the kernels: tiles, chunk boundaries, the
-    workspace, several blocks) run on the CPU against the float64 reference."""
+    """The .cu forward and backward (same block code as the kernels: tiles of several sequences or
+    one, chunk maps, their scans, the two-sweep path of sequences longer than a tile, several blocks)
+    run on the CPU against the float64 reference; outputs poisoned first."""
     lib, sfx = bk_host_lib, "f64" if dtype == torch.float64 else "f32"
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())
     cd = bk_reference.COMPLEX_OF[dtype]
-    for B, n in ((1, 1), (3, 2), (70, 17), (65, 16), (2, 33), (130, 100)):
+    dbl = int(sfx == "f64")
+    wf, wb = lib.bk_core_tile_positions(dbl, 0), lib.bk_core_tile_positions(dbl, 1)
+    cases = [(1, 1), (3, 2), (70, 17), (65, 16), (2, 33), (130, 100), (3, 64),
+             (2, wf), (1, wf + 1), (1, 2 * wf + 37)] + ([(1, wb + 3), (1, 2 * wb + 5)] if wb != wf else [])
+    for B, n in cases:
         a, b, c, re = make((B,), n, dtype, key=("host",))
         z = complex(re, 0.05)
+        ref_f = (resolvent_diagonal_dense if n <= 130 else bk_reference.forward_loop)(a, b, c, z)
         out = torch.full((B, n), complex("nan+nanj"), dtype=cd)
-        ws = torch.full((lib.bk_core_workspace_elems(B, n, int(sfx == "f64"), 0) + 1,), float("nan"), dtype=dtype)
+        ws = torch.full((lib.bk_core_workspace_elems(B, n, dbl, 0) + 1,), float("nan"), dtype=dtype)
         assert getattr(lib, f"bk_core_forward_host_{sfx}")(ptr(a), ptr(b), ptr(c), ptr(out), ptr(ws), B, n,
                                                            z.real, z.imag) == 0
-        assert rel_err(out, resolvent_diagonal_dense(a, b, c, z)) < TOL[dtype], (B, n)
+        assert rel_err(out, ref_f) < TOL[dtype], (B, n)
         w = torch.randn(B, n, dtype=cd, generator=_gen("hw", B, n))
+        wr = torch.view_as_real(w)
         grads = [torch.full(s, float("nan"), dtype=dtype) for s in ((B, n), (B, n - 1), (B, n - 1))]
-        ws = torch.full((lib.bk_core_workspace_elems(B, n, int(sfx == "f64"), 1) + 1,), float("nan"), dtype=dtype)
-        assert getattr(lib, f"bk_core_backward_host_{sfx}")(ptr(a), ptr(b), ptr(c), ptr(torch.view_as_real(w)),
-                                                            *map(ptr, grads), ptr(ws), B, n, z.real, z.imag) == 0
+        ws = torch.full((lib.bk_core_workspace_elems(B, n, dbl, 1) + 1,), float("nan"), dtype=dtype)
+        assert getattr(lib, f"bk_core_backward_host_{sfx}")(ptr(a), ptr(b), ptr(c), ptr(wr), *map(ptr, grads),
+                                                            ptr(ws), B, n, z.real, z.imag) == 0
         for got, want in zip(grads, bk_reference.backward_loop(a.double(), b.double(), c.double(), z, w)):
             if want.numel():
                 assert rel_err(got, want) < 10 * TOL[dtype], (B, n)

@@ -1,8 +1,8 @@
 """The CUDA BK-Core (``kernels/bk_core.cu``): its torch binding and Python face.
 
 The ``.cu`` file is plain CUDA with ``extern "C"`` launchers on raw pointers; the binding below
-checks tensors, allocates the output and the small chunk-boundary workspace (about 1/16 of an
-element per element), and launches on torch's current stream. ``hwlib.cuda.load`` builds both.
+checks tensors, allocates the output and the tile-boundary workspace (empty unless a sequence is
+longer than one tile), and launches on torch's current stream. ``hwlib.cuda.load`` builds both.
 Bytes and FLOPs per element are in the ``.cu`` header.
 """
 
@@ -83,10 +83,17 @@ std::vector<torch::Tensor> bk_backward(torch::Tensor a, torch::Tensor b, torch::
 FUNCTIONS = ["bk_forward", "bk_backward"]
 
 
+_MODULE = None
+
+
 def module():
-    """The built extension (cached); raises hwlib.device.Unavailable where it cannot be built."""
-    from hwlib import cuda
-    return cuda.load("bk_core", BINDING, FUNCTIONS)
+    """The built extension, loaded once per process (the loader's availability checks run a
+    subprocess, too slow for every call); raises hwlib.device.Unavailable where it cannot be built."""
+    global _MODULE
+    if _MODULE is None:
+        from hwlib import cuda
+        _MODULE = cuda.load("bk_core", BINDING, FUNCTIONS)
+    return _MODULE
 
 
 def forward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z) -> torch.Tensor:
