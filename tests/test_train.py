@@ -94,3 +94,26 @@ def test_bad_names_are_clear_errors(kw, match):
 def test_plan_must_time_something():
     with pytest.raises(ValueError, match="timed >= 1"):
         run(plan=Plan(check=2, warmup=0, timed=0))
+
+
+def test_bf16_noise_floor_sets_the_resolution_of_later_checks(isolated_run):
+    """After bf16, a step's tolerance is at least how far bf16 itself moved the curve (03 vs 02),
+    capped by 03's tolerance; before bf16, or without saved curves, the step's own tolerance."""
+    dev = {"name": "cpu", "kind": "cpu"}
+
+    def res(step, losses, autocast="bf16"):
+        return train.StepResult(workload="gpt", step=step, profile="smoke", device=dev, status="ok",
+                                config={"batch": 2}, settings={"autocast": autocast}, losses=losses, check_steps=3)
+
+    base = [4.0, 3.0, 2.0]
+    train.save_curve(res("02_tf32", base, None))
+    train.save_curve(res("03_bf16_autocast", [4.0, 3.0, 2.04]))          # bf16 moved it by 2e-2
+    train.save_curve(res("05_fused_optimizer", base))
+    r06 = res("06_torch_compile", [4.0, 3.0, 2.03])                    # 1.5e-2 from 05: over 06's 1e-2
+    check = train.same_math(r06)
+    assert check.against == "05_fused_optimizer" and check.tolerance == pytest.approx(0.02) and check.ok
+    assert "03 vs 02" in check.detail
+    far = train.same_math(res("06_torch_compile", [4.0, 3.0, 2.1]))     # 5e-2: beyond the floor too
+    assert not far.ok
+    fp32 = train.same_math(res("06_torch_compile", [4.0, 3.0, 2.03], autocast=None))
+    assert fp32.tolerance == pytest.approx(0.01) and not fp32.ok

@@ -44,8 +44,16 @@ def measure_techniques(workload: str, base_step: str, names: list[str], *, profi
                        plan: Plan | None = None, notebook: str = "13_memory", seed: int = 0, run=None,
                        **config) -> list[dict]:
     rows, base = [], None
+    parts = get_workload(workload).checkpoint_parts
     for name in names:
         settings, acc = technique_settings(base_step, name)
+        need = _parts_needed(settings.checkpointing)
+        if need - set(parts):
+            rows.append({"technique": name, "status": "n/a", "settings": dataclasses.asdict(settings), "losses": [],
+                         "reason": f"{workload} cannot checkpoint its {', '.join(sorted(need - set(parts)))}",
+                         "micro_batches": acc, **{k: None for k in ("ms_per_step", "ms_p20", "ms_p80", "items_per_s",
+                                                                    "peak_alloc_gib", "peak_reserved_gib")}})
+            continue
         micro = None
         if acc > 1:
             batch = get_workload(workload).config(resolve_profile(profile, device), **config).batch
@@ -83,6 +91,11 @@ def measure_techniques(workload: str, base_step: str, names: list[str], *, profi
                 recs.append(results.make_record(metric=m, value=row[m], unit=unit, **common))
     results.append(recs, run)
     return rows
+
+
+def _parts_needed(spec: str) -> set[str]:
+    tokens = {t.strip() for t in str(spec).lower().split(",") if t.strip()} - {"none"}
+    return ({"head"} & tokens) | ({"blocks"} if tokens - {"head"} else set())
 
 
 def same_math_tolerance(base_step: str) -> float:

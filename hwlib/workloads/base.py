@@ -38,6 +38,7 @@ class Workload:
     name: str = ""
     unit: str = "items"  # what throughput counts: tokens, samples
     profiles: dict = {}  # profile name -> frozen config dataclass
+    checkpoint_parts: tuple[str, ...] = ()   # what Settings.checkpointing can recompute: "blocks", "head"
 
     def config(self, profile: str, **overrides) -> Any:
         """The workload's size for a profile; keyword overrides name config fields."""

@@ -291,6 +291,7 @@ def _to_device(batch, device: torch.device, non_blocking: bool):
 
 class EncoderNLIWorkload(Workload):
     name = "encoder_nli"
+    checkpoint_parts = ("blocks",)
     unit = "samples"
     profiles = PROFILES
 

@@ -176,6 +176,7 @@ class GPT(nn.Module):
 
 class GPTWorkload(TokenLMWorkload):
     name = "gpt"
+    checkpoint_parts = ("blocks", "head")
     profiles = PROFILES
 
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:

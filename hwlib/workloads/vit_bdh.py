@@ -205,6 +205,7 @@ class VitBDHWorkload(Workload):
     """Vision-BDH with softmax attention (manual or SDPA, per ``Settings.attention``)."""
 
     name = "vit_bdh"
+    checkpoint_parts = ("blocks",)
     unit = "samples"
     profiles = PROFILES
     form = "softmax"
