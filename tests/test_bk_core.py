@@ -596,3 +596,14 @@ def test_cu_block_logic_on_host(bk_host_lib, dtype):
         for got, want in zip(grads, bk_reference.backward_loop(a.double(), b.double(), c.double(), z, w)):
             if want.numel():
                 assert rel_err(got, want) < 10 * TOL[dtype], (B, n)
+
+
+def test_kernel_only_timing_runs_the_launcher_and_refuses_auto():
+    from hwlib.ops import bk_study
+    for d in ("forward", "forward+backward"):
+        t = bk_study.time_backend("torch", 4, 16, "cpu", direction=d, iters=2, warmup=1, kernel_only=True)
+        assert t.median_ms > 0 and t.n == 2
+    with pytest.raises(ValueError, match="kernel_only"):
+        bk_study.time_backend("auto", 4, 16, "cpu", iters=1, kernel_only=True)
+    with pytest.raises(ValueError, match="direction"):
+        bk_study.time_backend("torch", 4, 16, "cpu", direction="sideways", iters=1, kernel_only=True)

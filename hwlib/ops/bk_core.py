@@ -50,9 +50,12 @@ def _triton():
     return load_python_kernel("bk_core_triton.py")
 
 
+_READY: set = set()      # (backend, "cuda") that built and checked out: not re-checked per call
+
+
 def _check_backend(name: str, device: torch.device) -> None:
     """Raise Unavailable (with the reason) when ``name`` cannot run on tensors on ``device``."""
-    if name in ("torch_loop", "torch"):
+    if name in ("torch_loop", "torch") or (name, device.type) in _READY:
         return
     if (name, device.type) in _BROKEN:
         raise Unavailable(_BROKEN[(name, device.type)])
@@ -72,6 +75,8 @@ def _check_backend(name: str, device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
             raise Unavailable(f"backend 'triton' does not run on {device.type} tensors")
         _triton()
+    if device.type == "cuda":   # on CPU, Triton's answer depends on TRITON_INTERPRET: ask every time
+        _READY.add((name, device.type))
 
 
 def select_backend(backend: str, device: torch.device | str, _quiet: tuple = ()) -> str:
@@ -216,6 +221,7 @@ def resolvent_diagonal(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
             if name in ("torch", "torch_loop"):
                 raise
             _BROKEN[(name, a.device.type)] = f"{type(e).__name__}: {e}"
+            _READY.discard((name, a.device.type))
             warnings.warn(f"resolvent_diagonal: backend {name!r} failed ({type(e).__name__}: {e}); "
                           f"falling back", RuntimeWarning, stacklevel=2)
             name = select_backend("auto", a.device, _quiet=(name,))

@@ -55,12 +55,16 @@ def per_call(t: bench.Timing, group: int) -> bench.Timing:
 
 
 def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "forward",
-                 dtype=torch.float32, iters: int = 20, warmup: int = 3, group: int | None = None) -> bench.Timing:
+                 dtype=torch.float32, iters: int = 20, warmup: int = 3, group: int | None = None,
+                 kernel_only: bool = False) -> bench.Timing:
     """Median time of one call (``forward``) or one call and its backward (``forward+backward``).
     Inputs rotate among enough sets to exceed twice the L2 cache, so DRAM, not L2, is measured.
     Each timed sample queues ``group`` calls back to back (default 4 for the kernel backends on a
     GPU, 1 for the torch backends, whose calls take tens of milliseconds), as a training loop does: the Python dispatch of one call (validation, autograd)
-    overlaps the device work of the one before instead of being counted as device time."""
+    overlaps the device work of the one before instead of being counted as device time.
+    ``kernel_only`` calls the backend's launcher on prepared contiguous inputs, without the op's
+    validation, dispatch and autograd: the kernel's own time, where a short kernel would otherwise
+    be timed by the host's speed at running that Python."""
     dev = torch.device(device)
     if group is None:
         # Only the kernels are short enough for dispatch to matter; the torch backends take 10s of ms.
@@ -68,7 +72,23 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
     per_set = min_bytes(batch, n, dtype, direction)
     sets = max(1, math.ceil(2 * 64 * 2**20 / per_set))
     inputs = [random_inputs(batch, n, dtype=dtype, device=dev, seed=i) for i in range(min(sets, 8))]
-    if direction == "forward":
+    if kernel_only:
+        from .bk_core import _backward, _forward, select_backend
+        if backend in ("auto", "torch_loop"):
+            raise ValueError(f"kernel_only times one named kernel backend, got {backend!r}")
+        select_backend(backend, dev)   # builds it, or raises Unavailable with the reason
+        cplx = torch.complex64 if dtype == torch.float32 else torch.complex128
+        grads = [torch.randn(batch, n, dtype=cplx, device=dev) for _ in inputs]
+
+        def fn(i):
+            a, b, c = inputs[i % len(inputs)]
+            g = _forward(backend, a, b, c, 1j)
+            if direction == "forward+backward":
+                return _backward(backend, a, b, c, 1j, grads[i % len(inputs)])
+            return g
+        if direction not in ("forward", "forward+backward"):
+            raise ValueError(f"direction must be 'forward' or 'forward+backward', got {direction!r}")
+    elif direction == "forward":
         def fn(i):
             a, b, c = inputs[i % len(inputs)]
             with torch.no_grad():
