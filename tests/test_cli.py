@@ -91,3 +91,20 @@ def test_env_and_table_commands(tmp_path, capsys):
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "hwlib.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "reproduce" in out.stdout
+
+
+def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, capsys):
+    d = tmp_path / "nbs"
+    d.mkdir()
+    make_nb(d / "00_list.ipynb", 'import os\n'
+            'open(os.path.join(os.environ["HWLIB_RUN"], "w.txt"), "w").write(",".join(workloads))')
+    nb = nbf.read(d / "00_list.ipynb", 4)
+    nb.cells[0].source += '\nworkloads = ["gpt"]'        # the notebook's own default, in its parameters cell
+    nbf.write(nb, d / "00_list.ipynb")
+    run = tmp_path / "run"
+    assert reproduce(d, run, "--workloads", "vit_bdh, encoder_nli") == 0
+    assert (run / "w.txt").read_text() == "vit_bdh,encoder_nli"
+    assert reproduce(d, run, "--force") == 0                      # without the option: the notebook's own list
+    assert (run / "w.txt").read_text() == "gpt"
+    assert reproduce(d, run, "--force", "--workloads", "vit") == 2
+    assert "unknown workload 'vit'" in capsys.readouterr().err

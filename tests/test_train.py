@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,3 +119,29 @@ def test_bf16_noise_floor_sets_the_resolution_of_later_checks(isolated_run):
     assert not far.ok
     fp32 = train.same_math(res("06_torch_compile", [4.0, 3.0, 2.03], autocast=None))
     assert fp32.tolerance == pytest.approx(0.01) and not fp32.ok
+
+
+def test_data_wait_against_resident_batches(isolated_run, cpu_only):
+    """The share is 1 - t_resident / t_step against the ladder's own row; the nearest earlier
+    applicable step is found across n/a steps (07 does not apply to vit_bdh); a step that differs
+    in more than the loader is refused."""
+    common = dict(profile="smoke", device="cpu", progress=False, plan=Plan(check=2, warmup=0, timed=2))
+    for step in ("06_torch_compile", "08_dataloader"):
+        eager = dataclasses.replace(train.settings_for(step), compile=False)   # inductor on CPU is slow
+        res = train.run_step("vit_bdh", step, settings=eager, **common)
+        train.record(res, notebook=step)
+    rows = train.measure_data_wait("vit_bdh", "08_dataloader", notebook="08_dataloader", with_previous=True,
+                                   profile="smoke", device="cpu", progress=False)
+    assert [r["step"] for r in rows] == ["08_dataloader", "06_torch_compile"]
+    recs = [r for r in results.load() if r["metric"] == "data_wait_share"]
+    assert len(recs) == 2
+    for r, rec in zip(rows, recs):
+        assert r["status"] == "ok" and 0.0 <= r["data_wait_share"] < 1.0
+        assert r["data_wait_share"] == pytest.approx(max(0.0, 1 - r["resident_ms"] / r["step_ms"]))
+        assert rec["value"] == pytest.approx(r["data_wait_share"])
+    with pytest.raises(ValueError, match="not only the loader"):
+        train.measure_data_wait("vit_bdh", "08_dataloader", notebook="x", also=("05_fused_optimizer",),
+                                profile="smoke", device="cpu", progress=False)
+    missing = train.measure_data_wait("encoder_nli", "08_dataloader", notebook="x", profile="smoke", device="cpu",
+                                      progress=False)
+    assert missing[0]["status"] == "not measured"
