@@ -226,7 +226,8 @@ def summary(run=None) -> dict:
         cfg = next((r["params"].get("config") for r in recs if r.get("workload") == w and r.get("params")), {})
         out["workloads"][w] = {"config": cfg, "steps": [
             {"step": r["step"], "status": r["status"], "reason": r["reason"], "ms_per_step": r["ms_per_step"],
-             "ms_p20": r["ms_p20"], "ms_p80": r["ms_p80"], "tokens_per_s": r["throughput"],
+             "ms_p20": r["ms_p20"], "ms_p80": r["ms_p80"], "throughput": r["throughput"], "unit": r["unit"],
+             r["unit"].replace("/s", "_per_s"): r["throughput"],   # tokens_per_s or samples_per_s
              "model_tflops": r["model_tflops"], "mfu": r["mfu"], "peak_mem_gib": r["peak_mem_gib"],
              "speedup_vs_baseline": r["speedup_vs_baseline"], "final_loss": r["final_loss"],
              "compile_s": r["compile_s"], "same_math_max_rel": r["same_math_max_rel"],

@@ -429,7 +429,7 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
             recs.append(results.make_record(metric="sdpa_backend", value=res.sdpa_backend, unit="", extra=mid, **common))
     if check is not None and check.against is not None:
         recs.append(results.make_record(metric="same_math_max_rel", value=check.max_rel_diff,
-                                        unit=f"relative, tolerance {check.tolerance:g}",
+                                        unit=f"relative, tolerance {check.tolerance:.2g}",
                                         status="ok" if check.ok else "failed",
                                         reason=None if check.ok else str(check),
                                         extra={"against": check.against, **mid}, **common))

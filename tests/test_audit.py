@@ -69,14 +69,14 @@ def test_gains_come_from_the_reference_run():
     steps = {s["step"]: s for s in json.loads((REF / "summary.json").read_text())["workloads"]["vit_bdh"]["steps"]}
     assert rep.workload == "vit_bdh"
     fused = rep.row("fused AdamW")
-    assert fused.gain == pytest.approx(steps["05_fused_optimizer"]["tokens_per_s"]
-                                       / steps["04_sdpa_attention"]["tokens_per_s"], rel=1e-9)
+    assert fused.gain == pytest.approx(steps["05_fused_optimizer"]["throughput"]
+                                       / steps["04_sdpa_attention"]["throughput"], rel=1e-9)
     assert "05_fused_optimizer vs 04_sdpa_attention" in fused.gain_text and "H100" in fused.gain_text
     recs = results.load(REF)
     assert rep.row("activation checkpointing").gain == pytest.approx(
         1 - _peak(recs, "vit_bdh", "bf16 + checkpointing(blocks)") / _peak(recs, "vit_bdh", "bf16"))
     graphs = rep.row("CUDA graphs")
-    assert graphs.gain == pytest.approx(steps["09_cuda_graphs"]["tokens_per_s"] / steps["08_dataloader"]["tokens_per_s"],
+    assert graphs.gain == pytest.approx(steps["09_cuda_graphs"]["throughput"] / steps["08_dataloader"]["throughput"],
                                         rel=1e-9)
 
 

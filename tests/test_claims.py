@@ -151,7 +151,7 @@ def test_reference_h100_gives_the_ladder_ratios_of_the_nearest_workload():
         # the seed's nearest workload that this run measured: encoder_nli for the NLI and guide seeds
         assert row["workload"] == "encoder_nli" and row["gpu"] == summ["device"]["name"]
         steps = {s["step"]: s for s in summ["workloads"][row["workload"]]["steps"]}
-        assert row["measured"] == pytest.approx(steps[b]["tokens_per_s"] / steps[a]["tokens_per_s"], rel=1e-9)
+        assert row["measured"] == pytest.approx(steps[b]["throughput"] / steps[a]["throughput"], rel=1e-9)
     assert by_claim(rows, "003", "TF32 on top of bf16")["verdict"] == "premise fails"
     assert by_claim(rows, "002", "torch.compile")["verdict"] == "holds"      # ~2x against 10-30%
     mm = summ["ceilings"]["matmul_tflops"]

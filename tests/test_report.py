@@ -59,7 +59,7 @@ def test_write_all_and_summary_schema(ladder):
     assert s["ceilings"]["matmul_tflops"]["bf16"] == 800.0
     steps = s["workloads"]["gpt"]["steps"]
     assert [x["step"] for x in steps][:2] == ["01_baseline_fp32", "02_tf32"]
-    for k in ("status", "ms_per_step", "ms_p20", "ms_p80", "tokens_per_s", "model_tflops", "mfu",
+    for k in ("status", "ms_per_step", "ms_p20", "ms_p80", "throughput", "unit", "model_tflops", "mfu",
               "peak_mem_gib", "speedup_vs_baseline", "final_loss"):
         assert k in steps[0]
 
