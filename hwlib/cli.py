@@ -82,7 +82,9 @@ def reproduce(args) -> int:
     workloads = None
     if getattr(args, "workloads", None):
         from .workloads import get_workload
-        workloads = [get_workload(w).name for w in args.workloads.split(",") if w.strip()]
+        workloads = list(dict.fromkeys(get_workload(w).name for w in args.workloads.split(",") if w.strip()))
+        if not workloads:
+            raise CliError(f"--workloads {args.workloads!r} names no workload")
     run = results.run_dir(args.run)
     executed = run / "executed"
     executed.mkdir(exist_ok=True)

@@ -50,6 +50,7 @@ class Step:
     why_tolerance: str = ""
     workloads: tuple[str, ...] | None = None   # None: every workload; else the ones it applies to
     why_na: dict = field(default_factory=dict)  # workload -> why the step does not apply to it
+    same_arithmetic: bool = False   # the change leaves every operation as it was (only data delivery differs)
 
 
 LADDER: tuple[Step, ...] = (
@@ -76,6 +77,7 @@ LADDER: tuple[Step, ...] = (
                        "padded without masking" for w in ("vit_bdh", "vit_bdh_linear")}}),
     Step("08_dataloader", "loader workers, pinned memory, prefetch, non_blocking copies", {"loader": "tuned"}, 1e-2,
          why_tolerance="bit-identical batches; only run-to-run rounding of the compiled kernels differs",
+         same_arithmetic=True,
          workloads=("vit_bdh", "vit_bdh_linear", "encoder_nli"),
          why_na={"gpt": "batches are slices of a pinned in-memory token tensor: nothing to decode or overlap",
                  "resnet_bk": "batches are slices of a pinned in-memory token tensor: nothing to decode or overlap"}),

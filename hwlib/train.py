@@ -141,7 +141,8 @@ class Session:
         close = getattr(self.batches, "close", None)
         if close is not None:
             close()
-        self.model = self.opt = self.fwd = self.scaler = None
+        # Resident batches live on the device: drop them before the cache is emptied.
+        self.batches = self.model = self.opt = self.fwd = self.scaler = None
         if self.settings.compile or self.settings.cuda_graphs:
             torch._dynamo.reset()
         _free(self.device)
@@ -210,6 +211,8 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     variant = settings is not None or micro_batch is not None
     wanted = settings if variant else settings_for(st.name)
     settings = resolve_autocast(wanted, di)
+    if settings.cuda_graphs and dev.type != "cuda":
+        res.notes.append("CUDA graphs need a CUDA device: compiled without them on " + dev.type)
     if settings.autocast != wanted.autocast:
         res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
     res.settings = dataclasses.asdict(settings)
@@ -371,6 +374,8 @@ def _reduced_precision_floor(res: StepResult, run=None) -> float | None:
     bf16 = "03_bf16_autocast"
     if not res.settings.get("autocast") or STEP_NAMES.index(res.step) <= STEP_NAMES.index(bf16):
         return None
+    if get_step(res.step).same_arithmetic:   # nothing to resolve: the step keeps its own bound
+        return None
     curves = []
     for name in (bf16, "02_tf32"):
         saved = results.read_json(_curve_path(res.workload, name, run))
@@ -453,7 +458,7 @@ def measure(workload: str, step: str, *, notebook: str, profile: str = "auto", d
 
 def measure_data_wait(workload: str, step: str, *, notebook: str, also: tuple[str, ...] = (),
                       with_previous: bool = False, profile: str = "auto", device="auto", run=None, seed: int = 0,
-                      progress: bool = True) -> list[dict]:
+                      progress: bool = True, settings: Settings | None = None) -> list[dict]:
     """Share of step time spent on data, for ``step`` and the steps in ``also``.
 
     The step runs again with every batch produced before timing and kept on the device
@@ -462,9 +467,13 @@ def measure_data_wait(workload: str, step: str, *, notebook: str, also: tuple[st
     ``also`` must differ from ``step`` only in the loader, so the one resident run is their floor too.
     ``with_previous`` adds the nearest earlier step that applies to the workload. Changes of steps
     that do not apply to the workload are inert for it and are not counted as differences.
+    A recorded step time is used only when its settings (but the loader), config and profile are
+    the resident run's: otherwise the row says "not comparable" and why. The share is not clipped:
+    a slightly negative share is noise, and ``within_noise`` says when the two p20-p80 ranges overlap.
+    ``settings`` replaces the step's cumulative settings (both runs must then have used them).
     Records ``data_wait_share`` for each; returns the rows."""
     st = get_step(step)
-    base = settings_for(st.name)
+    base = settings if settings is not None else settings_for(st.name)
     if with_previous:
         prev = previous(st.name)
         while prev is not None and applies(prev, workload):
@@ -472,8 +481,8 @@ def measure_data_wait(workload: str, step: str, *, notebook: str, also: tuple[st
         if prev is not None and prev.name not in also:
             also = (*also, prev.name)
     inert = {k for s in LADDER if applies(s, workload) for k in s.change}
-    for other in also:
-        diff = settings_for(other).diff(base)
+    for other in also:   # by the ladder's definitions; the recorded rows are checked below
+        diff = settings_for(other).diff(settings_for(st.name))
         if set(diff) - {"loader"} - inert:
             raise ValueError(f"{other} differs from {st.name} in {sorted(set(diff) - {'loader'} - inert)}, not only the loader: "
                              f"one resident run cannot be the floor of both")
@@ -490,15 +499,29 @@ def measure_data_wait(workload: str, step: str, *, notebook: str, also: tuple[st
             rows.append({"workload": workload, "step": s, "status": "not measured",
                          "reason": f"{s} has no step time in this run: measure it first"})
             continue
-        share = max(0.0, 1.0 - res.timing.median_ms / ms["value"])
-        loader_mode = (ms.get("params") or {}).get("settings", {}).get("loader")
+        params = ms.get("params") or {}
+        ignore = {"loader"} | inert
+        theirs = {k: v for k, v in (params.get("settings") or {}).items() if k not in ignore}
+        ours = {k: v for k, v in res.settings.items() if k not in ignore}
+        differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        if params.get("config") != res.config:
+            differ.append("config")
+        if ms.get("profile") != res.profile:
+            differ.append("profile")
+        if differ:
+            rows.append({"workload": workload, "step": s, "status": "not comparable",
+                         "reason": f"the recorded {s} differs from the resident run in {differ}"})
+            continue
+        share = 1.0 - res.timing.median_ms / ms["value"]
+        noise = not (res.timing.p80_ms < (ms.get("p20") or ms["value"]) or res.timing.p20_ms > (ms.get("p80") or ms["value"]))
+        loader_mode = params.get("settings", {}).get("loader")
         rows.append({"workload": workload, "step": s, "status": "ok", "loader": loader_mode, "step_ms": ms["value"],
-                     "resident_ms": res.timing.median_ms, "data_wait_share": share})
+                     "resident_ms": res.timing.median_ms, "data_wait_share": share, "within_noise": noise})
         out.append(results.make_record(
             notebook=notebook, workload=workload, step=s, metric="data_wait_share", value=share,
             unit="fraction of step time", params={"loader": loader_mode, "settings": res.settings, "seed": seed},
             device={k: res.device.get(k) for k in ("kind", "name", "capability")}, profile=res.profile,
-            extra={"step_ms": ms["value"], "resident_ms": res.timing.median_ms,
+            extra={"step_ms": ms["value"], "resident_ms": res.timing.median_ms, "within_noise": noise,
                    "resident_p20": res.timing.p20_ms, "resident_p80": res.timing.p80_ms}))
     if out:
         results.append(out, run)

@@ -108,3 +108,5 @@ def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, capsys):
     assert (run / "w.txt").read_text() == "gpt"
     assert reproduce(d, run, "--force", "--workloads", "vit") == 2
     assert "unknown workload 'vit'" in capsys.readouterr().err
+    assert reproduce(d, run, "--force", "--workloads", " , ") == 2
+    assert "names no workload" in capsys.readouterr().err
