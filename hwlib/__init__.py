@@ -5,4 +5,10 @@ Data flows one way: notebook parameters -> ``train`` -> ``bench`` -> ``results``
 
 __version__ = "0.1.0"
 
-from . import audit  # noqa: E402  (hwlib.audit(model, optimizer, loader) is callable)
+
+def __getattr__(name):
+    # hwlib.audit(model, optimizer, loader) without importing torch on ``import hwlib``
+    if name == "audit":
+        import importlib
+        return importlib.import_module(".audit", __name__)
+    raise AttributeError(f"module 'hwlib' has no attribute {name!r}")

@@ -320,6 +320,15 @@ def _curve_key(res: StepResult) -> dict:
     return {"config": res.config, "seed": res.seed, "device": res.device.get("name"), "k": res.check_steps}
 
 
+def _saved_curve(res: StepResult, step: str, run=None) -> list[float] | None:
+    """This run's saved check losses of ``step``, if they were made with ``res``'s config, seed,
+    device and K; else None."""
+    saved = results.read_json(_curve_path(res.workload, step, run))
+    if saved and {k: saved.get(k) for k in ("config", "seed", "device", "k")} == _curve_key(res):
+        return saved["losses"]
+    return None
+
+
 def save_curve(res: StepResult, run=None) -> None:
     results.write_json(_curve_path(res.workload, res.step, run),
                        {**_curve_key(res), "losses": res.check_losses, "settings": res.settings})
@@ -329,9 +338,9 @@ def reference_curve(res: StepResult, step: str, run=None) -> list[float] | None:
     """The loss curve of ``step`` with ``res``'s config, seed and device: from this run's saved
     curves when present, else computed now (check steps only, untimed). None if that step is
     unavailable here."""
-    saved = results.read_json(_curve_path(res.workload, step, run))
-    if saved and {k: saved.get(k) for k in ("config", "seed", "device", "k")} == _curve_key(res):
-        return saved["losses"]
+    saved = _saved_curve(res, step, run)
+    if saved is not None:
+        return saved
     overrides = {k: v for k, v in res.config.items()}
     prev = run_step(res.workload, step, profile=res.profile, device=_device_arg(res), seed=res.seed,
                     plan=Plan(check=res.check_steps, warmup=0, timed=0), check_only=True, **overrides)
@@ -376,13 +385,10 @@ def _reduced_precision_floor(res: StepResult, run=None) -> float | None:
         return None
     if get_step(res.step).same_arithmetic:   # nothing to resolve: the step keeps its own bound
         return None
-    curves = []
-    for name in (bf16, "02_tf32"):
-        saved = results.read_json(_curve_path(res.workload, name, run))
-        if not saved or {k: saved.get(k) for k in ("config", "seed", "device", "k")} != _curve_key(res):
-            return None
-        curves.append(saved["losses"])
-    return min(compare_curves(curves[0], curves[1], 0), get_step(bf16).tolerance)
+    c03, c02 = _saved_curve(res, bf16, run), _saved_curve(res, "02_tf32", run)
+    if c03 is None or c02 is None:
+        return None
+    return min(compare_curves(c03, c02, 0), get_step(bf16).tolerance)
 
 
 def _between(after: str, upto: str) -> list[Step]:
@@ -482,9 +488,9 @@ def measure_data_wait(workload: str, step: str, *, notebook: str, also: tuple[st
             also = (*also, prev.name)
     inert = {k for s in LADDER if applies(s, workload) for k in s.change}
     for other in also:   # by the ladder's definitions; the recorded rows are checked below
-        diff = settings_for(other).diff(settings_for(st.name))
-        if set(diff) - {"loader"} - inert:
-            raise ValueError(f"{other} differs from {st.name} in {sorted(set(diff) - {'loader'} - inert)}, not only the loader: "
+        extra = set(settings_for(other).diff(settings_for(st.name))) - {"loader"} - inert
+        if extra:
+            raise ValueError(f"{other} differs from {st.name} in {sorted(extra)}, not only the loader: "
                              f"one resident run cannot be the floor of both")
     res = run_step(workload, st.name, profile=profile, device=device, seed=seed, progress=progress,
                    settings=dataclasses.replace(base, loader="resident"))

@@ -56,6 +56,8 @@ def test_random_access_restarts_the_stream():
     seq = [b(i)[1] for i in range(5)]
     assert torch.equal(b(2)[1], seq[2]) and torch.equal(b(3)[1], seq[3])
     assert b.n_waits == 7 and b.wait_s > 0
+    again = b(3)                                   # the batch just delivered: no new wait, same tensors
+    assert b.n_waits == 7 and again[1] is b(3)[1]
 
 
 def test_bad_arguments():
@@ -67,7 +69,8 @@ def test_bad_arguments():
         LoaderBatches(Noisy(n=3), 8, "cpu", 0)
     with pytest.raises(ValueError, match="workers"):
         LoaderBatches(Noisy(), 8, "cpu", 0, workers=-1)
-    r = LoaderBatches(Noisy(), 8, "cpu", 0, mode="resident", resident_steps=2)
+    r = LoaderBatches(Noisy(), 8, "cpu", 0, mode="resident")
+    r.make_resident(2)
     with pytest.raises(IndexError, match="not resident"):
         r(2)
 

@@ -43,11 +43,15 @@ def technique_settings(base_step: str, name: str):
 def measure_techniques(workload: str, base_step: str, names: list[str], *, profile: str, device: str,
                        plan: Plan | None = None, notebook: str = "13_memory", seed: int = 0, run=None,
                        **config) -> list[dict]:
+    from ..workloads.gpt import parse_checkpointing
     rows, base = [], None
-    parts = get_workload(workload).checkpoint_parts
+    wl = get_workload(workload)
+    parts = wl.checkpoint_parts
+    cfg = wl.config(resolve_profile(profile, device), **config)
     for name in names:
         settings, acc = technique_settings(base_step, name)
-        need = _parts_needed(settings.checkpointing)
+        blocks, head = parse_checkpointing(settings.checkpointing, cfg.n_layer)
+        need = ({"blocks"} if blocks else set()) | ({"head"} if head else set())
         if need - set(parts):
             rows.append({"technique": name, "status": "n/a", "settings": dataclasses.asdict(settings), "losses": [],
                          "reason": f"{workload} cannot checkpoint its {', '.join(sorted(need - set(parts)))}",
@@ -56,8 +60,7 @@ def measure_techniques(workload: str, base_step: str, names: list[str], *, profi
             continue
         micro = None
         if acc > 1:
-            batch = get_workload(workload).config(resolve_profile(profile, device), **config).batch
-            micro = max(1, batch // acc)
+            micro = max(1, cfg.batch // acc)
         r = run_step(workload, base_step, profile=profile, device=device, seed=seed, plan=plan, settings=settings,
                      micro_batch=micro, **config)
         row = {"technique": name, "status": r.status, "reason": r.reason,
@@ -91,11 +94,6 @@ def measure_techniques(workload: str, base_step: str, names: list[str], *, profi
                 recs.append(results.make_record(metric=m, value=row[m], unit=unit, **common))
     results.append(recs, run)
     return rows
-
-
-def _parts_needed(spec: str) -> set[str]:
-    tokens = {t.strip() for t in str(spec).lower().split(",") if t.strip()} - {"none"}
-    return ({"head"} & tokens) | ({"blocks"} if tokens - {"head"} else set())
 
 
 def same_math_tolerance(base_step: str) -> float:

@@ -34,6 +34,14 @@ def init_lm_weights(model: torch.nn.Module, seed: int, vocab: int, n_layer: int,
     return model
 
 
+def check_positive_ints(cfg, names: tuple[str, ...]) -> None:
+    """Every config field in ``names`` is a positive integer (not a bool), or a ValueError names it."""
+    for f in names:
+        v = getattr(cfg, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{type(cfg).__name__}.{f} must be a positive integer, got {v!r}")
+
+
 class Workload:
     name: str = ""
     unit: str = "items"  # what throughput counts: tokens, samples

@@ -63,7 +63,7 @@ import torch.utils.checkpoint
 from .. import nli_data
 from ..shapes import padded
 from ..steps import Settings
-from .base import Workload
+from .base import Workload, check_positive_ints
 from .gpt import parse_checkpointing
 
 
@@ -85,11 +85,8 @@ class EncoderNLIConfig:
     n_words: int = 8000           # synthetic lexicon
 
     def __post_init__(self):
-        for f in ("n_layer", "n_head", "d_model", "d_ff", "context", "pack_len", "vocab", "n_classes", "batch",
-                  "n_samples", "n_words"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"EncoderNLIConfig.{f} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("n_layer", "n_head", "d_model", "d_ff", "context", "pack_len", "vocab",
+                                   "n_classes", "batch", "n_samples", "n_words"))
         if self.d_model % self.n_head:
             raise ValueError(f"EncoderNLIConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.context < nli_data.MIN_CONTEXT:
@@ -308,9 +305,7 @@ class EncoderNLIWorkload(Workload):
             where = f"NLI data file {source!r}" if source else "the synthetic NLI set"
             raise ValueError(f"{where} has {len(ds)} pairs, fewer than one batch of {cfg.batch}")
         collate = nli_data.PackCollate(cfg.pack_len) if settings.packing else nli_data.PadCollate(cfg.context)
-        lb = LoaderBatches(ds, cfg.batch, device, seed, mode=settings.loader, collate=collate, to_device=_to_device)
-        lb.truncated = ds.truncated   # pairs cut to the context, for the notebook to show
-        return lb
+        return LoaderBatches(ds, cfg.batch, device, seed, mode=settings.loader, collate=collate, to_device=_to_device)
 
     def loss(self, model, batch):
         if len(batch) == 3:

@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 
 from ..shapes import padded
 from ..steps import Settings
-from .base import TokenLMWorkload, init_lm_weights
+from .base import TokenLMWorkload, check_positive_ints, init_lm_weights
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,7 @@ class GPTConfig:
     data_tokens: int = 2_000_000
 
     def __post_init__(self):
-        for f in ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"GPTConfig.{f} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"))
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
 

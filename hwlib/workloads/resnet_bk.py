@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..shapes import padded
 from ..steps import Settings
-from .base import TokenLMWorkload, init_lm_weights
+from .base import TokenLMWorkload, check_positive_ints, init_lm_weights
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,7 @@ class BKConfig:
     data_tokens: int = 2_000_000
 
     def __post_init__(self):
-        for f in ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"BKConfig.{f} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"))
         if not self.z_imag > 0:
             raise ValueError(f"BKConfig.z_imag must be > 0 (z on the real axis hits the spectrum), got {self.z_imag}")
 

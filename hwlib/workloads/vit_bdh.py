@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..steps import Settings
-from .base import Workload
+from .base import Workload, check_positive_ints
 from .gpt import parse_checkpointing
 
 IMAGE, PATCH, IN_CHANNELS, CLASSES = 32, 4, 3, 10
@@ -70,10 +70,7 @@ class VitBDHConfig:
     data_images: int = 10_000  # size of the synthetic set (ignored with a CIFAR-10 source)
 
     def __post_init__(self):
-        for f in ("n_layer", "n_head", "d_model", "n_neuron", "batch", "data_images"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"VitBDHConfig.{f} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("n_layer", "n_head", "d_model", "n_neuron", "batch", "data_images"))
         if self.n_neuron % 2:
             raise ValueError(f"VitBDHConfig.n_neuron ({self.n_neuron}) must be even: RoPE rotates pairs of neurons")
         for f in ("lr", "weight_decay"):
