@@ -153,6 +153,23 @@ def test_finder_errors():
         search_batch(lambda b: 1.0, capacity_gib=10.0, start=0.5)
 
 
+def test_expandable_segments_keeps_other_allocator_options(monkeypatch):
+    from hwlib.memory import allocator
+    monkeypatch.setenv(allocator.ENV, "max_split_size_mb:256,expandable_segments:False")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    assert not allocator.expandable_segments()
+    out = allocator.use_expandable_segments()
+    assert os.environ[allocator.ENV] == "max_split_size_mb:256,expandable_segments:True"
+    assert calls == ["expandable_segments:True"]
+    assert out == "max_split_size_mb:256,expandable_segments:True" and allocator.expandable_segments()
+    monkeypatch.setenv(allocator.ENV, "expandable_segments")
+    with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF.*key:value"):
+        allocator.settings()
+
+
 # --- offloaded optimizer ------------------------------------------------------------------------
 
 def test_offloaded_adamw_matches_torch_adamw():

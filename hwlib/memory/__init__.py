@@ -3,7 +3,7 @@ offload, and checkpoint/resume of a training run. Notebook 13 measures what each
 
 from .accumulation import ResilientStep, accumulate, plan_micro_batches, split_batch
 from .checkpoint import load_checkpoint, save_checkpoint
-from . import offload
+from . import allocator, offload
 from .finder import FinderResult, find_batch_size, search_batch
 from .tracker import MemoryTracker, memory_figures
 

@@ -6,7 +6,10 @@ measured peak; the peak is the allocator's *reserved* peak, what it had to take 
 Batches double from ``start`` until one does not fit within the budget (capacity minus the margin)
 or runs out of memory; a straight line peak(b) = a + c b through the fitting trials predicts the
 largest batch within the budget; that batch is run and its peak measured, and it is stepped down
-until it fits. The result reports the batch, the margin kept, the predicted and the measured peak.
+until it fits. The result reports the batch, the margin kept, the predicted and the measured peak,
+and the allocator settings it measured under: under the default allocator a reserved peak depends on
+the order of allocations (``hwlib.memory.allocator``), so a later run at the same batch can reserve
+less than predicted; with expandable segments reserved tracks allocated and the prediction holds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from . import allocator
 from .accumulation import OOM_ERRORS, _positive_int
 
 GiB = 2**30
@@ -33,6 +37,7 @@ class FinderResult:
     budget_gib: float
     fit: tuple[float, float]            # (a, c): peak = a + c * batch, GiB
     trials: list[dict] = field(default_factory=list)
+    allocator: str | None = None        # allocator settings in force ('' = defaults; None = not measured on CUDA)
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -101,6 +106,7 @@ def find_batch_size(workload: str, settings, device: torch.device, *, profile: s
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
     capacity = (free + torch.cuda.memory_reserved(device)) / GiB
+    allocated: dict[int, float] = {}     # batch -> peak allocated, reported beside the reserved peak
 
     def try_batch(b: int) -> float | None:
         sess, peak = None, None
@@ -113,6 +119,7 @@ def find_batch_size(workload: str, settings, device: torch.device, *, profile: s
                     sess.step(i)
                 torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_reserved(device) / GiB
+            allocated[b] = torch.cuda.max_memory_allocated(device) / GiB
         except OOM_ERRORS:
             peak = None
         finally:
@@ -123,7 +130,11 @@ def find_batch_size(workload: str, settings, device: torch.device, *, profile: s
             torch.cuda.empty_cache()
         return peak
 
-    return search_batch(try_batch, capacity, margin=margin, start=start, max_batch=max_batch)
+    r = search_batch(try_batch, capacity, margin=margin, start=start, max_batch=max_batch)
+    for t in r.trials:
+        t["peak_alloc_gib"] = allocated.get(t["batch"]) if t["peak_gib"] is not None else None
+    r.allocator = allocator.settings()
+    return r
 
 
 def as_dict(r: FinderResult) -> dict:

@@ -1,0 +1,58 @@
+"""The CUDA caching allocator's configuration, as far as memory figures depend on it.
+
+Under the default allocator the *reserved* peak of a step is not a function of its tensors alone:
+blocks are carved out of fixed segments, so the same tensors allocated in another order leave other
+holes, and two runs of the same step at the same batch can reserve different amounts (on an H200,
+GPT-2 small at batch 126 reserved 124.2 GiB in one process and 111.7 GiB in another, with 92.2 GiB
+allocated in both). With ``expandable_segments:True`` a segment grows in place, so reserved tracks
+allocated and a reserved peak measured once predicts the next run. The batch finder records which
+configuration it measured under.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def _options(conf: str) -> dict[str, str]:
+    out = {}
+    for part in filter(None, (p.strip() for p in conf.split(","))):
+        key, sep, value = part.partition(":")
+        if not sep:
+            raise ValueError(f"{ENV}={conf!r}: option {part!r} is not of the form key:value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def settings() -> str:
+    """The allocator options in force for this process ('' = the defaults)."""
+    conf = _options(os.environ.get("PYTORCH_ALLOC_CONF", "") or os.environ.get(ENV, ""))
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        conf.update(_options(getter() or ""))     # set at run time: overrides the environment
+    return ",".join(f"{k}:{v}" for k, v in conf.items())
+
+
+def expandable_segments() -> bool:
+    return _options(settings()).get("expandable_segments", "False").lower() == "true"
+
+
+def use_expandable_segments() -> str:
+    """Turn on expandable segments for this process and the processes it starts; return the settings.
+
+    Call it before the first CUDA allocation: segments reserved before the call keep their old kind.
+    Other options already set (``max_split_size_mb`` ...) are kept.
+    """
+    conf = _options(os.environ.get(ENV, ""))
+    conf["expandable_segments"] = "True"
+    os.environ[ENV] = ",".join(f"{k}:{v}" for k, v in conf.items())
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter("expandable_segments:True")
+    elif torch.cuda.is_available():   # older torch: the CUDA-only spelling
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return settings()
