@@ -38,6 +38,7 @@ class StepResult:
     seed: int = 0
     losses: list = field(default_factory=list)   # every step's loss, in order
     check_steps: int = 0
+    warmup_steps: int = 0                  # untimed steps after the check steps
     timing: bench.Timing | None = None
     first_step_s: float | None = None
     compile_s: float | None = None
@@ -173,6 +174,27 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def first_timed_step(shapes: list | None, start: int, timed: int) -> tuple[int, bool]:
+    """The first timed step: ``start``, or later so that every batch shape of the timed window was run
+    before it. A new shape recompiles or records a CUDA graph once; inside the window that one-off
+    cost would be timed as if it were a step. ``shapes`` has a key per batch (None: all the same) and
+    covers at least ``start + 2 * timed`` batches: the warm-up grows by at most ``timed`` steps.
+    Returns (first step, whether every shape in the window was seen before it)."""
+    if shapes is None:
+        return start, True
+    if len(shapes) < start + 2 * timed:
+        raise ValueError(f"shapes covers {len(shapes)} batches, fewer than start + 2 * timed = {start + 2 * timed}")
+    first = start
+    while True:
+        seen = set(shapes[:first])
+        new = next((i for i in range(first, first + timed) if shapes[i] not in seen), None)
+        if new is None:
+            return first, True
+        if new + 1 > start + timed:      # the warm-up would more than double: time it as it is
+            return first, False
+        first = new + 1
+
+
 def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: str = "auto",
              device: str | torch.device = "auto", seed: int = 0, plan: Plan | None = None,
              source: str | None = None, check_only: bool = False, progress: bool = False,
@@ -217,10 +239,21 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
         res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
     res.settings = dataclasses.asdict(settings)
 
+    timed_from, settled = pl.check + pl.warmup, True
+    if pl.timed:
+        shapes = wl.batch_shapes(cfg, settings, seed, pl.check + pl.warmup + 2 * pl.timed, source)
+        timed_from, settled = first_timed_step(shapes, pl.check + pl.warmup, pl.timed)
+        if timed_from > pl.check + pl.warmup:
+            res.notes.append(f"warm-up extended by {timed_from - pl.check - pl.warmup} steps: every batch shape of the "
+                             "timed window ran before it (its recompile or CUDA-graph recording is not timed)")
+        if not settled:
+            res.notes.append("a batch shape first seen inside the timed window: its recompile or CUDA-graph "
+                             "recording is in the timing")
+    res.warmup_steps = timed_from - pl.check
     sess = Session(wl.name, cfg, settings, dev, seed, source, micro_batch=micro_batch)
 
     losses: list[torch.Tensor] = []
-    total = pl.check + pl.warmup + pl.timed
+    total = timed_from + pl.timed
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -241,17 +274,17 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
                     res.sdpa_backend = None if found == "none found" else found   # a model without attention
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            res.first_step_s, first = bench.wall_s(lambda: sess.step(0), dev)
-            losses.append(first)
+            res.first_step_s, loss0 = bench.wall_s(lambda: sess.step(0), dev)
+            losses.append(loss0)
             bar and bar.update(1)
             clock = bench.StepClock(dev)
             wait0 = None
             for i in range(1, total):
-                if i == pl.check + pl.warmup:
+                if i == timed_from:
                     clock.mark()
                     wait0 = getattr(sess.batches, "wait_s", None)
                 losses.append(sess.step(i))
-                if i >= pl.check + pl.warmup:
+                if i >= timed_from:
                     clock.mark()
                 if bar is not None:
                     bar.update(1)
@@ -408,7 +441,8 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
     mid = {"measurement": uuid.uuid4().hex[:12]}
     common = dict(notebook=notebook, workload=res.workload, step=res.step, profile=res.profile,
                   params={"config": res.config, "settings": res.settings, "seed": res.seed,
-                          "check_steps": res.check_steps, "timed_steps": res.timing.n if res.timing else 0},
+                          "check_steps": res.check_steps, "warmup_steps": res.warmup_steps,
+                          "timed_steps": res.timing.n if res.timing else 0, "notes": res.notes},
                   device={k: res.device.get(k) for k in ("kind", "name", "capability", "total_mem_gib", "sm_count")},
                   versions=versions())
     recs = []

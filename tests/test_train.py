@@ -152,3 +152,30 @@ def test_data_wait_against_resident_batches(isolated_run, cpu_only):
     missing = train.measure_data_wait("encoder_nli", "08_dataloader", notebook="x", profile="smoke", device="cpu",
                                       progress=False)
     assert missing[0]["status"] == "not measured"
+
+
+def test_timing_starts_after_every_shape_of_its_window_was_run():
+    assert train.first_timed_step(None, 15, 30) == (15, True)
+    same = [3] * 80
+    assert train.first_timed_step(same, 15, 30) == (15, True)
+    late = [3] * 15 + [4] + [3] * 64                 # a new shape at the first timed step
+    assert train.first_timed_step(late, 15, 30) == (16, True)
+    two = [3] * 20 + [4] + [3] * 10 + [5] + [3] * 48  # two new shapes, one after the other
+    assert train.first_timed_step(two, 15, 30) == (32, True)
+    too_late = [3] * 44 + [4] + [3] * 35             # seen only after the warm-up would double
+    assert train.first_timed_step(too_late, 15, 30) == (45, True)
+    churn = list(range(80))                          # every batch new: give up, say so
+    first, settled = train.first_timed_step(churn, 15, 30)
+    assert not settled and first <= 45
+    with pytest.raises(ValueError, match="start \\+ 2 \\* timed"):
+        train.first_timed_step([3] * 20, 15, 30)
+
+
+def test_run_step_extends_the_warm_up_past_a_new_packed_shape(monkeypatch):
+    from hwlib.workloads.encoder_nli import EncoderNLIWorkload
+    monkeypatch.setattr(EncoderNLIWorkload, "batch_shapes",
+                        lambda self, cfg, st, seed, n, source=None: [3] * 5 + [4] * (n - 5))
+    r = train.run_step("encoder_nli", "11_sequence_packing", profile="smoke", device="cpu",
+                       plan=Plan(check=3, warmup=1, timed=4))
+    assert r.status == "ok" and r.warmup_steps == 3 and len(r.losses) == 3 + 3 + 4 and r.timing.n == 4
+    assert any("warm-up extended by 2 steps" in n for n in r.notes)

@@ -195,6 +195,19 @@ def test_packing_removes_most_padding_at_the_full_context():
     assert len(s["packed_rows"]) <= 3            # a handful of shapes for compiled graphs
 
 
+def test_batch_shapes_predict_the_packed_row_counts():
+    assert WL.batch_shapes(CFG, Settings(), 0, 8) is None           # padded: one shape
+    st = Settings(packing=True)
+    shapes = WL.batch_shapes(CFG, st, 0, 8)
+    b = batches(st)
+    try:
+        assert shapes == [b(i)[0].shape[0] for i in range(8)]
+    finally:
+        b.close()
+    full = WL.batch_shapes(WL.config("full"), st, 0, 60)
+    assert set(full) == set(padding_stats(WL.config("full"), seed=0, n_batches=60)["packed_rows"])
+
+
 def test_synthetic_pairs_are_deterministic_mnli_like_and_labelled_by_their_relation():
     ds = nli_data.SyntheticNLI(3000, 30522, 512, seed=7, n_words=8000)
     again = nli_data.SyntheticNLI(3000, 30522, 512, seed=7, n_words=8000)

@@ -252,19 +252,24 @@ def dataset(cfg: EncoderNLIConfig, seed: int = 0, source: str | None = None):
     return ds
 
 
+def _packed_rows(ds, cfg: EncoderNLIConfig, seed: int, n: int):
+    """(pair lengths, packed row count) of batches 0..n-1, in the loader's order."""
+    from ..loader import StepSampler
+    order = StepSampler(len(ds), cfg.batch, seed)
+    for i in range(n):
+        lengths = ds.lengths[order.indices(i)]
+        yield lengths, 1 + max(r for r, _ in nli_data.pack_rows(lengths, cfg.pack_len))
+
+
 def padding_stats(cfg: EncoderNLIConfig, seed: int = 0, n_batches: int = 50, source: str | None = None) -> dict:
     """What padding costs and what packing removes, over batches 0..n_batches-1 of the loader.
 
     real: tokens of the pairs; padded: batch x context (steps 01-10); packed: rows x pack_len after
     first-fit packing (step 11). ``removed`` is the share of padding tokens that packing removes."""
-    from ..loader import StepSampler
     ds = dataset(cfg, seed, source)
-    order = StepSampler(len(ds), cfg.batch, seed)
     real = packed = 0
     rows_seen: set[int] = set()
-    for i in range(n_batches):
-        lengths = ds.lengths[order.indices(i)]
-        rows = 1 + max(r for r, _ in nli_data.pack_rows(lengths, cfg.pack_len))
+    for lengths, rows in _packed_rows(ds, cfg, seed, n_batches):
         rows_seen.add(rows)
         real += int(lengths.sum())
         packed += rows * cfg.pack_len
@@ -306,6 +311,13 @@ class EncoderNLIWorkload(Workload):
             raise ValueError(f"{where} has {len(ds)} pairs, fewer than one batch of {cfg.batch}")
         collate = nli_data.PackCollate(cfg.pack_len) if settings.packing else nli_data.PadCollate(cfg.context)
         return LoaderBatches(ds, cfg.batch, device, seed, mode=settings.loader, collate=collate, to_device=_to_device)
+
+    def batch_shapes(self, cfg: EncoderNLIConfig, settings: Settings, seed: int, n: int,
+                     source: str | None = None) -> list | None:
+        """Packed batches have as many rows as first-fit packing needs (3 or 4 at full size)."""
+        if not settings.packing:
+            return None
+        return [rows for _, rows in _packed_rows(dataset(cfg, seed, source), cfg, seed, n)]
 
     def loss(self, model, batch):
         if len(batch) == 3:
