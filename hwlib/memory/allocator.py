@@ -2,11 +2,10 @@
 
 Under the default allocator the *reserved* peak of a step is not a function of its tensors alone:
 blocks are carved out of fixed segments, so the same tensors allocated in another order leave other
-holes, and two runs of the same step at the same batch can reserve different amounts (on an H200,
-GPT-2 small at batch 126 reserved 124.2 GiB in one process and 111.7 GiB in another, with 92.2 GiB
-allocated in both). With ``expandable_segments:True`` a segment grows in place, so reserved tracks
-allocated and a reserved peak measured once predicts the next run. The batch finder records which
-configuration it measured under.
+holes, and two runs of the same step at the same batch, with the same peak allocated, can reserve
+amounts that differ by several GiB. With ``expandable_segments:True`` a segment grows in place, so
+reserved tracks allocated and a reserved peak measured once predicts the next run (notebook 13
+measures both). The batch finder records which configuration it measured under.
 """
 
 from __future__ import annotations
