@@ -64,6 +64,34 @@ def git_commit() -> str | None:
         return None
 
 
+CODE_DIRS = ("hwlib", "kernels")   # the code that measures: its digest identifies a result's code
+
+
+def code_digest(root: Path | None = None) -> str | None:
+    """sha256 (12 hex digits) over the paths and bytes of every file under ``CODE_DIRS``.
+
+    It names the code that produced a record even where ``git_commit`` cannot: a copy of the tree
+    without its history, or a checkout whose git metadata is stale. Caches are left out."""
+    root = Path(root) if root is not None else REPO_ROOT
+    return _code_digest(str(root.resolve()))
+
+
+@functools.lru_cache(maxsize=4)   # the code does not change under a running process's feet
+def _code_digest(root: str) -> str | None:
+    import hashlib
+    h, n = hashlib.sha256(), 0
+    for d in CODE_DIRS:
+        base = Path(root) / d
+        if not base.is_dir():
+            continue
+        for f in sorted(base.rglob("*")):
+            if not f.is_file() or "__pycache__" in f.parts or f.suffix in (".pyc", ".so", ".o"):
+                continue
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+            n += 1
+    return h.hexdigest()[:12] if n else None
+
+
 def _clean(x):
     """JSON has no NaN/inf: store them as strings so a non-finite value is never silently a number."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -84,7 +112,7 @@ def make_record(*, notebook: str, workload: str | None, step: str | None, metric
     rec = {"notebook": notebook, "workload": workload, "step": step, "metric": metric, "value": value,
            "p20": p20, "p80": p80, "unit": unit, "status": status, "reason": reason, "profile": profile,
            "params": params or {}, "device": device or {}, "versions": versions or {},
-           "git_commit": git_commit(),
+           "git_commit": git_commit(), "code_digest": code_digest(),
            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     if extra:
         rec.update(extra)

@@ -15,7 +15,7 @@ def rec(metric="ms_per_step", value=1.0, step="01_baseline_fp32", **kw):
 def test_record_has_provenance():
     r = rec(profile="smoke", device={"name": "cpu"}, versions={"torch": "x"})
     for k in ("notebook", "workload", "step", "metric", "value", "p20", "p80", "unit", "profile", "params",
-              "device", "versions", "git_commit", "time", "status"):
+              "device", "versions", "git_commit", "code_digest", "time", "status"):
         assert k in r
     with pytest.raises(ValueError, match="status"):
         rec(status="great")
@@ -80,3 +80,21 @@ def test_run_dir_names(tmp_path, monkeypatch):
     assert results.run_dir(tmp_path / "abs") == tmp_path / "abs"
     monkeypatch.delenv("HWLIB_RUN")
     assert results.run_dir() == tmp_path / "outs" / "interactive"
+
+
+def test_code_digest_names_the_code_and_nothing_else(tmp_path):
+    (tmp_path / "hwlib" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "hwlib" / "a.py").write_text("x = 1\n")
+    (tmp_path / "kernels" / "k.cu").write_text("// k\n")
+    first = results.code_digest(tmp_path)
+    assert len(first) == 12 and results.code_digest(tmp_path) == first
+    (tmp_path / "hwlib" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"cache")
+    (tmp_path / "notes.md").write_text("not code")
+    results._code_digest.cache_clear()
+    assert results.code_digest(tmp_path) == first            # caches and other files do not count
+    (tmp_path / "kernels" / "k.cu").write_text("// k changed\n")
+    results._code_digest.cache_clear()
+    assert results.code_digest(tmp_path) != first
+    assert results.code_digest(tmp_path / "nowhere") is None
+    assert rec()["code_digest"] == results.code_digest()
