@@ -239,9 +239,10 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
         res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
     res.settings = dataclasses.asdict(settings)
 
+    sess = Session(wl.name, cfg, settings, dev, seed, source, micro_batch=micro_batch)
     timed_from, settled = pl.check + pl.warmup, True
     if pl.timed:
-        shapes = wl.batch_shapes(cfg, settings, seed, pl.check + pl.warmup + 2 * pl.timed, source)
+        shapes = wl.batch_shapes(cfg, sess.batches, pl.check + pl.warmup + 2 * pl.timed)
         timed_from, settled = first_timed_step(shapes, pl.check + pl.warmup, pl.timed)
         if timed_from > pl.check + pl.warmup:
             res.notes.append(f"warm-up extended by {timed_from - pl.check - pl.warmup} steps: every batch shape of the "
@@ -250,7 +251,6 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
             res.notes.append("a batch shape first seen inside the timed window: its recompile or CUDA-graph "
                              "recording is in the timing")
     res.warmup_steps = timed_from - pl.check
-    sess = Session(wl.name, cfg, settings, dev, seed, source, micro_batch=micro_batch)
 
     losses: list[torch.Tensor] = []
     total = timed_from + pl.timed

@@ -173,16 +173,22 @@ def _check(a, b, c):
     return B, N
 
 
+def _output(a: torch.Tensor, B: int, N: int, out: torch.Tensor | None, name: str) -> torch.Tensor:
+    """G's output: ``out`` checked (complex of ``a``'s precision, [B, N], any strides) or a new one."""
+    cd = torch.complex64 if a.dtype == torch.float32 else torch.complex128
+    if out is None:
+        return torch.empty((B, N), dtype=cd, device=a.device)
+    if out.shape != (B, N) or out.dtype != cd:
+        raise ValueError(f"{name}: out must be {cd} of shape {(B, N)}")
+    return out
+
+
 def bk_forward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, out: torch.Tensor | None = None,
                block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """G [B, N] complex for a [B, N], b, c [B, N-1] (any strides: pass ``x_nb.t()`` for the
     interleaved layout). ``out``: a complex [B, N] tensor, any strides (e.g. ``out_nb.t()``)."""
     B, N = _check(a, b, c)
-    cd = torch.complex64 if a.dtype == torch.float32 else torch.complex128
-    if out is None:
-        out = torch.empty((B, N), dtype=cd, device=a.device)
-    if out.shape != (B, N) or out.dtype != cd:
-        raise ValueError(f"bk_forward: out must be {cd} of shape {(B, N)}")
+    out = _output(a, B, N, out, "bk_forward")
     if B == 0 or N == 0:
         return out
     o = torch.view_as_real(out)
@@ -389,11 +395,7 @@ def bk_forward_chunked(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, chu
     B, N = _check(a, b, c)
     if chunk < 1:
         raise ValueError(f"bk_forward_chunked: chunk must be >= 1, got {chunk}")
-    cd = torch.complex64 if a.dtype == torch.float32 else torch.complex128
-    if out is None:
-        out = torch.empty((B, N), dtype=cd, device=a.device)
-    if out.shape != (B, N) or out.dtype != cd:
-        raise ValueError(f"bk_forward_chunked: out must be {cd} of shape {(B, N)}")
+    out = _output(a, B, N, out, "bk_forward_chunked")
     if B == 0 or N == 0:
         return out
     o = torch.view_as_real(out)

@@ -160,11 +160,11 @@ def test_expandable_segments_keeps_other_allocator_options(monkeypatch):
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
-    assert not allocator.expandable_segments()
+    assert allocator.settings() == "max_split_size_mb:256,expandable_segments:False"
     out = allocator.use_expandable_segments()
     assert os.environ[allocator.ENV] == "max_split_size_mb:256,expandable_segments:True"
     assert calls == ["expandable_segments:True"]
-    assert out == "max_split_size_mb:256,expandable_segments:True" and allocator.expandable_segments()
+    assert out == "max_split_size_mb:256,expandable_segments:True" == allocator.settings()
     monkeypatch.setenv(allocator.ENV, "expandable_segments")
     with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF.*key:value"):
         allocator.settings()

@@ -174,7 +174,7 @@ def test_timing_starts_after_every_shape_of_its_window_was_run():
 def test_run_step_extends_the_warm_up_past_a_new_packed_shape(monkeypatch):
     from hwlib.workloads.encoder_nli import EncoderNLIWorkload
     monkeypatch.setattr(EncoderNLIWorkload, "batch_shapes",
-                        lambda self, cfg, st, seed, n, source=None: [3] * 5 + [4] * (n - 5))
+                        lambda self, cfg, batches, n: [3] * 5 + [4] * (n - 5))
     r = train.run_step("encoder_nli", "11_sequence_packing", profile="smoke", device="cpu",
                        plan=Plan(check=3, warmup=1, timed=4))
     assert r.status == "ok" and r.warmup_steps == 3 and len(r.losses) == 3 + 3 + 4 and r.timing.n == 4

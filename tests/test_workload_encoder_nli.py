@@ -196,16 +196,22 @@ def test_packing_removes_most_padding_at_the_full_context():
 
 
 def test_batch_shapes_predict_the_packed_row_counts():
-    assert WL.batch_shapes(CFG, Settings(), 0, 8) is None           # padded: one shape
+    padded_batches = batches()
+    assert WL.batch_shapes(CFG, padded_batches, 8) is None           # padded: one shape
+    padded_batches.close()
     st = Settings(packing=True)
-    shapes = WL.batch_shapes(CFG, st, 0, 8)
     b = batches(st)
     try:
+        shapes = WL.batch_shapes(CFG, b, 8)
         assert shapes == [b(i)[0].shape[0] for i in range(8)]
     finally:
         b.close()
-    full = WL.batch_shapes(WL.config("full"), st, 0, 60)
-    assert set(full) == set(padding_stats(WL.config("full"), seed=0, n_batches=60)["packed_rows"])
+    full_cfg = WL.config("full")
+    full = WL.batches(full_cfg, CPU, 0, settings=st)
+    try:
+        assert set(WL.batch_shapes(full_cfg, full, 60)) == set(padding_stats(full_cfg, seed=0, n_batches=60)["packed_rows"])
+    finally:
+        full.close()
 
 
 def test_synthetic_pairs_are_deterministic_mnli_like_and_labelled_by_their_relation():

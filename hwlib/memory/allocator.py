@@ -27,17 +27,17 @@ def _options(conf: str) -> dict[str, str]:
     return out
 
 
+def _format(conf: dict[str, str]) -> str:
+    return ",".join(f"{k}:{v}" for k, v in conf.items())
+
+
 def settings() -> str:
     """The allocator options in force for this process ('' = the defaults)."""
     conf = _options(os.environ.get("PYTORCH_ALLOC_CONF", "") or os.environ.get(ENV, ""))
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is not None:
         conf.update(_options(getter() or ""))     # set at run time: overrides the environment
-    return ",".join(f"{k}:{v}" for k, v in conf.items())
-
-
-def expandable_segments() -> bool:
-    return _options(settings()).get("expandable_segments", "False").lower() == "true"
+    return _format(conf)
 
 
 def use_expandable_segments() -> str:
@@ -48,7 +48,7 @@ def use_expandable_segments() -> str:
     """
     conf = _options(os.environ.get(ENV, ""))
     conf["expandable_segments"] = "True"
-    os.environ[ENV] = ",".join(f"{k}:{v}" for k, v in conf.items())
+    os.environ[ENV] = _format(conf)
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None:
         setter("expandable_segments:True")

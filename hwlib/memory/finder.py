@@ -132,7 +132,7 @@ def find_batch_size(workload: str, settings, device: torch.device, *, profile: s
 
     r = search_batch(try_batch, capacity, margin=margin, start=start, max_batch=max_batch)
     for t in r.trials:
-        t["peak_alloc_gib"] = allocated.get(t["batch"]) if t["peak_gib"] is not None else None
+        t["peak_alloc_gib"] = allocated.get(t["batch"])     # None for a batch that ran out of memory
     r.allocator = allocator.settings()
     return r
 

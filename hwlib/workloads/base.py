@@ -75,9 +75,10 @@ class Workload:
         and ``make_resident(n)`` (batches 0..n-1 kept on the device before timing)."""
         raise NotImplementedError
 
-    def batch_shapes(self, cfg: Any, settings: Settings, seed: int, n: int, source: str | None = None) -> list | None:
-        """A key per batch 0..n-1 that changes when its tensor shapes change, computed without
-        building the batches; None when every batch has the same shapes (the usual case)."""
+    def batch_shapes(self, cfg: Any, batches: Callable[[int], Any], n: int) -> list | None:
+        """A key per batch 0..n-1 of ``batches`` (what ``self.batches`` returned) that changes when
+        its tensor shapes change, computed without building the batches; None when every batch has
+        the same shapes (the usual case)."""
         return None
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:

@@ -312,12 +312,11 @@ class EncoderNLIWorkload(Workload):
         collate = nli_data.PackCollate(cfg.pack_len) if settings.packing else nli_data.PadCollate(cfg.context)
         return LoaderBatches(ds, cfg.batch, device, seed, mode=settings.loader, collate=collate, to_device=_to_device)
 
-    def batch_shapes(self, cfg: EncoderNLIConfig, settings: Settings, seed: int, n: int,
-                     source: str | None = None) -> list | None:
+    def batch_shapes(self, cfg: EncoderNLIConfig, batches, n: int) -> list | None:
         """Packed batches have as many rows as first-fit packing needs (3 or 4 at full size)."""
-        if not settings.packing:
+        if not isinstance(batches.collate, nli_data.PackCollate):
             return None
-        return [rows for _, rows in _packed_rows(dataset(cfg, seed, source), cfg, seed, n)]
+        return [rows for _, rows in _packed_rows(batches.dataset, cfg, batches.seed, n)]
 
     def loss(self, model, batch):
         if len(batch) == 3:
