@@ -4,9 +4,11 @@
 * matmul: ``n x n @ n x n`` on random data (zeros run faster than real data), 2 n^3 FLOPs,
   fp32 with TF32 off, fp32 with TF32 on, and bf16.
 
-Each run measures its own ceilings once (notebook 00) and stores them in ``<run>/ceilings.json``;
-every other notebook reads them from there, or measures them itself when run alone. On CPU the
-sizes are small and the numbers only prove that the code runs.
+Each run measures its own ceilings once, explicitly (notebook 00, or ``save``) and stores them in
+``<run>/ceilings.json``; every other notebook reads them from there through ``hwlib.query``. A
+notebook run alone without them reports MFU as n/a: ceilings are never measured as a side effect
+(a 2 GiB copy and 8192^3 matmuls would otherwise run unasked). On CPU the sizes are small and the
+numbers only prove that the code runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 
 from . import bench, results
 from .device import info, resolve_device, supports_bf16, supports_tf32
-from .steps import Settings, backend_flags
+from .precision import tf32_mode
+from .paths import run_dir
 
 SIZES = {"cuda": {"copy_bytes": 2 << 30, "matmul_n": 8192}, "cpu": {"copy_bytes": 64 << 20, "matmul_n": 512}}
 
@@ -36,7 +39,7 @@ def matmul_tflops(device: torch.device, dtype: str, n: int | None = None, iters:
     a = torch.randn(n, n, device=device, dtype=torch_dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=torch_dtype, generator=g)
     out = torch.empty(n, n, device=device, dtype=torch_dtype)
-    with backend_flags(Settings(tf32=(dtype == "tf32"))):
+    with tf32_mode(dtype == "tf32"):
         t = bench.time_fn(lambda i: torch.mm(a, b, out=out), device, warmup=3, iters=iters)
     del a, b, out
     return t
@@ -68,16 +71,9 @@ def measure(device: str | torch.device = "auto") -> dict:
     return out
 
 
-def load_or_measure(device: str | torch.device = "auto", run=None) -> dict:
-    """This run's ceilings: read from ``<run>/ceilings.json`` when measured on the same device."""
-    dev = resolve_device(device)
-    path = results.run_dir(run) / "ceilings.json"
-    saved = results.read_json(path)
-    if saved and saved.get("device") == info(dev).name:
-        return saved
-    c = measure(dev)
-    results.write_json(path, c)
-    return c
+def save(ceilings: dict, run=None):
+    """Store measured ceilings as ``<run>/ceilings.json``; returns the path."""
+    return results.write_json(run_dir(run) / "ceilings.json", ceilings)
 
 
 def share(value: float | None, ceiling: float | None) -> float | None:

@@ -19,9 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import results
+from . import query, results
+from .paths import REPO_ROOT, run_dir
 
-NOTEBOOKS_DIR = results.REPO_ROOT / "notebooks"
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
 
 class CliError(Exception):
@@ -85,18 +86,18 @@ def reproduce(args) -> int:
         workloads = list(dict.fromkeys(get_workload(w).name for w in args.workloads.split(",") if w.strip()))
         if not workloads:
             raise CliError(f"--workloads {args.workloads!r} names no workload")
-    run = results.run_dir(args.run)
+    run = run_dir(args.run)
     executed = run / "executed"
     executed.mkdir(exist_ok=True)
     state_path = run / "state.json"
-    state = results.read_json(state_path, {}) or {}
+    state = query.read_json(state_path, {}) or {}
     if state.get("_profile") not in (None, profile):
         raise CliError(f"run {run} was made with profile {state['_profile']!r}, not {profile!r}: "
                        f"use another --run or --force")
     state["_profile"] = profile
     env = dict(os.environ, HWLIB_RUN=str(run), HWLIB_PROFILE=profile, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(results.REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(results.REPO_ROOT / ".torch_extensions"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions"))
     print(f"hwlib reproduce: {len(nbs)} notebooks, profile={profile}, device={dev.type}, run={run}", flush=True)
     t_all = time.perf_counter()
     bar = tqdm(nbs, unit="nb", dynamic_ncols=True, disable=args.quiet)
@@ -115,7 +116,7 @@ def reproduce(args) -> int:
         results.write_json(state_path, state)
         bar.write(f"  {nb.stem:<24} {status:<8} {secs:7.1f} s" + (f"  {why}" if why else ""))
     bar.close()
-    from .report import write_all
+    from .report.tables import write_all
     try:
         written = write_all(run)
         print(f"tables, figures and summary.json rebuilt: {len(written)} files under {run}")
@@ -144,9 +145,10 @@ def env_cmd(args) -> int:
 
 
 def table_cmd(args) -> int:
-    from .report import ladder_rows, markdown_table, what_we_saw, workloads_in
-    run = results.run_dir(args.run)
-    recs = results.load(run)
+    from .query import ladder_rows, workloads_in
+    from .report.tables import markdown_table, what_we_saw
+    run = run_dir(args.run)
+    recs = query.load(run)
     if not recs:
         raise CliError(f"run {run} has no results.jsonl records; run `hwlib reproduce --run {args.run}` first")
     for w in workloads_in(recs):
@@ -156,11 +158,11 @@ def table_cmd(args) -> int:
 
 
 def readme_cmd(args) -> int:
-    from .report import update_readme
-    run = results.run_dir(args.run)
+    from .report.tables import update_readme
+    run = run_dir(args.run)
     if not (run / "results.jsonl").exists():
         raise CliError(f"{run} holds no results.jsonl")
-    readme = results.REPO_ROOT / "README.md"
+    readme = REPO_ROOT / "README.md"
     if args.check:
         before = readme.read_text()
         changed = update_readme(readme, run)

@@ -22,32 +22,14 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from .paths import PACKAGE_DIR, REPO_ROOT, run_dir
+
 try:
     import fcntl
 except ImportError:  # Windows: appends are still single writes
     fcntl = None
 
-# A checkout keeps outputs/ and data/ beside hwlib/; an installed copy (Colab) uses the working folder.
-_PKG_PARENT = Path(__file__).resolve().parent.parent
-REPO_ROOT = _PKG_PARENT if (_PKG_PARENT / "pyproject.toml").exists() else Path.cwd()
 KEY = ("notebook", "workload", "step", "metric")
-
-
-def outputs_root() -> Path:
-    return Path(os.environ.get("HWLIB_OUTPUTS", REPO_ROOT / "outputs"))
-
-
-def run_dir(run: str | os.PathLike | None = None) -> Path:
-    """The folder of a run, created if needed. A relative name lives under ``outputs/``
-    (``latest`` -> ``outputs/latest``, ``reference/h100`` -> ``outputs/reference/h100``; a path that
-    already starts with ``outputs/`` is taken from the repository root). Default: ``$HWLIB_RUN``,
-    else ``outputs/interactive``."""
-    run = run or os.environ.get("HWLIB_RUN") or "interactive"
-    p = Path(run)
-    if not p.is_absolute():
-        p = REPO_ROOT / p if p.parts[0] == "outputs" else outputs_root() / p
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,15 +46,15 @@ def git_commit() -> str | None:
         return None
 
 
-CODE_DIRS = ("hwlib", "kernels")   # the code that measures: its digest identifies a result's code
 
 
 def code_digest(root: Path | None = None) -> str | None:
-    """sha256 (12 hex digits) over the paths and bytes of every file under ``CODE_DIRS``.
+    """sha256 (12 hex digits) over the paths and bytes of every file under ``hwlib/`` (kernel sources
+    included: they ship inside the package).
 
     It names the code that produced a record even where ``git_commit`` cannot: a copy of the tree
     without its history, or a checkout whose git metadata is stale. Caches are left out."""
-    root = Path(root) if root is not None else REPO_ROOT
+    root = Path(root) if root is not None else PACKAGE_DIR.parent
     return _code_digest(str(root.resolve()))
 
 
@@ -80,7 +62,7 @@ def code_digest(root: Path | None = None) -> str | None:
 def _code_digest(root: str) -> str | None:
     import hashlib
     h, n = hashlib.sha256(), 0
-    for d in CODE_DIRS:
+    for d in ("hwlib",):
         base = Path(root) / d
         if not base.is_dir():
             continue
@@ -103,20 +85,55 @@ def _clean(x):
     return x
 
 
+DEVICE_FIELDS = ("kind", "name", "capability", "total_mem_gib", "sm_count")
+STATUSES = ("ok", "skipped", "n/a", "failed", "nonfinite")
+
+
+@functools.lru_cache(maxsize=8)
+def _device_stamp(device: str) -> dict:
+    from .device import info   # same layer; late only so that `import hwlib.results` stays light
+    return {k: v for k, v in info(device).to_dict().items() if k in DEVICE_FIELDS}
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict:
+    from .device import versions
+    return versions()
+
+
 def make_record(*, notebook: str, workload: str | None, step: str | None, metric: str, value, unit: str,
                 p20=None, p80=None, status: str = "ok", reason: str | None = None, profile: str | None = None,
-                params: dict | None = None, device: dict | None = None, versions: dict | None = None,
+                params: dict | None = None, device: str | dict = "auto", fields: dict | None = None,
                 extra: dict | None = None) -> dict:
-    if status not in ("ok", "skipped", "n/a", "failed", "nonfinite"):
-        raise ValueError(f"status {status!r}: choose ok, skipped, n/a, failed or nonfinite")
+    """One measurement's record, stamped here and nowhere else with the device, library versions,
+    git commit, code digest and time.
+
+    ``device`` is the device the measurement ran on ('cuda', 'cpu', 'auto', or the facts as a dict);
+    ``fields`` are the measurement's own x-values (batch, N, backend, variant, world_size...): they
+    are record fields, never parts of the metric's name, and they are part of its key."""
+    if status not in STATUSES:
+        raise ValueError(f"status {status!r}: choose one of {', '.join(STATUSES)}")
+    if not isinstance(metric, str) or not metric:
+        raise ValueError(f"metric must be a non-empty string, got {metric!r}")
+    dev = ({k: device.get(k) for k in DEVICE_FIELDS} if isinstance(device, dict)
+           else dict(_device_stamp(str(device))))
     rec = {"notebook": notebook, "workload": workload, "step": step, "metric": metric, "value": value,
            "p20": p20, "p80": p80, "unit": unit, "status": status, "reason": reason, "profile": profile,
-           "params": params or {}, "device": device or {}, "versions": versions or {},
+           "params": params or {}, "fields": dict(fields or {}), "device": dev, "versions": _versions(),
            "git_commit": git_commit(), "code_digest": code_digest(),
            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     if extra:
+        clash = set(extra) & set(rec)
+        if clash:
+            raise ValueError(f"extra fields {sorted(clash)} would overwrite the record's own")
         rec.update(extra)
     return _clean(rec)
+
+
+def record_key(r: dict) -> tuple:
+    """What a record measures: a newer record with the same key supersedes an older one."""
+    fields = r.get("fields") or {}
+    return tuple(r.get(k) for k in KEY) + (tuple(sorted((k, str(v)) for k, v in fields.items())),)
 
 
 def append(records: list[dict] | dict, run: str | os.PathLike | None = None) -> Path:
@@ -169,11 +186,6 @@ def load(run: str | os.PathLike | None = None, *, latest_only: bool = True) -> l
     for r in recs:
         latest[tuple(r.get(k) for k in KEY)] = r
     return list(latest.values())
-
-
-def to_frame(records: list[dict]):
-    import pandas as pd
-    return pd.DataFrame.from_records(records)
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:

@@ -1,4 +1,4 @@
-"""Tensor-core friendly shapes: padding a dimension and measuring what the padding buys.
+"""Tensor-core friendly shapes: padding a dimension (``hwlib.studies.shapes`` measures what it buys).
 
 A GEMM whose dimensions are multiples of the tile sizes (64 or 128 on Hopper for 16-bit inputs)
 runs without ragged edge tiles and with aligned, vectorised loads. GPT-2's vocabulary, 50257, is
@@ -7,35 +7,9 @@ odd; padded to 50304 (a multiple of 64, +0.09% work) the output projection runs 
 
 from __future__ import annotations
 
-import torch
-
-from . import bench
-
 
 def padded(n: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is >= ``n``."""
     if n < 1 or multiple < 1:
         raise ValueError(f"padded: n and multiple must be >= 1, got n={n}, multiple={multiple}")
     return -(-n // multiple) * multiple
-
-
-def output_projection_sweep(tokens: int, d_model: int, vocabs: list[int], device: torch.device,
-                            dtype: torch.dtype = torch.bfloat16, iters: int = 20) -> list[dict]:
-    """Time logits = x @ W^T (x: tokens x d, W: V x d) for each V, forward only.
-
-    FLOPs 2 * tokens * d * V; "useful" TFLOP/s counts only the first ``vocabs[0]`` columns, so a
-    padded shape shows what it delivers of the unpadded work.
-    """
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, d_model, device=device, dtype=dtype, generator=g)
-    useful_v = vocabs[0]
-    rows = []
-    for v in vocabs:
-        w = torch.randn(v, d_model, device=device, dtype=dtype, generator=g)
-        t = bench.time_fn(lambda i: x @ w.t(), device, warmup=3, iters=iters)
-        s = t.median_ms / 1e3
-        rows.append({"vocab": v, "multiple_of_64": v % 64 == 0, "ms": t.median_ms, "p20_ms": t.p20_ms,
-                     "p80_ms": t.p80_ms, "tflops": 2 * tokens * d_model * v / s / 1e12,
-                     "useful_tflops": 2 * tokens * d_model * useful_v / s / 1e12})
-        del w
-    return rows

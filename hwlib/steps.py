@@ -8,12 +8,12 @@ reordering of sums can use up; bf16 changes the arithmetic and gets a stated loo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from .data.loader import LOADER_MODES
 from .device import ChoiceError, DeviceInfo, Unavailable, supports_bf16, supports_compile, supports_tf32
 
 
@@ -25,7 +25,7 @@ class Settings:
     fused_adamw: bool = False        # AdamW(fused=True) and zero_grad(set_to_none=True)
     compile: bool = False            # torch.compile(model)
     vocab_multiple: int = 1          # pad the vocabulary to a multiple of this
-    loader: str = "simple"           # "simple", "tuned" or "resident" (hwlib.loader)
+    loader: str = "simple"           # "simple", "tuned" or "resident" (hwlib.data.loader)
     cuda_graphs: bool = False        # compiled with mode="reduce-overhead": the step's kernels replayed as CUDA graphs
     channels_last: bool = False      # NHWC memory format for convolutions and their inputs
     packing: bool = False            # sequences packed without padding, attention kept within each sequence
@@ -124,7 +124,7 @@ def settings_for(name: str) -> Settings:
     return Settings(**kw)
 
 
-def check_available(step: Step, di: DeviceInfo) -> str | None:
+def unavailable(step: Step, di: DeviceInfo) -> str | None:
     """Why ``step`` cannot run as such on this device (a reason for a 'skipped' row), else None.
 
     Only the step's own change is judged: a later step on CPU still runs, with the earlier
@@ -141,7 +141,7 @@ def check_available(step: Step, di: DeviceInfo) -> str | None:
     return None
 
 
-def applies(step: Step, workload: str) -> str | None:
+def not_applicable(step: Step, workload: str) -> str | None:
     """Why ``step`` does not apply to ``workload`` (an 'n/a' row), else None."""
     if step.workloads is not None and workload not in step.workloads:
         if workload in step.why_na:
@@ -160,48 +160,10 @@ def resolve_autocast(settings: Settings, di: DeviceInfo) -> Settings:
         raise ChoiceError("autocast", settings.autocast, (None, "bf16", "fp16"))
     if settings.attention not in ("manual", "sdpa"):
         raise ChoiceError("attention", settings.attention, ("manual", "sdpa"))
-    from .loader import LOADER_MODES
+
     if settings.loader not in LOADER_MODES:
         raise ChoiceError("loader", settings.loader, LOADER_MODES)
     return settings
-
-
-def _new_precision_api() -> bool:
-    # torch >= 2.9 has per-backend fp32_precision; mixing it with the legacy allow_tf32 flags
-    # raises, so hwlib uses exactly one of the two APIs.
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
-
-
-@contextlib.contextmanager
-def backend_flags(settings: Settings):
-    """Set the fp32 math mode a step needs (matmuls and cuDNN convolutions), restore it after.
-
-    Baseline means IEEE fp32 everywhere: cuDNN convolutions default to TF32, so they are set too.
-    """
-    if _new_precision_api():
-        mm, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-        saved = (mm.fp32_precision, conv.fp32_precision)
-        mode = "tf32" if settings.tf32 else "ieee"
-        try:
-            mm.fp32_precision, conv.fp32_precision = mode, mode
-            yield
-        finally:
-            mm.fp32_precision, conv.fp32_precision = saved
-    else:
-        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        try:
-            torch.backends.cuda.matmul.allow_tf32 = settings.tf32
-            torch.backends.cudnn.allow_tf32 = settings.tf32
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def autocast_ctx(settings: Settings, device: torch.device):
-    if settings.autocast is None:
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if settings.autocast == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def describe(name: str) -> list[dict]:

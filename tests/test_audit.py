@@ -6,10 +6,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import hwlib.audit
+import hwlib.seeds.audit
 from hwlib import results
-from hwlib.audit import audit, closest_workload
-from hwlib.steps import Settings, backend_flags
+from hwlib.seeds.audit import audit, closest_workload
+from hwlib.steps import Settings
+from hwlib.precision import tf32_mode
 from hwlib.workloads.gpt import GPT, GPTConfig
 
 REF = results.REPO_ROOT / "outputs" / "reference" / "h100"
@@ -93,7 +94,7 @@ def test_a_missing_workload_is_stood_in_for_and_said(tmp_path):
 
 def test_channels_last_tf32_and_persistent_workers_read_as_on():
     m = ConvAttention().to(memory_format=torch.channels_last)
-    with backend_flags(Settings(tf32=True)):
+    with tf32_mode(True):
         rep = audit(m, torch.optim.AdamW(m.parameters()),
                     loader(num_workers=1, pin_memory=True, persistent_workers=True))
     s = rep.status()
@@ -144,7 +145,7 @@ def test_bad_arguments_are_type_errors_naming_them():
     with pytest.raises(TypeError, match="optimizer"):
         audit(m, {"lr": 1e-3})
     with pytest.raises(TypeError, match="optimizer"):
-        hwlib.audit(m, None)                      # the module is callable too
+        hwlib.seeds.audit(m, None)                      # the module is callable too
 
 
 def test_odd_objects_give_unknown_rows_not_crashes(tmp_path):

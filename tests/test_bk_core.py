@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hwlib import cuda as hcuda
+from hwlib.ops import build as hcuda
 from hwlib.device import ChoiceError, Unavailable
 from hwlib.ops import (available_backends, bk_core, resolvent_diagonal, resolvent_diagonal_dense,
                        resolvent_diagonal_theta_phi, select_backend)
@@ -63,7 +63,7 @@ def triton_device():
     """The device Triton runs on here: CUDA when visible, else CPU under the interpreter, which
     conftest.py selects before triton is first imported."""
     pytest.importorskip("triton")
-    from hwlib.ops._load import triton_interpreted, triton_interpreter_mismatch
+    from hwlib.ops.sources import triton_interpreted, triton_interpreter_mismatch
     if GPU and not triton_interpreted():
         return "cuda"
     why = triton_interpreter_mismatch()
@@ -187,7 +187,7 @@ import os, sys
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hwlib.ops._load import load_python_kernel
+from hwlib.ops.sources import load_python_kernel
 mod = load_python_kernel("bk_core_triton.py")
 for kernel in (mod._bk_forward_kernel, mod._bk_backward_kernel):
     for dt in ("fp32", "fp64"):
@@ -599,7 +599,7 @@ def test_cu_block_logic_on_host(bk_host_lib, dtype):
 
 
 def test_kernel_only_timing_runs_the_launcher_and_refuses_auto():
-    from hwlib.ops import bk_study
+    from hwlib.studies import bk_core as bk_study
     for d in ("forward", "forward+backward"):
         t = bk_study.time_backend("torch", 4, 16, "cpu", direction=d, iters=2, warmup=1, kernel_only=True)
         assert t.median_ms > 0 and t.n == 2

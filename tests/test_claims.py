@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from hwlib import claims, results
+from hwlib import query, results
+from hwlib.seeds import claims
 
 REF = results.REPO_ROOT / "outputs" / "reference" / "h100"
 GPU = {"kind": "cuda", "name": "Test GPU"}

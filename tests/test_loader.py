@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hwlib.device import ChoiceError
-from hwlib.loader import LoaderBatches, sample_generator
+from hwlib.data.loader import LoaderBatches, sample_generator
 
 
 class Noisy:
@@ -76,7 +76,7 @@ def test_bad_arguments():
 
 
 def test_throughput_reports_consistent_rates():
-    from hwlib.loader import throughput
+    from hwlib.data.loader import throughput
     like = LoaderBatches(Noisy(n=64), 8, torch.device("cpu"), seed=1)
     for w in (0, 2):
         t = throughput(like, workers=w, n_batches=6)

@@ -10,10 +10,11 @@ from hwlib.memory.checkpoint import CheckpointError
 from hwlib.memory.offload import OffloadedAdamW
 from hwlib.memory.tracker import MemoryTracker
 from hwlib.steps import Settings, settings_for
-from hwlib.train import Session, make_optimizer
+from hwlib.ladder.session import Session, make_optimizer
 from hwlib.workloads import get_workload
 from hwlib.workloads import gpt as gpt_mod
-from hwlib.workloads.gpt import GPTWorkload, parse_checkpointing
+from hwlib.workloads.checkpointing import parse_checkpointing
+from hwlib.workloads.gpt import GPTWorkload
 
 WL = get_workload("gpt")
 CPU = torch.device("cpu")

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from hwlib import report, results
+from hwlib import query, results
+from hwlib.report import tables as report
 
 
 def put(step, ms=None, tps=None, status="ok", reason=None, check=None, check_status="ok", mfu=None):
@@ -88,7 +89,7 @@ def test_committed_readme_matches_reference_run():
 
 
 def test_a_rerun_with_fewer_metrics_does_not_mix_with_stale_ones(isolated_run):
-    from hwlib import train
+    from hwlib.ladder import run as train
     from hwlib.profiles import Plan
     r = train.run_step("gpt", "01_baseline_fp32", profile="smoke", device="cpu", plan=Plan(2, 0, 2))
     train.record(r, notebook="01")

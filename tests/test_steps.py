@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from hwlib import steps
+from hwlib import precision, steps
 from hwlib.device import ChoiceError, Unavailable
 from test_device import fake
 
@@ -37,11 +37,11 @@ def test_tolerances_are_stated():
 
 
 def test_gpu_only_step_on_cpu_is_skipped_with_reason():
-    why = steps.check_available(steps.get_step("02_tf32"), fake(kind="cpu"))
+    why = steps.unavailable(steps.get_step("02_tf32"), fake(kind="cpu"))
     assert why and "GPU-only" in why and "cpu" in why
-    assert steps.check_available(steps.get_step("03_bf16_autocast"), fake(kind="cpu")) is None
-    assert "sm_75" in steps.check_available(steps.get_step("02_tf32"), fake(cap=(7, 5)))
-    assert "compile" in steps.check_available(steps.get_step("06_torch_compile"), fake(cap=(6, 1)))
+    assert steps.unavailable(steps.get_step("03_bf16_autocast"), fake(kind="cpu")) is None
+    assert "sm_75" in steps.unavailable(steps.get_step("02_tf32"), fake(cap=(7, 5)))
+    assert "compile" in steps.unavailable(steps.get_step("06_torch_compile"), fake(cap=(6, 1)))
 
 
 def test_bf16_falls_back_to_fp16_before_ampere():
@@ -62,9 +62,9 @@ def _tf32_state():
 
 def test_backend_flags_set_and_restore():
     before = _tf32_state()
-    with steps.backend_flags(steps.Settings(tf32=True)):
+    with precision.tf32_mode(True):
         on = _tf32_state()
-        with steps.backend_flags(steps.Settings(tf32=False)):
+        with precision.tf32_mode(False):
             off = _tf32_state()
     assert on != off and on in (("tf32", "tf32"), (True, True)) and off in (("ieee", "ieee"), (False, False))
     assert _tf32_state() == before

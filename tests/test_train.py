@@ -3,7 +3,9 @@ import dataclasses
 import pytest
 import torch
 
-from hwlib import report, results, train
+from hwlib import notebook, query, results
+from hwlib.ladder import run as train
+from hwlib.report import tables as report
 from hwlib.device import ChoiceError
 from hwlib.profiles import Plan
 from hwlib.workloads.gpt import GPTWorkload

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hwlib import nli_data, train
+from hwlib.data import nli as nli_data
+from hwlib.ladder import run as train
 from hwlib.device import ChoiceError
 from hwlib.profiles import Plan
 from hwlib.steps import Settings

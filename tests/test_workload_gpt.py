@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hwlib import data
+from hwlib.data import tokens as data
 from hwlib.device import ChoiceError
 from hwlib.steps import Settings
 from hwlib.workloads import get_workload

@@ -5,11 +5,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hwlib import images, train
+from hwlib.data import images
+from hwlib.ladder import run as train
 from hwlib.device import ChoiceError
-from hwlib.loader import LoaderBatches
+from hwlib.data.loader import LoaderBatches
 from hwlib.profiles import Plan
-from hwlib.steps import Settings, applies, get_step
+from hwlib.steps import Settings, not_applicable, get_step
 from hwlib.workloads import get_workload
 from hwlib.workloads.vit_bdh import TOKENS, VisionBDH, VitBDHConfig
 
@@ -117,8 +118,8 @@ def test_compiles_as_one_graph():
 
 
 def test_step_applicability():
-    assert applies(get_step("04"), "vit_bdh") is None and "linear" in applies(get_step("04"), "vit_bdh_linear")
-    assert applies(get_step("10"), "vit_bdh") is None and applies(get_step("10"), "vit_bdh_linear") is None
+    assert not_applicable(get_step("04"), "vit_bdh") is None and "linear" in not_applicable(get_step("04"), "vit_bdh_linear")
+    assert not_applicable(get_step("10"), "vit_bdh") is None and not_applicable(get_step("10"), "vit_bdh_linear") is None
 
 
 # --- data ----------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ Backends (same math, same results to rounding):
 ``torch``       associative scans, ~log2 N tensor ops (``bk_scan``): long N on any device
 ``triton``      ``kernels/bk_core_triton.py``; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
                 forward chunked (``bk_forward_chunked``) from N >= 4 chunks, backward two-pass
-``cuda``        ``kernels/bk_core.cu`` through ``hwlib.cuda`` (load_inline); CUDA tensors only;
+``cuda``        ``kernels/bk_core.cu`` through ``hwlib.ops.build`` (load_inline); CUDA tensors only;
                 tiles of sequences x positions, a chunk per thread, chunks joined by scans of
                 their Moebius / affine maps: one read of the inputs, one write of the output
 ``auto``        CUDA tensors: the fastest measured first (notebook 12 on an H100: cuda, then
@@ -35,7 +35,7 @@ import torch
 from hwlib.device import ChoiceError, Unavailable
 
 from . import bk_reference, bk_scan
-from ._load import load_python_kernel, triton_interpreted
+from .sources import load_python_kernel, triton_interpreted
 
 BACKENDS = ("auto", "torch_loop", "torch", "triton", "cuda")
 # fastest measured first (forward and forward+backward, B = 8192, N = 2048, H100: notebook 12)

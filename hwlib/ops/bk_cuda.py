@@ -2,7 +2,7 @@
 
 The ``.cu`` file is plain CUDA with ``extern "C"`` launchers on raw pointers; the binding below
 checks tensors, allocates the output and the tile-boundary workspace (empty unless a sequence is
-longer than one tile), and launches on torch's current stream. ``hwlib.cuda.load`` builds both.
+longer than one tile), and launches on torch's current stream. ``hwlib.ops.build.load`` builds both.
 Bytes and FLOPs per element are in the ``.cu`` header.
 """
 
@@ -91,7 +91,7 @@ def module():
     subprocess, too slow for every call); raises hwlib.device.Unavailable where it cannot be built."""
     global _MODULE
     if _MODULE is None:
-        from hwlib import cuda
+        from hwlib.ops import build as cuda
         _MODULE = cuda.load("bk_core", BINDING, FUNCTIONS)
     return _MODULE
 

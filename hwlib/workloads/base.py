@@ -70,7 +70,7 @@ class Workload:
     def batches(self, cfg: Any, device: torch.device, seed: int, source: str | None = None,
                 settings: Settings | None = None) -> Callable[[int], Any]:
         """``batches(i)`` returns batch ``i``, the same for every step of the ladder. Workloads with
-        a CPU-side pipeline honour ``settings.loader`` (``hwlib.loader``), ``settings.packing`` and
+        a CPU-side pipeline honour ``settings.loader`` (``hwlib.data.loader``), ``settings.packing`` and
         ``settings.channels_last``; the callable may have ``close()`` (called when the run ends)
         and ``make_resident(n)`` (batches 0..n-1 kept on the device before timing)."""
         raise NotImplementedError
@@ -93,13 +93,13 @@ class Workload:
 
 
 class TokenLMWorkload(Workload):
-    """A next-token language model over ``hwlib.data`` token streams: config profiles, batches and
+    """A next-token language model over ``hwlib.data.tokens`` token streams: config profiles, batches and
     loss are the same for every such workload; subclasses give the model, its config and FLOPs."""
 
     unit = "tokens"
 
     def batches(self, cfg, device: torch.device, seed: int, source: str | None = None, settings=None):
-        from ..data import TokenBatches, cached_synthetic_tokens, text_file_tokens
+        from ..data.tokens import TokenBatches, cached_synthetic_tokens, text_file_tokens
         tokens = text_file_tokens(source, cfg.vocab) if source else cached_synthetic_tokens(cfg.data_tokens, cfg.vocab, seed)
         return TokenBatches(tokens, cfg.batch, cfg.context, device)
 

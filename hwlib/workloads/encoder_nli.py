@@ -17,7 +17,7 @@ like the content scores but change none of the optimizations studied (precision,
 compile, CUDA graphs, loader, packing); a packed sequence keeps its own position ids exactly as it
 would keep its own relative positions. No segment (token-type) embeddings: DeBERTa-v3 has none.
 
-Two batch layouts (``hwlib.nli_data``), the same samples in the same order:
+Two batch layouts (``hwlib.data.nli``), the same samples in the same order:
 
 * padded (steps 01-10): ids [B, 512] with a key-padding mask; every query attends to the real
   keys of its own row;
@@ -60,11 +60,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from .. import nli_data
+from ..data import nli as nli_data
+from ..data.loader import LoaderBatches, StepSampler
 from ..shapes import padded
 from ..steps import Settings
 from .base import Workload, check_positive_ints
-from .gpt import parse_checkpointing
+from .checkpointing import parse_checkpointing
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,6 @@ def dataset(cfg: EncoderNLIConfig, seed: int = 0, source: str | None = None):
 
 def _packed_rows(ds, cfg: EncoderNLIConfig, seed: int, n: int):
     """(pair lengths, packed row count) of batches 0..n-1, in the loader's order."""
-    from ..loader import StepSampler
     order = StepSampler(len(ds), cfg.batch, seed)
     for i in range(n):
         lengths = ds.lengths[order.indices(i)]
@@ -303,7 +303,6 @@ class EncoderNLIWorkload(Workload):
 
     def batches(self, cfg: EncoderNLIConfig, device: torch.device, seed: int, source: str | None = None,
                 settings: Settings | None = None):
-        from ..loader import LoaderBatches
         settings = settings or Settings()
         ds = dataset(cfg, seed, source)
         if len(ds) < cfg.batch:

@@ -50,7 +50,7 @@ import torch.utils.checkpoint
 
 from ..steps import Settings
 from .base import Workload, check_positive_ints
-from .gpt import parse_checkpointing
+from .checkpointing import parse_checkpointing
 
 IMAGE, PATCH, IN_CHANNELS, CLASSES = 32, 4, 3, 10
 PATCHES = (IMAGE // PATCH) ** 2   # 64
@@ -215,8 +215,8 @@ class VitBDHWorkload(Workload):
                 settings: Settings | None = None):
         import functools
 
-        from ..images import cached_synthetic_images, cifar10, collate
-        from ..loader import LoaderBatches
+        from ..data.images import cached_synthetic_images, cifar10, collate
+        from ..data.loader import LoaderBatches
         settings = settings or Settings()
         ds = cifar10(source, split="train", seed=seed) if source else cached_synthetic_images(cfg.data_images, seed)
         return LoaderBatches(ds, cfg.batch, torch.device(device), seed, mode=settings.loader,

@@ -3,7 +3,7 @@
 Techniques are applied on top of a base ladder step (its cumulative settings): precision, activation
 checkpointing of every block (and of the output head, computed in chunks), exact accumulation of the same batch in micro-batches, optimizer
 states offloaded to the host, and their combinations. Each is measured like a ladder step
-(``train.run_step``) and its loss curve is compared with the base: all of them but the precision
+(``hwlib.ladder.run_step``) and its loss curve is compared with the base: all of them but the precision
 change compute the same function, so their curves must agree within the base step's tolerance.
 """
 
@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import results
+import torch
+
+from .. import precision, results
+from ..device import ChoiceError, resolve_device
+from ..ladder.run import run_step
+from ..ladder.same_math import compare_curves
+from ..ladder.session import Session
+from ..memory.tracker import MemoryTracker
 from ..profiles import Plan, resolve_profile
 from ..steps import get_step, settings_for
-from ..train import compare_curves, run_step
 from ..workloads import get_workload
+from ..workloads.checkpointing import parse_checkpointing
 
 # name: (changes to the base settings, accumulation factor)
 TECHNIQUES: dict[str, tuple[dict, int]] = {
@@ -34,7 +41,6 @@ TECHNIQUES: dict[str, tuple[dict, int]] = {
 
 def technique_settings(base_step: str, name: str):
     if name not in TECHNIQUES:
-        from ..device import ChoiceError
         raise ChoiceError("technique", name, tuple(TECHNIQUES))
     change, acc = TECHNIQUES[name]
     return dataclasses.replace(settings_for(base_step), **change), acc
@@ -42,8 +48,10 @@ def technique_settings(base_step: str, name: str):
 
 def measure_techniques(workload: str, base_step: str, names: list[str], *, profile: str, device: str,
                        plan: Plan | None = None, notebook: str = "13_memory", seed: int = 0, run=None,
-                       **config) -> list[dict]:
-    from ..workloads.gpt import parse_checkpointing
+                       config: dict | None = None) -> list[dict]:
+    """One row per technique (time, peaks, check losses, ratios to bf16) and its records, keyed by
+    the field ``technique`` on the base step."""
+    config = dict(config or {})
     rows, base = [], None
     wl = get_workload(workload)
     parts = wl.checkpoint_parts
@@ -62,7 +70,7 @@ def measure_techniques(workload: str, base_step: str, names: list[str], *, profi
         if acc > 1:
             micro = max(1, cfg.batch // acc)
         r = run_step(workload, base_step, profile=profile, device=device, seed=seed, plan=plan, settings=settings,
-                     micro_batch=micro, **config)
+                     micro_batch=micro, config=config)
         row = {"technique": name, "status": r.status, "reason": r.reason,
                "ms_per_step": r.timing.median_ms if r.timing else None,
                "ms_p20": r.timing.p20_ms if r.timing else None, "ms_p80": r.timing.p80_ms if r.timing else None,
@@ -81,8 +89,8 @@ def measure_techniques(workload: str, base_step: str, names: list[str], *, profi
             row["max_rel_loss_diff_vs_bf16"] = compare_curves(row["losses"], base["losses"], 0)
     recs = []
     for row in rows:
-        common = dict(notebook=notebook, workload=workload, step=f"memory: {row['technique']}", profile=profile,
-                      params={"base_step": base_step, "settings": row["settings"], "micro_batches": row["micro_batches"]})
+        common = dict(notebook=notebook, workload=workload, step=base_step, profile=profile, device=device,
+                      fields={"technique": row["technique"]}, params={"base_step": base_step, "settings": row["settings"], "micro_batches": row["micro_batches"]})
         if row["status"] != "ok":
             recs.append(results.make_record(metric="ms_per_step", value=None, unit="ms", status=row["status"],
                                             reason=row["reason"], **common))
@@ -102,23 +110,17 @@ def same_math_tolerance(base_step: str) -> float:
 
 
 def phase_profile(workload: str, settings, *, profile: str, device, steps: int = 3, seed: int = 0,
-                  **config) -> list[dict]:
+                  config: dict | None = None) -> list[dict]:
     """Allocated/reserved memory per phase (forward, backward, optimizer) over a few steps."""
-    import torch
-
-    from ..device import resolve_device
-    from ..steps import autocast_ctx, backend_flags
-    from ..train import Session
-    from .tracker import MemoryTracker
     dev = resolve_device(device)
-    cfg = get_workload(workload).config(resolve_profile(profile, dev), **config)
+    cfg = get_workload(workload).config(resolve_profile(profile, dev), **(config or {}))
     sess = Session(workload, cfg, settings, dev, seed)
     tracker = MemoryTracker(dev)
     try:
-        with backend_flags(settings):
+        with precision.tf32_mode(settings.tf32):
             for i in range(steps):
                 batch = sess.batches(i)
-                with tracker.phase("forward"), autocast_ctx(settings, dev):
+                with tracker.phase("forward"), precision.autocast(settings.autocast, dev):
                     loss = sess.wl.loss(sess.fwd, batch)
                 with tracker.phase("backward"):
                     loss.backward()

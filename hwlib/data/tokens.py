@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .results import REPO_ROOT, write_atomic
+from ..paths import REPO_ROOT
+from ..results import write_atomic
 
 def data_dir() -> Path:
     """Where generated data sets are cached: ``$HWLIB_DATA`` or the repository's ``data/``."""

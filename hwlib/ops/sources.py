@@ -2,7 +2,7 @@
 
 ``kernels/`` is deliberately not a Python package (PyPI has a package named ``kernels``): Triton
 files are imported by path under a private module name, ``.cu`` files are read as text for
-``hwlib.cuda``. ``HWLIB_KERNELS`` points elsewhere (an installed copy of hwlib has no kernels/).
+``hwlib.ops.build``. ``HWLIB_KERNELS`` points elsewhere (an installed copy of hwlib has no kernels/).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .device import ChoiceError
+from ..device import ChoiceError
 
 LOADER_MODES = ("simple", "tuned", "resident")
 

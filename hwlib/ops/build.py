@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hwlib.device import Unavailable
-from hwlib.ops._load import read_kernel_source
+from hwlib.ops.sources import read_kernel_source
 from hwlib.results import REPO_ROOT
 
 STALE_LOCK_S = 300

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from ..paths import REPO_ROOT
 from . import claims
 
 STATUSES = ("on", "off", "n/a", "unknown")
@@ -322,7 +323,7 @@ def _row_sdpa(model):
 
 
 def _row_fused(optimizer):
-    from .memory.offload import OffloadedAdamW
+    from ..memory.offload import OffloadedAdamW
     if isinstance(optimizer, OffloadedAdamW):
         return "n/a", "hwlib OffloadedAdamW: moments on the host, updated bucket by bucket (see the offload row)"
     d = getattr(optimizer, "defaults", {}) or {}
@@ -422,7 +423,7 @@ def _row_checkpointing(model):
 
 
 def _row_offload(model, optimizer):
-    from .memory.offload import OffloadedAdamW
+    from ..memory.offload import OffloadedAdamW
     if isinstance(optimizer, OffloadedAdamW):
         return "on", "hwlib OffloadedAdamW: AdamW moments in pinned host memory"
     devs = {p.device.type for p in model.parameters()}
@@ -492,7 +493,7 @@ def _reference(run):
     path = claims.default_run() if run is None else run
     records = claims.load_records(path)
     try:
-        shown = str(Path(path).resolve().relative_to(claims.results.REPO_ROOT))
+        shown = str(Path(path).resolve().relative_to(REPO_ROOT))
     except (TypeError, ValueError):
         shown = str(path)
     return shown, records
@@ -505,7 +506,7 @@ def audit(model, optimizer, loader=None, *, run=None, workload: str | None = Non
     workload. Inspects only: runs no forward, draws no batch."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"audit(model=...): expected a torch.nn.Module, got {type(model).__name__}")
-    from .memory.offload import OffloadedAdamW
+    from ..memory.offload import OffloadedAdamW
     if not isinstance(optimizer, (torch.optim.Optimizer, OffloadedAdamW)):
         raise TypeError(f"audit(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     try:
@@ -523,7 +524,7 @@ def audit(model, optimizer, loader=None, *, run=None, workload: str | None = Non
         chosen, why = _guard(closest_workload, inner)
         if chosen == "unknown":
             chosen, why = "gpt", f"gpt as a default ({why})"
-    from .report import workloads_in
+    from ..query import workloads_in
     measured = workloads_in(records)
     used = None
     if records:
@@ -583,7 +584,7 @@ def audit(model, optimizer, loader=None, *, run=None, workload: str | None = Non
 
 
 class _CallableModule(types.ModuleType):
-    """``hwlib.audit(model, optimizer, loader)`` as well as ``hwlib.audit.audit(...)``."""
+    """``hwlib.audit(model, optimizer, loader)`` as well as ``hwlib.seeds.audit.audit(...)``."""
 
     def __call__(self, model, optimizer, loader=None, **kw):
         return audit(model, optimizer, loader, **kw)

@@ -34,7 +34,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import results
+from .. import query
+from ..paths import REPO_ROOT, outputs_root
+from ..query import ladder_rows
 
 VERDICTS = ("holds", "partly", "fails", "premise fails", "not measured")
 
@@ -355,7 +357,6 @@ class _Run:
 
     def ladder(self, workload: str) -> list[dict]:
         if workload not in self._ladders:
-            from .report import ladder_rows
             self._ladders[workload] = ladder_rows(self.records, workload)
         return self._ladders[workload]
 
@@ -583,18 +584,18 @@ def load_records(run) -> list[dict]:
         return run
     p = Path(run) if run is not None else None
     if p is not None and not p.is_absolute() and p.parts and p.parts[0] != "outputs":
-        p = results.outputs_root() / p
+        p = outputs_root() / p
     elif p is not None and not p.is_absolute():
-        p = results.REPO_ROOT / p
+        p = REPO_ROOT / p
     if p is not None and not (p / "results.jsonl").exists():
         return []      # and its folder is not created
-    return results.load(p)
+    return query.load(p)
 
 
 def evaluate(run=None) -> list[dict]:
     """One row per claim: seed, claim, claimed, measured, workload, gpu, verdict, note (and
     compares, from/to, measured_text, quantity). ``run``: a run name or folder as
-    ``results.load`` takes it, or a list of records."""
+    ``query.load`` takes it, or a list of records."""
     r = _Run(load_records(run))
     rows = []
     for c in CLAIMS:
@@ -681,11 +682,11 @@ def markdown(rows: list[dict], level: int = 3) -> str:
 
 def default_run() -> Path:
     """The reference run of this machine's GPU if there is one, else the H100 reference."""
-    ref = results.REPO_ROOT / "outputs" / "reference"
+    ref = REPO_ROOT / "outputs" / "reference"
     try:
         import torch
         if torch.cuda.is_available():
-            from .device import short_name
+            from ..device import short_name
             mine = ref / short_name(torch.cuda.get_device_name())
             if (mine / "results.jsonl").exists():
                 return mine

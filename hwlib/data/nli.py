@@ -1,6 +1,6 @@
 """Premise/hypothesis pairs for the encoder_nli workload: a synthetic set and a JSONL loader.
 
-Both are map-style data sets for ``hwlib.loader.LoaderBatches``: ``sample(index, epoch)`` builds
+Both are map-style data sets for ``hwlib.data.loader.LoaderBatches``: ``sample(index, epoch)`` builds
 one pair's token ids on the CPU (text generation and tokenisation happen there, as in a real
 pipeline) and returns ``(ids, label)``, ids = [CLS] premise [SEP] hypothesis [SEP] without padding.
 The collates below turn a list of samples into a padded batch or a packed one.

@@ -17,8 +17,8 @@ import math
 import torch
 
 from .. import bench
-from .bk_core import resolvent_diagonal
-from .bk_reference import resolvent_diagonal_dense, resolvent_diagonal_theta_phi
+from ..ops.bk_core import resolvent_diagonal
+from ..ops.bk_reference import resolvent_diagonal_dense, resolvent_diagonal_theta_phi
 
 
 def random_inputs(batch: int | tuple, n: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
@@ -73,7 +73,7 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
     sets = max(1, math.ceil(2 * 64 * 2**20 / per_set))
     inputs = [random_inputs(batch, n, dtype=dtype, device=dev, seed=i) for i in range(min(sets, 8))]
     if kernel_only:
-        from .bk_core import _backward, _forward, select_backend
+        from ..ops.bk_core import _backward, _forward, select_backend
         if backend in ("auto", "torch_loop"):
             raise ValueError(f"kernel_only times one named kernel backend, got {backend!r}")
         select_backend(backend, dev)   # builds it, or raises Unavailable with the reason

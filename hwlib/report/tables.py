@@ -1,7 +1,7 @@
 """Tables, figures, summary.json and prose, all derived from a run's results; nothing typed.
 
-``ladder_frame`` turns the records of one workload into the cumulative table (one row per step,
-speed-ups against step 01 and against the step before). ``write_all`` rebuilds every table and
+``hwlib.query.ladder_rows`` turns the records of one workload into the cumulative rows (one per
+step, speed-ups against step 01 and against the step before); this module formats them. ``write_all`` rebuilds every table and
 figure of a run plus ``summary.json``; ``update_readme`` puts the reference table between markers.
 """
 
@@ -11,68 +11,15 @@ import math
 import re
 from pathlib import Path
 
-from . import results
-from .steps import LADDER, STEP_NAMES
+from .. import results
+from ..paths import REPO_ROOT, run_dir
+from ..query import _num, ladder_rows, workloads_in
+from ..seeds import claims
+from .. import query
 
 STEP_METRICS = ("ms_per_step", "tokens_per_s", "model_tflops", "mfu", "peak_mem_gib", "final_loss",
                 "compile_s", "first_step_s", "same_math_max_rel", "sdpa_backend")
 README_START, README_END = "<!-- reference-table:start -->", "<!-- reference-table:end -->"
-
-
-def _num(v):
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        return float(v)
-    return None
-
-
-def ladder_rows(records: list[dict], workload: str) -> list[dict]:
-    """One dict per measured step of ``workload``, in ladder order."""
-    by_step: dict[str, dict] = {}
-    for r in records:
-        if r.get("workload") != workload or r.get("step") not in STEP_NAMES:
-            continue
-        by_step.setdefault(r["step"], {})[r["metric"]] = r
-    rows = []
-    base = prev = None
-    for st in LADDER:
-        m = by_step.get(st.name)
-        if not m:
-            continue
-        ms = m.get("ms_per_step", {})
-        if ms.get("measurement"):   # only metrics of the same measurement as the newest step time
-            m = {k: v for k, v in m.items() if v.get("measurement") in (None, ms["measurement"])}
-        status = ms.get("status", "ok")
-        check = m.get("same_math_max_rel")
-        if check and check.get("status") == "failed":
-            status = "math changed"
-        row = {"step": st.name, "change": st.title, "status": status, "reason": ms.get("reason"),
-               "ms_per_step": _num(ms.get("value")), "ms_p20": _num(ms.get("p20")), "ms_p80": _num(ms.get("p80"))}
-        for k in ("model_tflops", "mfu", "peak_mem_gib", "final_loss", "compile_s"):
-            row[k] = _num(m.get(k, {}).get("value"))
-        thr = next((v for k, v in m.items() if k.endswith("_per_s")), {})
-        row["unit"] = (thr.get("unit") or "items/s")
-        row["throughput"] = _num(thr.get("value"))
-        row["same_math_max_rel"] = _num(check.get("value")) if check else None
-        row["same_math_tol"] = check.get("unit", "").replace("relative, tolerance ", "") if check else None
-        sdpa = m.get("sdpa_backend", {}).get("value")
-        row["sdpa_backend"] = None if sdpa in (None, "none found") else sdpa   # no attention in the model
-        row["profile"] = ms.get("profile")
-        row["device"] = (ms.get("device") or {}).get("name")
-        # A step whose math changed keeps its measured speed-up; its status says not to trust it.
-        if row["throughput"]:
-            base = base or row["throughput"]
-            row["speedup_vs_baseline"] = row["throughput"] / base
-            row["speedup_vs_prev"] = row["throughput"] / prev if prev else None
-            prev = row["throughput"]
-        else:
-            row["speedup_vs_baseline"] = row["speedup_vs_prev"] = None
-        rows.append(row)
-    return rows
-
-
-def ladder_frame(records: list[dict], workload: str):
-    import pandas as pd
-    return pd.DataFrame(ladder_rows(records, workload))
 
 
 def _fmt(v, spec: str) -> str:
@@ -127,16 +74,24 @@ def csv_table(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def _short(step: str) -> str:
+    num, _, name = step.partition("_")
+    return f"{num} {name.replace('_', ' ')}"
+
+
 def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None, path=None):
-    """Throughput per step (median, p20-p80 whiskers) with the speed-up over step 01 on each bar,
-    and MFU beside it. Returns the matplotlib figure; saved when ``path`` is given."""
+    """Left: throughput per step (median, p20-p80 whiskers), speed-up over the first step on each bar.
+    Right: time per step split into the speed-of-light floor (the step's model FLOPs at the measured
+    16-bit matmul ceiling) and the gap above it, with the gap as a multiple of the floor: where the
+    bars say how fast, this says how far from the limit. Without ceilings the right panel says so.
+    Returns the matplotlib figure; saved when ``path`` is given."""
     import matplotlib
     if path is not None:
         matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     ok = [r for r in rows if r["throughput"]]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [r["step"].split("_", 1)[0] + "\n" + r["step"].split("_", 1)[1] for r in ok]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    labels = [_short(r["step"]) for r in ok]
     vals = [r["throughput"] for r in ok]
     unit = ok[0]["unit"] if ok else "items/s"
     err = [[max(0.0, v - r["ms_per_step"] / r["ms_p80"] * v) for v, r in zip(vals, ok)],
@@ -145,21 +100,68 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
     for b, r in zip(bars, ok):
         ax.annotate(f"{r['speedup_vs_baseline']:.1f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                     ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
-    ax.set_xticks(range(len(ok)), labels, fontsize=7)
+    ax.set_xticks(range(len(ok)), labels, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel(unit)
     dev = ok[0]["device"] if ok else ""
     ax.set_title(f"{workload}: throughput per step ({dev}, {ok[0]['profile'] if ok else ''})", fontsize=10)
-    mfu = [(r["mfu"] or 0) * 100 for r in ok]
-    ax2.plot(range(len(ok)), mfu, "o-", color="#dd8452")
-    ax2.set_xticks(range(len(ok)), [r["step"].split("_", 1)[0] for r in ok])
-    ax2.set_ylabel("MFU, % of measured bf16 matmul")
-    ax2.set_ylim(0, max(mfu + [1]) * 1.25)
-    ax2.set_title("model FLOP utilisation", fontsize=10)
+    peak = max(((ceilings or {}).get("matmul_tflops") or {}).get(p) or 0 for p in ("bf16", "fp16")) or None
+    ms = [r["ms_per_step"] for r in ok]
+    floor = [r["model_tflops"] * r["ms_per_step"] / peak if (peak and r["model_tflops"]) else None for r in ok]
+    if peak and all(f is not None for f in floor):
+        ax2.bar(range(len(ok)), floor, color="#55a868", label=f"floor: model FLOPs at {peak:.0f} TFLOP/s")
+        ax2.bar(range(len(ok)), [m - f for m, f in zip(ms, floor)], bottom=floor, color="#c44e52", alpha=0.7,
+                label="time above the floor")
+        for i, (m, f) in enumerate(zip(ms, floor)):
+            ax2.annotate(f"{m / f:.1f}x", (i, m), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                         textcoords="offset points")
+        ax2.set_yscale("log")
+        ax2.legend(fontsize=8, loc="upper right")
+        ax2.set_title("ms per step against the speed-of-light floor (x: times the floor)", fontsize=10)
+    else:
+        ax2.bar(range(len(ok)), ms, color="#8c8c8c")
+        ax2.set_title("ms per step (no ceilings in this run: no floor to draw)", fontsize=10)
+    ax2.set_xticks(range(len(ok)), labels, rotation=35, ha="right", fontsize=8)
+    ax2.set_ylabel("ms per step")
     fig.tight_layout()
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
     return fig
+
+
+def step_prose(rows: list[dict], workload: str, step: str) -> str:
+    """What this notebook's own step did for ``workload``, from the measured numbers: its time
+    against the step before (and whether the difference is inside the p20-p80 spread), its
+    same-math check, and why it did not run when it did not."""
+    row = next((r for r in rows if r["step"] == step), None)
+    if row is None:
+        return f"{step} has not been measured for {workload} in this run."
+    if row["status"] not in ("ok", "math changed"):
+        return f"For {workload}, {step} is {row['status']}: {row['reason'] or 'see the check above'}."
+    if not row["throughput"]:
+        return f"For {workload}, {step} ran but recorded no time ({row['reason'] or row['status']})."
+    i = rows.index(row)
+    prev = next((r for r in reversed(rows[:i]) if r["throughput"]), None)
+    unit = row["unit"].replace("/s", "")
+    parts = [f"On {row['device']} ({row['profile']} profile), {workload} at {step} ran "
+             f"{row['ms_per_step']:.2f} ms/step ({row['throughput']:,.0f} {unit}/s)."]
+    if prev is not None:
+        ratio = prev["ms_per_step"] / row["ms_per_step"]
+        overlap = not (row["ms_p80"] < prev["ms_p20"] or row["ms_p20"] > prev["ms_p80"])
+        parts.append(f"Against {prev['step']} ({prev['ms_per_step']:.2f} ms/step) that is {ratio:.2f}x"
+                     + (", within the p20-p80 spread of the two: no difference this run can resolve."
+                        if overlap else ", outside the p20-p80 spread of both."))
+    if row.get("mfu") is not None:
+        parts.append(f"It uses {row['mfu']:.1%} of the measured 16-bit matmul ceiling.")
+    elif row.get("mfu_reason"):
+        parts.append(f"MFU n/a: {row['mfu_reason']}.")
+    if row.get("sdpa_backend"):
+        parts.append(f"SDPA dispatched the '{row['sdpa_backend']}' kernel (read off the aten ops).")
+    if row["same_math_max_rel"] is not None:
+        parts.append(f"Its loss curve differs from the step before by at most {row['same_math_max_rel']:.1e} "
+                     f"(tolerance {row['same_math_tol']}): "
+                     + ("same math." if row["status"] == "ok" else "the math changed; do not trust the speed-up."))
+    return " ".join(parts)
 
 
 def what_we_saw(rows: list[dict], workload: str) -> str:
@@ -202,19 +204,10 @@ def what_we_saw(rows: list[dict], workload: str) -> str:
 
 # --- whole-run outputs ----------------------------------------------------------------------------
 
-def workloads_in(records: list[dict]) -> list[str]:
-    seen = []
-    for r in records:
-        w = r.get("workload")
-        if w and r.get("step") in STEP_NAMES and w not in seen:
-            seen.append(w)
-    return seen
-
-
 def summary(run=None) -> dict:
     """summary.json's content (schema in DESIGN.md), derived from the run's records."""
-    recs = results.load(run)
-    ceil = results.read_json(results.run_dir(run) / "ceilings.json", {}) or {}
+    recs = query.load(run)
+    ceil = query.read_json(run_dir(run) / "ceilings.json", {}) or {}
     dev = next((r.get("device") for r in recs if r.get("device")), {}) or {}
     vers = next((r.get("versions") for r in recs if r.get("versions")), {}) or {}
     prof = next((r.get("profile") for r in recs if r.get("profile")), None)
@@ -237,9 +230,9 @@ def summary(run=None) -> dict:
 
 def write_all(run=None) -> dict:
     """Rebuild every table and figure of a run, and summary.json. Returns the paths written."""
-    d = results.run_dir(run)
-    recs = results.load(d)
-    ceil = results.read_json(d / "ceilings.json")
+    d = run_dir(run)
+    recs = query.load(d)
+    ceil = query.read_json(d / "ceilings.json")
     written = {}
     for w in workloads_in(recs):
         rows = ladder_rows(recs, w)
@@ -252,7 +245,6 @@ def write_all(run=None) -> dict:
             fig = ladder_figure(rows, w, ceil, path=d / "figures" / f"{w}_ladder.png")
             plt.close(fig)
             written[f"{w}.png"] = d / "figures" / f"{w}_ladder.png"
-    from . import claims
     written["claims.md"] = results.write_atomic(d / "tables" / "claims.md", "# The seeds' claims beside this run's measurements\n\n"
                                                 + claims.markdown(claims.evaluate(d), level=2))
     written["summary.json"] = results.write_json(d / "summary.json", summary(d))
@@ -262,11 +254,11 @@ def write_all(run=None) -> dict:
 def readme_block(run) -> str:
     """The README's reference section: one ladder table per workload, with its provenance."""
     s = summary(run)
-    recs = results.load(run)
+    recs = query.load(run)
     dev = s["device"].get("name", "?")
     v = s["versions"]
     import os
-    src = os.path.relpath(results.run_dir(run), results.REPO_ROOT)
+    src = os.path.relpath(run_dir(run), REPO_ROOT)
     mm = s["ceilings"]["matmul_tflops"] or {}
     lines = [f"Measured on **{dev}** ({s['profile']} profile; torch {v.get('torch')}, CUDA {v.get('cuda')}); "
              f"source: `{src}/summary.json`. Ceilings measured in the same run: device copy "
@@ -275,7 +267,6 @@ def readme_block(run) -> str:
     for w in s["workloads"]:
         rows = ladder_rows(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
-    from . import claims
     lines += ["### The seeds' claims, measured", "",
               "Each claim of the five seed write-ups beside the ratio this run measured for the same change "
               "(`hwlib/claims.py` says how each is looked up; the verdicts are derived, not typed).", "",
@@ -287,12 +278,12 @@ def readme_block(run) -> str:
 def time_table(run) -> str:
     """Where the wall time of ``hwlib reproduce`` went, per notebook, from the run's state.json,
     with the compile time that the compiled steps report."""
-    state = results.read_json(results.run_dir(run) / "state.json", {}) or {}
+    state = query.read_json(run_dir(run) / "state.json", {}) or {}
     nbs = {k: v for k, v in state.items() if not k.startswith("_")}
     if not nbs:
         return ""
     compile_s = {}
-    for r in results.load(run):
+    for r in query.load(run):
         if r.get("metric") == "compile_s" and _num(r.get("value")) is not None:
             compile_s[r["notebook"]] = compile_s.get(r["notebook"], 0.0) + r["value"]
     total = sum(v["seconds"] for v in nbs.values())

@@ -1,0 +1,99 @@
+"""What a ladder measurement writes: its records in ``results.jsonl`` and its check curve.
+
+Every record goes through ``results.make_record``, the one place that stamps device, versions,
+commit, code digest and time. MFU is the model's TFLOP/s over the measured 16-bit matmul ceiling of
+the device (bf16; fp16 where bf16 is missing), whatever precision the step runs in, so that MFUs
+compare across steps; without a measured ceiling it is n/a, and above 100% it is flagged as a
+bad ceiling (measured under contention, or on another device), never printed as a number.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from .. import results
+from ..paths import run_dir
+from .run import StepResult
+from .same_math import MathCheck
+
+
+def curve_path(workload: str, step: str, run=None):
+    return run_dir(run) / "curves" / workload / f"{step}.json"
+
+
+def curve_key(res: StepResult) -> dict:
+    """What a saved curve must match to stand for ``res``'s step: config, seed, device and K."""
+    return {"config": res.config, "seed": res.seed, "device": res.device.get("name"), "k": res.check_steps}
+
+
+def save_curve(res: StepResult, run=None) -> None:
+    """Save the step's check losses as this run's reference curve of the step (not for variants)."""
+    if res.variant or res.status != "ok":
+        return
+    results.write_json(curve_path(res.workload, res.step, run),
+                       {**curve_key(res), "losses": res.check_losses, "settings": res.settings})
+
+
+def mfu_ceiling(ceilings: dict | None) -> tuple[str, float | None]:
+    """(precision, TFLOP/s) of the ceiling MFU is taken against: bf16, else fp16."""
+    mm = (ceilings or {}).get("matmul_tflops") or {}
+    for prec in ("bf16", "fp16"):
+        if mm.get(prec):
+            return prec, mm[prec]
+    return "bf16", None
+
+
+def mfu(res: StepResult, ceilings: dict | None) -> tuple[float | None, str | None]:
+    """(MFU, why it is n/a). Above 1.0 the ceiling is wrong: the value is withheld."""
+    if not ceilings:
+        return None, "no ceilings measured in this run (notebook 00 measures them)"
+    prec, peak = mfu_ceiling(ceilings)
+    if not peak:
+        return None, "no 16-bit matmul ceiling measured on this device"
+    value = res.model_tflops / peak
+    if value > 1.0:
+        return None, (f"bad ceiling: {res.model_tflops:.1f} TFLOP/s is above the measured {prec} ceiling "
+                      f"{peak:.1f} (measured under contention or on another device?): measure it again")
+    return value, None
+
+
+def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ceilings: dict | None = None,
+           run=None, fields: dict | None = None) -> list[dict]:
+    """Write the result's metrics to the run's results.jsonl (and its check curve); returns the
+    records written. ``fields`` are the measurement's x-values beyond workload and step."""
+    # One id for every metric of this measurement: a re-run that records fewer metrics (a step now
+    # skipped) must not be read together with the previous run's leftovers.
+    mid = {"measurement": uuid.uuid4().hex[:12]}
+    common = dict(notebook=notebook, workload=res.workload, step=res.step, profile=res.profile, device=res.device,
+                  fields={**(fields or {}), **({"variant": True} if res.variant else {})},
+                  params={"config": res.config, "settings": res.settings, "seed": res.seed,
+                          "check_steps": res.check_steps, "warmup_steps": res.warmup_steps,
+                          "timed_steps": res.timing.n if res.timing else 0, "notes": res.notes})
+
+    def rec(metric, value, unit, **kw):
+        return results.make_record(metric=metric, value=value, unit=unit, extra={**mid, **kw.pop("extra", {})},
+                                   **kw, **common)
+
+    recs = []
+    if res.status != "ok" or res.timing is None:
+        recs.append(rec("ms_per_step", None, "ms", status=res.status, reason=res.reason))
+    else:
+        t = res.timing
+        recs.append(rec("ms_per_step", t.median_ms, "ms", p20=t.p20_ms, p80=t.p80_ms))
+        recs.append(rec(f"{res.unit}_per_s", res.items_per_s, f"{res.unit}/s",
+                        p20=res.items_per_step / (t.p80_ms / 1e3), p80=res.items_per_step / (t.p20_ms / 1e3)))
+        recs.append(rec("model_tflops", res.model_tflops, "TFLOP/s"))
+        value, why = mfu(res, ceilings)
+        recs.append(rec("mfu", value, f"fraction of measured {mfu_ceiling(ceilings)[0]} matmul",
+                        status="ok" if value is not None else "n/a", reason=why))
+        optional = (("peak_mem_gib", res.peak_mem_gib, "GiB"), ("first_step_s", res.first_step_s, "s"),
+                    ("compile_s", res.compile_s, "s"), ("final_loss", res.final_loss, "nats"),
+                    ("host_wait_ms", res.host_wait_ms, "ms"), ("sdpa_backend", res.sdpa_backend, ""))
+        recs += [rec(m, v, u) for m, v, u in optional if v is not None]
+    if check is not None and check.against is not None:
+        recs.append(rec("same_math_max_rel", check.max_rel_diff, f"relative, tolerance {check.tolerance:.2g}",
+                        status="ok" if check.ok else "failed", reason=None if check.ok else str(check),
+                        extra={"against": check.against}))
+    results.append(recs, run)
+    save_curve(res, run)
+    return recs

@@ -1,0 +1,221 @@
+"""Run N training steps of a workload under a step's settings, and measure them.
+
+One measurement = one seeded run: the first ``plan.check`` steps give the loss curve that the
+"same math" check compares with the step before (they are also the warm-up that absorbs
+compilation and allocator growth), then ``plan.warmup`` more steps, then ``plan.timed`` steps timed
+by ``bench.StepClock``. Compile time is the first step's wall time minus a steady step, reported
+apart. A loss that turns NaN or inf marks the result ``nonfinite``: its time is not reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import bench
+from ..device import DeviceInfo, info, resolve_device
+from ..profiles import Plan, plan as plan_for, resolve_profile
+from ..steps import Settings, Step, get_step, not_applicable, resolve_autocast, settings_for, unavailable
+from ..workloads import get_workload
+from .session import Session, detect_sdpa_backend
+
+
+@dataclass
+class StepResult:
+    workload: str
+    step: str
+    profile: str
+    device: dict
+    status: str                        # ok, skipped, n/a, nonfinite
+    reason: str | None = None
+    config: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    variant: bool = False                  # settings or micro-batching other than the step's own
+    seed: int = 0
+    losses: list = field(default_factory=list)   # every step's loss, in order
+    check_steps: int = 0
+    warmup_steps: int = 0                  # untimed steps after the check steps
+    timing: bench.Timing | None = None
+    first_step_s: float | None = None
+    compile_s: float | None = None
+    items_per_step: int = 0
+    unit: str = "tokens"
+    flops_per_step: float = 0.0
+    peak_mem_gib: float | None = None      # allocated by tensors
+    peak_reserved_gib: float | None = None # taken from the device by the caching allocator
+    sdpa_backend: str | None = None
+    host_wait_ms: float | None = None      # per timed step, host blocked on the loader (hwlib.data.loader)
+    notes: list = field(default_factory=list)
+
+    @property
+    def check_losses(self) -> list:
+        return self.losses[: self.check_steps]
+
+    @property
+    def items_per_s(self) -> float | None:
+        return self.items_per_step / (self.timing.median_ms / 1e3) if self.timing else None
+
+    @property
+    def model_tflops(self) -> float | None:
+        return self.flops_per_step / (self.timing.median_ms / 1e3) / 1e12 if self.timing else None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+def first_timed_step(shapes: list | None, start: int, timed: int) -> tuple[int, bool]:
+    """The first timed step: ``start``, or later so that every batch shape of the timed window was run
+    before it. A new shape recompiles or records a CUDA graph once; inside the window that one-off
+    cost would be timed as if it were a step. ``shapes`` has a key per batch (None: all the same) and
+    covers at least ``start + 2 * timed`` batches: the warm-up grows by at most ``timed`` steps.
+    Returns (first step, whether every shape in the window was seen before it)."""
+    if shapes is None:
+        return start, True
+    if len(shapes) < start + 2 * timed:
+        raise ValueError(f"shapes covers {len(shapes)} batches, fewer than start + 2 * timed = {start + 2 * timed}")
+    first = start
+    while True:
+        seen = set(shapes[:first])
+        new = next((i for i in range(first, first + timed) if shapes[i] not in seen), None)
+        if new is None:
+            return first, True
+        if new + 1 > start + timed:      # the warm-up would more than double: time it as it is
+            return first, False
+        first = new + 1
+
+
+def _check_plan(pl: Plan, check_only: bool) -> Plan:
+    if not isinstance(pl, Plan):
+        raise TypeError(f"plan must be a hwlib.profiles.Plan, got {type(pl).__name__}")
+    if check_only:
+        pl = Plan(check=pl.check, warmup=0, timed=0)
+    if pl.check < 1 or pl.warmup < 0 or pl.timed < 0 or (not check_only and pl.timed < 1):
+        raise ValueError(f"plan needs check >= 1, warmup >= 0 and timed >= 1, got {pl}")
+    return pl
+
+
+def _effective_settings(res: StepResult, st: Step, di: DeviceInfo, dev: torch.device,
+                        settings: Settings | None) -> Settings:
+    """The step's cumulative settings (or ``settings``), as this device runs them; notes why they differ."""
+    wanted = settings if settings is not None else settings_for(st.name)
+    eff = resolve_autocast(wanted, di)
+    if eff.cuda_graphs and dev.type != "cuda":
+        res.notes.append("CUDA graphs need a CUDA device: compiled without them on " + dev.type)
+    if eff.autocast != wanted.autocast:
+        res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
+    return eff
+
+
+def _timed_window(res: StepResult, sess: Session, pl: Plan) -> int:
+    """The first timed step (``first_timed_step`` over the workload's batch shapes); notes an extension."""
+    start = pl.check + pl.warmup
+    if not pl.timed:
+        return start
+    shapes = sess.wl.batch_shapes(sess.cfg, sess.batches, start + 2 * pl.timed)
+    first, settled = first_timed_step(shapes, start, pl.timed)
+    if first > start:
+        res.notes.append(f"warm-up extended by {first - start} steps: every batch shape of the "
+                         "timed window ran before it (its recompile or CUDA-graph recording is not timed)")
+    if not settled:
+        res.notes.append("a batch shape first seen inside the timed window: its recompile or CUDA-graph "
+                         "recording is in the timing")
+    return first
+
+
+def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress: bool) -> list[float]:
+    """Every step's loss; fills the timing, first-step time, peaks, SDPA backend and loader wait."""
+    dev, total = sess.device, timed_from + timed
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm   # only when a bar is asked for
+        bar = tqdm(total=total, desc=f"{res.workload} {res.step}", leave=False)
+    losses: list[torch.Tensor] = []
+    try:
+        if sess.settings.loader == "resident":
+            sess.make_resident(total)
+        with sess.precision():
+            if sess.settings.attention == "sdpa":
+                with torch.no_grad(), sess.autocast():
+                    x = sess.batches(0)
+                    res.sdpa_backend = detect_sdpa_backend(lambda: sess.wl.loss(sess.model, x))
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            res.first_step_s, loss0 = bench.wall_s(lambda: sess.step(0), dev)
+            losses.append(loss0)
+            bar and bar.update(1)
+            clock, wait0 = bench.StepClock(dev), None
+            for i in range(1, total):
+                if i == timed_from:
+                    clock.mark()
+                    wait0 = getattr(sess.batches, "wait_s", None)
+                losses.append(sess.step(i))
+                if i >= timed_from:
+                    clock.mark()
+                bar and bar.update(1)
+            vals = torch.stack(losses).float().cpu().tolist()  # one sync for the whole run
+            if timed:
+                res.timing = clock.timing()
+                wait1 = getattr(sess.batches, "wait_s", None)
+                if wait1 is not None and wait0 is not None:
+                    res.host_wait_ms = (wait1 - wait0) * 1e3 / timed
+            if dev.type == "cuda":
+                res.peak_mem_gib = torch.cuda.max_memory_allocated(dev) / 2**30
+                res.peak_reserved_gib = torch.cuda.max_memory_reserved(dev) / 2**30
+    finally:
+        if bar is not None:
+            bar.close()
+        sess.close()
+    return vals
+
+
+def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: str = "auto",
+             device: str | torch.device = "auto", seed: int = 0, plan: Plan | None = None,
+             source: str | None = None, check_only: bool = False, progress: bool = False,
+             settings: Settings | None = None, micro_batch: int | None = None,
+             config: dict | None = None) -> StepResult:
+    """Train ``workload`` under ``step``'s cumulative settings and measure it.
+
+    ``check_only`` runs just the seeded steps of the semantics check, untimed. ``settings``
+    replaces the step's cumulative settings for a side experiment (the result is marked a variant:
+    its curve is not the step's reference). ``micro_batch`` accumulates each batch exactly in
+    micro-batches of at most that many samples. ``config`` overrides fields of the workload's
+    config (``{"batch": 8, "n_layer": 4}``). A step this device cannot run comes back with
+    ``status='skipped'`` and the reason; one that does not apply to the workload, ``'n/a'``.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if micro_batch is not None and (not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1):
+        raise ValueError(f"micro_batch must be a positive int or None, got {micro_batch!r}")
+    if settings is not None and not isinstance(settings, Settings):
+        raise TypeError(f"settings must be a hwlib.steps.Settings, got {type(settings).__name__}")
+    dev = resolve_device(device)
+    prof = resolve_profile(profile, dev)
+    wl, st, di = get_workload(workload), get_step(step), info(dev)
+    cfg = wl.config(prof, **(config or {}))
+    pl = _check_plan(plan or plan_for(prof), check_only)
+    res = StepResult(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
+                     config=dataclasses.asdict(cfg), seed=seed, check_steps=pl.check,
+                     variant=settings is not None or micro_batch is not None,
+                     items_per_step=wl.items_per_step(cfg), unit=wl.unit, flops_per_step=wl.flops_per_step(cfg))
+    for status, why in (("n/a", not_applicable(st, wl.name)), ("skipped", unavailable(st, di))):
+        if why:
+            res.status, res.reason = status, why
+            return res
+    eff = _effective_settings(res, st, di, dev, settings)
+    res.settings = dataclasses.asdict(eff)
+    sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch)
+    timed_from = _timed_window(res, sess, pl)
+    res.warmup_steps = timed_from - pl.check
+    res.losses = _train(res, sess, timed_from, pl.timed, progress)
+    bad = next((i for i, v in enumerate(res.losses) if not math.isfinite(v)), None)
+    if bad is not None:
+        res.status = "nonfinite"
+        res.reason = f"loss became {res.losses[bad]} at step {bad}; time not reported"
+        res.timing = None
+    elif eff.compile and res.timing:
+        res.compile_s = max(0.0, res.first_step_s - res.timing.median_ms / 1e3)
+    return res

@@ -1,0 +1,100 @@
+"""The "same math" check: a step's first K losses against the nearest earlier step that ran.
+
+Pure functions of the curves they are handed: finding the earlier curve (this run's saved one, or
+one computed now) is the caller's job (``hwlib.notebook.measure``), so nothing here reads files or
+runs training.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..steps import LADDER, STEP_NAMES, Step, get_step, previous
+from .run import StepResult
+
+BF16_STEP, BF16_BEFORE = "03_bf16_autocast", "02_tf32"
+
+
+@dataclass
+class MathCheck:
+    step: str
+    against: str | None
+    max_rel_diff: float | None
+    tolerance: float
+    k: int
+    ok: bool
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.against is None:
+            return f"{self.step}: {self.detail or 'baseline, nothing to compare'}"
+        return (f"{self.step} vs {self.against}: max relative loss difference over {self.k} steps "
+                f"{self.max_rel_diff:.2e} (tolerance {self.tolerance:.0e}) -> {'same math' if self.ok else 'FAILED'}"
+                + (f"; {self.detail}" if self.detail else ""))
+
+
+def compare_curves(curr: list[float], prev: list[float], tolerance: float = 0.0) -> float:
+    """Largest relative difference between two loss curves over their common length (inf when
+    either holds a non-finite loss)."""
+    k = min(len(curr), len(prev))
+    if k == 0:
+        raise ValueError("compare_curves: both curves need at least one loss")
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curr[:k], prev[:k])]
+    return max(diffs) if all(math.isfinite(d) for d in diffs) else float("inf")
+
+
+def earlier_steps(step: str) -> list[str]:
+    """The steps before ``step``, nearest first: where its check looks for a curve to compare with."""
+    out, prev = [], previous(step)
+    while prev is not None:
+        out.append(prev.name)
+        prev = previous(prev.name)
+    return out
+
+
+def _between(after: str, upto: str) -> list[Step]:
+    return list(LADDER[STEP_NAMES.index(after) + 1: STEP_NAMES.index(upto) + 1])
+
+
+def needs_bf16_floor(res: StepResult) -> bool:
+    """Whether ``res``'s check resolves no finer than bf16's own move of the curve: a step after 03,
+    under autocast, that changes the order of arithmetic."""
+    if not res.settings.get("autocast") or res.step not in STEP_NAMES:
+        return False
+    if STEP_NAMES.index(res.step) <= STEP_NAMES.index(BF16_STEP):
+        return False
+    return not get_step(res.step).same_arithmetic   # same arithmetic keeps the step's own bound
+
+
+def bf16_floor(curve_03: list[float] | None, curve_02: list[float] | None) -> float | None:
+    """How far bf16 moved this workload's loss curve (step 03 against 02, same config and seed),
+    capped by step 03's own tolerance; None without both curves."""
+    if curve_03 is None or curve_02 is None:
+        return None
+    return min(compare_curves(curve_03, curve_02), get_step(BF16_STEP).tolerance)
+
+
+def same_math(res: StepResult, against: str | None, curve: list[float] | None,
+              floor: float | None = None) -> MathCheck:
+    """Compare ``res``'s first K losses with ``curve``, the check losses of step ``against`` (the
+    nearest earlier step that ran with the same config, seed and device), within the tolerances of
+    every step in between. ``floor`` (``bf16_floor``) widens the tolerance to what bf16 can resolve."""
+    st = get_step(res.step)
+    if res.status in ("skipped", "n/a"):  # nothing ran, nothing to compare; the row says why
+        return MathCheck(res.step, None, None, st.tolerance, 0, True, f"skipped: {res.reason}")
+    if res.status != "ok":
+        return MathCheck(res.step, None, None, st.tolerance, 0, False, f"{res.status}: {res.reason}")
+    if against is None or curve is None:
+        return MathCheck(res.step, None, None, 0.0, 0, True)
+    if against not in earlier_steps(res.step):
+        raise ValueError(f"same_math: {against!r} is not a step before {res.step!r}")
+    d = compare_curves(res.check_losses, curve)
+    # Tolerances of skipped steps in between add up: their changes are part of this diff.
+    tol = sum(s.tolerance for s in _between(against, res.step))
+    why = st.why_tolerance
+    if floor is not None and floor > tol:
+        tol = floor
+        why += (f"; under bf16 a change of rounding alone moves this workload's curve as far as bf16 itself did "
+                f"(03 vs 02: {floor:.1e}), so that is the resolution of the check")
+    return MathCheck(res.step, against, d, tol, min(len(curve), res.check_steps), d <= tol, why)

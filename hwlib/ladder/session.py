@@ -1,0 +1,134 @@
+"""A workload's model, optimizer, scaler and data under one ``Settings``: everything one training
+step needs, and what a checkpoint saves."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import torch
+
+from .. import precision
+from ..memory.accumulation import accumulate, batch_size, plan_micro_batches
+from ..memory.offload import OffloadedAdamW
+from ..steps import Settings
+from ..workloads import get_workload
+
+
+def make_optimizer(model: torch.nn.Module, cfg, settings: Settings):
+    """AdamW as GPT-2 trains it: matrices decayed, biases and LayerNorm gains not."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    if settings.offload_optimizer:
+        return OffloadedAdamW(groups, **kw)
+    return torch.optim.AdamW(groups, **kw, **({"fused": True} if settings.fused_adamw else {}))
+
+
+class Session:
+    """One workload under one ``Settings`` on one device. Callers wrap use in ``session.precision()``."""
+
+    def __init__(self, workload: str, cfg, settings: Settings, device: torch.device, seed: int = 0,
+                 source: str | None = None, micro_batch: int | None = None):
+        self.wl = get_workload(workload)
+        # Gradient accumulation: each step's batch runs as exact micro-batches of at most this size.
+        self.micro_batch = micro_batch
+        self.cfg, self.settings, self.device, self.seed = cfg, settings, device, seed
+        self.batches = self.wl.batches(cfg, device, seed, source, settings)
+        self.model = self.wl.build(cfg, settings, seed).to(device)
+        if settings.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)   # 4-d weights only
+        self.opt = make_optimizer(self.model, cfg, settings)
+        self.scaler = torch.amp.GradScaler("cuda") if settings.autocast == "fp16" else None
+        self.fwd = self.model
+        if settings.compile or settings.cuda_graphs:
+            # reduce-overhead records the forward and backward graphs as CUDA graphs and replays them.
+            mode = "reduce-overhead" if settings.cuda_graphs and device.type == "cuda" else None
+            self.fwd = torch.compile(self.model, mode=mode)
+
+    def precision(self):
+        """The fp32 math mode of these settings (TF32 or IEEE), for the whole session's work."""
+        return precision.tf32_mode(self.settings.tf32)
+
+    def autocast(self):
+        return precision.autocast(self.settings.autocast, self.device)
+
+    def forward_backward(self, batch, weight: float = 1.0) -> torch.Tensor:
+        """Loss of ``batch`` and its gradient, scaled by ``weight``, added to ``.grad``."""
+        with self.autocast():
+            loss = self.wl.loss(self.fwd, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise TypeError(f"workload {self.wl.name!r}: loss must be a scalar tensor attached to the graph, "
+                            f"got {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+        scaled = loss * weight if weight != 1.0 else loss
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        # A CUDA-graph output lives in the graph's memory pool and is overwritten by the next replay.
+        return loss.detach().clone() if self.settings.cuda_graphs else loss.detach()
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=self.settings.fused_adamw)
+
+    def step(self, i: int) -> torch.Tensor:
+        if self.settings.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()   # a new iteration: earlier outputs may be reused
+        batch = self.batches(i)
+        if self.micro_batch:
+            loss = accumulate(self.forward_backward, batch, plan_micro_batches(batch_size(batch), self.micro_batch))
+        else:
+            loss = self.forward_backward(batch)
+        self.optimizer_step()
+        return loss
+
+    def make_resident(self, steps: int) -> None:
+        """Produce the first ``steps`` batches now and keep them on the device: zero data cost."""
+        make = getattr(self.batches, "make_resident", None)
+        if make is not None:
+            make(steps)
+        else:  # a plain batch function: call it now for every step, keep the results
+            kept = {i: self.batches(i) for i in range(steps)}
+            self.batches = kept.__getitem__
+
+    def close(self) -> None:
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
+        # Resident batches live on the device: drop them before the cache is emptied.
+        self.batches = self.model = self.opt = self.fwd = self.scaler = None
+        if self.settings.compile or self.settings.cuda_graphs:
+            torch._dynamo.reset()
+        free(self.device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+SDPA_KERNELS = (("_scaled_dot_product_flash_attention_for_cpu", "flash (CPU kernel)"),
+                ("_scaled_dot_product_flash_attention", "flash"),
+                ("_scaled_dot_product_cudnn_attention", "cudnn"),
+                ("_scaled_dot_product_efficient_attention", "memory-efficient"),
+                ("_scaled_dot_product_fused_attention_overrideable", "fused (overrideable)"),
+                ("_scaled_dot_product_attention_math", "math (unfused)"))
+
+
+def detect_sdpa_backend(fn) -> str | None:
+    """Which attention kernel ran, read off the aten ops that ``fn()`` dispatched; None when the
+    model has no attention."""
+    from torch.profiler import ProfilerActivity, profile   # the profiler is heavy: only when asked
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the profiler's notes on event cycles are not ours to show
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    names = {e.name for e in prof.events()}
+    for key, label in SDPA_KERNELS:
+        if any(key in n for n in names):
+            return label
+    return None

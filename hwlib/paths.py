@@ -1,0 +1,74 @@
+"""Where things live: the checkout (or working folder), the package's own files, run folders.
+
+Run names stay under ``outputs/``: a run is named, never pointed at an arbitrary folder, so that a
+typo or a ``../`` cannot write measurements (or overwrite a committed reference) elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# A checkout keeps outputs/ and data/ beside hwlib/; an installed copy (Colab) uses the working folder.
+_PKG_PARENT = PACKAGE_DIR.parent
+REPO_ROOT = _PKG_PARENT if (_PKG_PARENT / "pyproject.toml").exists() else Path.cwd()
+# Kernel sources ship inside the package (package data), so an installed copy has them too.
+KERNELS_DIR = PACKAGE_DIR / "kernels"
+DEFAULT_RUN = "interactive"
+
+
+class RunNameError(ValueError):
+    """A run name that would leave ``outputs/`` or says nothing."""
+
+
+def outputs_root() -> Path:
+    return Path(os.environ.get("HWLIB_OUTPUTS") or REPO_ROOT / "outputs").resolve()
+
+
+def run_name(run: str | os.PathLike | None = None, *, source: str = "run") -> str:
+    """The run's name relative to ``outputs/``: ``run``, else ``$HWLIB_RUN``, else 'interactive'.
+
+    ``outputs/x`` and an absolute path inside ``outputs/`` are accepted as ``x``. An empty name,
+    ``..`` or an absolute path elsewhere raise ``RunNameError`` naming ``source``."""
+    if run is None:
+        env = os.environ.get("HWLIB_RUN")
+        if env is None:
+            return DEFAULT_RUN
+        run, source = env, "HWLIB_RUN"
+    text = os.fspath(run)
+    if not text.strip():
+        raise RunNameError(f"{source}: an empty run name; name the run (e.g. 'latest') or leave it out "
+                           f"for '{DEFAULT_RUN}'")
+    root = outputs_root()
+    p = Path(text)
+    if p.is_absolute():
+        try:
+            rel = p.resolve().relative_to(root)
+        except ValueError:
+            raise RunNameError(f"{source}={text!r} is outside {root}: runs live under outputs/; "
+                               f"give a name such as 'latest' or 'mygpu/try1'") from None
+    else:
+        if p.parts and p.parts[0] == "outputs":
+            p = Path(*p.parts[1:]) if len(p.parts) > 1 else Path("")
+        if ".." in p.parts:
+            raise RunNameError(f"{source}={text!r} climbs out of outputs/ ('..'); give a name such as 'latest'")
+        rel = p
+    name = rel.as_posix().strip("/")
+    if name in ("", "."):
+        raise RunNameError(f"{source}={text!r} names outputs/ itself; name a run inside it, e.g. 'latest'")
+    return name
+
+
+def run_dir(run: str | os.PathLike | None = None, *, create: bool = True) -> Path:
+    """The folder of a run under ``outputs/`` (``latest`` -> ``outputs/latest``, ``reference/h100``
+    -> ``outputs/reference/h100``); created unless ``create`` is False. See ``run_name``."""
+    p = outputs_root() / run_name(run)
+    if create:
+        p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def is_reference(run: str | os.PathLike | None) -> bool:
+    """Whether ``run`` is a committed reference run (``outputs/reference/...``)."""
+    return run_name(run).split("/")[0] == "reference"

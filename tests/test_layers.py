@@ -1,0 +1,133 @@
+"""hwlib's modules import one way: base -> core -> runners -> edge, with no cycles.
+
+Every import is read from the source (module level and inside functions alike), so a cycle cannot
+hide behind a function-local import."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "hwlib"
+
+# The first path component under hwlib/ decides the layer (DESIGN.md, Layout).
+LAYERS = {
+    "base": {"__init__", "paths", "device", "precision", "bench", "results", "profiles"},
+    "core": {"ops", "kernels", "workloads", "steps", "data", "ceilings", "shapes"},
+    "runners": {"ladder", "studies", "memory", "distributed"},
+    "edge": {"query", "report", "seeds", "dashboard", "notebook", "cli"},
+}
+ORDER = ["base", "core", "runners", "edge"]
+# memory/ holds primitives the ladder's session uses (accumulation, offload, checkpoint): it sits
+# with the runners but imports nothing from them.
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    for name, tops in LAYERS.items():
+        if top in tops:
+            return name
+    raise AssertionError(f"{module}: no layer for hwlib.{top}; add it to LAYERS (and DESIGN.md)")
+
+
+def imports_of(path: Path) -> set[str]:
+    """hwlib modules that ``path`` imports, resolved to module names (a ``from x import y`` of a
+    submodule counts as that submodule)."""
+    me = module_name(path)
+    pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    known = {module_name(p) for p in PKG.rglob("*.py")}
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("hwlib")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("hwlib"):
+                continue
+            subs = {f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known}
+            out |= subs or {mod}
+            if subs and len(subs) < len(node.names):
+                out.add(mod)
+    return {m for m in out if m != me}
+
+
+def graph() -> dict[str, set[str]]:
+    files = [p for p in PKG.rglob("*.py") if "kernels" not in p.relative_to(PKG).parts]
+    return {module_name(p): imports_of(p) for p in files}
+
+
+def test_every_module_has_a_layer():
+    for m in graph():
+        layer_of(m)
+
+
+def test_no_import_points_up_a_layer():
+    bad = []
+    for m, deps in graph().items():
+        for d in deps:
+            if d == "hwlib":   # the package root holds only the version and a lazy attribute
+                continue
+            if ORDER.index(layer_of(d)) > ORDER.index(layer_of(m)):
+                bad.append(f"{m} ({layer_of(m)}) imports {d} ({layer_of(d)})")
+    assert not bad, "imports that point up a layer:\n" + "\n".join(sorted(bad))
+
+
+def test_memory_imports_no_other_runner():
+    for m, deps in graph().items():
+        if m.startswith("hwlib.memory"):
+            up = [d for d in deps if layer_of(d) == "runners" and not d.startswith("hwlib.memory")]
+            assert not up, f"{m} imports {up}: memory/ is the runners' primitives"
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """A cycle among modules (package __init__ edges to their own submodules excluded), or None."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(g.get(n, ())):
+            if n.startswith(d + "."):   # a module importing its own package's __init__ (siblings)
+                continue
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if state.get(d) is None and d in g:
+                c = visit(d)
+                if c:
+                    return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(g):
+        if state.get(n) is None:
+            c = visit(n)
+            if c:
+                return c
+    return None
+
+
+def test_no_import_cycle():
+    c = find_cycle(graph())
+    assert c is None, "import cycle: " + " -> ".join(c)
+
+
+def test_the_checks_can_fail():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    with pytest.raises(AssertionError):
+        layer_of("hwlib.nowhere")
+    assert ORDER.index(layer_of("hwlib.cli")) > ORDER.index(layer_of("hwlib.results"))
