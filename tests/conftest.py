@@ -12,7 +12,9 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def isolated_run(tmp_path, monkeypatch):
-    """Every test writes its run and generated data under its own temporary folder."""
+    """Every test writes its runs and generated data under its own temporary folder, which is its
+    outputs/ (run names must stay inside outputs/)."""
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(tmp_path))
     monkeypatch.setenv("HWLIB_RUN", str(tmp_path / "run"))
     monkeypatch.setenv("HWLIB_DATA", str(tmp_path / "data"))
     monkeypatch.delenv("HWLIB_PROFILE", raising=False)

@@ -5,28 +5,46 @@ from pathlib import Path
 
 import pytest
 
-from hwlib import results
+from hwlib import paths, query, results
 
 
 def rec(metric="ms_per_step", value=1.0, step="01_baseline_fp32", **kw):
     return results.make_record(notebook="nb", workload="gpt", step=step, metric=metric, value=value, unit="ms", **kw)
 
 
-def test_record_has_provenance():
-    r = rec(profile="smoke", device={"name": "cpu"}, versions={"torch": "x"})
+def test_record_is_stamped_in_one_place():
+    r = rec(profile="smoke", device="cpu")
     for k in ("notebook", "workload", "step", "metric", "value", "p20", "p80", "unit", "profile", "params",
-              "device", "versions", "git_commit", "code_digest", "time", "status"):
+              "fields", "device", "versions", "git_commit", "code_digest", "time", "status"):
         assert k in r
+    # every record carries the device and the library versions, whoever built it
+    assert r["device"]["kind"] == "cpu" and r["device"]["name"]
+    assert r["versions"]["torch"] and r["versions"]["python"]
+    assert rec(device={"name": "X", "kind": "cuda", "extra": 1})["device"] == {
+        "kind": "cuda", "name": "X", "capability": None, "total_mem_gib": None, "sm_count": None}
     with pytest.raises(ValueError, match="status"):
         rec(status="great")
+    with pytest.raises(ValueError, match="overwrite"):
+        rec(extra={"device": "fake"})
+    with pytest.raises(ValueError, match="metric"):
+        rec(metric="")
+
+
+def test_x_values_are_fields_and_part_of_the_key(isolated_run):
+    results.append([rec(metric="forward_ms", value=1.0, fields={"N": 64}),
+                    rec(metric="forward_ms", value=2.0, fields={"N": 128}),
+                    rec(metric="forward_ms", value=3.0, fields={"N": 64})])   # N=64 measured again
+    got = {r["fields"]["N"]: r["value"] for r in query.load()}
+    assert got == {64: 3.0, 128: 2.0}
+    assert [r["value"] for r in query.select(query.load(), N=128)] == [2.0]
 
 
 def test_append_load_and_latest_wins(isolated_run):
     results.append([rec(value=1.0), rec(metric="final_loss", value=3.0)])
     results.append(rec(value=2.0))  # the same key measured again
-    latest = results.load()
+    latest = query.load()
     assert sorted((r["metric"], r["value"]) for r in latest) == [("final_loss", 3.0), ("ms_per_step", 2.0)]
-    assert len(results.load(latest_only=False)) == 3
+    assert len(query.load(latest_only=False)) == 3
 
 
 def test_nonfinite_values_are_stored_as_strings(isolated_run):
@@ -41,9 +59,49 @@ def test_torn_line_is_skipped_and_next_append_is_clean(isolated_run):
     with open(isolated_run / "results.jsonl", "a") as f:
         f.write('{"notebook": "nb", "metric": "half')   # a writer killed mid-line
     results.append(rec(metric="final_loss", value=5.0))
-    with pytest.warns(UserWarning, match="torn"):
-        recs = results.load()
+    with pytest.warns(UserWarning, match="line 2: not JSON"):
+        recs = query.load()
     assert {r["metric"] for r in recs} == {"ms_per_step", "final_loss"}
+
+
+def test_damaged_lines_are_skipped_with_one_warning_naming_them(isolated_run):
+    results.append(rec(value=1.0))
+    with open(isolated_run / "results.jsonl", "ab") as f:
+        f.write(b"\xff\xfe not utf-8\n")
+        f.write(b"[1, 2]\n")
+        f.write(b'{"value": 1}\n')
+        f.write(b'{"metric": "m", "value": {"a": 1}}\n')
+        f.write(b'{"metric": "m", "value": true}\n')
+    results.append(rec(metric="final_loss", value=5.0))
+    with pytest.warns(UserWarning) as w:
+        recs = query.load()
+    assert len(w) == 1
+    msg = str(w[0].message)
+    assert "results.jsonl" in msg and "skipped 5" in msg
+    for n, why in ((2, "not UTF-8"), (3, "not an object"), (4, "no 'metric'"), (5, "not a number")):
+        assert f"line {n}: " in msg and why in msg
+    assert sorted(r["metric"] for r in recs) == ["final_loss", "ms_per_step"]
+
+
+def test_a_torn_last_line_is_named_torn(isolated_run):
+    results.append(rec(value=1.0))
+    with open(isolated_run / "results.jsonl", "a") as f:
+        f.write('{"notebook": "nb", "metric": "half')
+    with pytest.warns(UserWarning, match="line 2: torn"):
+        assert len(query.load()) == 1
+
+
+def test_damaged_json_files_read_as_absent(isolated_run):
+    (isolated_run).mkdir(parents=True, exist_ok=True)
+    (isolated_run / "ceilings.json").write_text('{"copy_gbps": 1')
+    with pytest.warns(UserWarning, match="ceilings.json"):
+        assert query.ceilings() is None
+    (isolated_run / "ceilings.json").write_text('[1, 2]')
+    with pytest.warns(UserWarning, match="not a ceilings object"):
+        assert query.ceilings() is None
+    (isolated_run / "state.json").write_text('{"01": {"status": "ok"}, "02": {"status": "ok", "seconds": 3}}')
+    with pytest.warns(UserWarning, match="'01' lacks"):
+        assert list(query.state()) == ["02"]
 
 
 def _writer(args):
@@ -55,7 +113,7 @@ def _writer(args):
 
 
 def test_concurrent_appends_never_interleave(tmp_path):
-    run = str(tmp_path / "conc")
+    run = str(tmp_path / "conc")   # inside HWLIB_OUTPUTS (conftest), inherited by the workers
     with mp.get_context("spawn").Pool(4) as pool:
         pool.map(_writer, [(run, i) for i in range(4)])
     lines = (Path(run) / "results.jsonl").read_text().splitlines()
@@ -73,27 +131,44 @@ def test_write_atomic_keeps_old_content_on_failure(tmp_path):
 
 
 def test_run_dir_names(tmp_path, monkeypatch):
-    monkeypatch.setenv("HWLIB_OUTPUTS", str(tmp_path / "outs"))
-    assert results.run_dir("latest") == tmp_path / "outs" / "latest"
-    assert results.run_dir("reference/h100") == tmp_path / "outs" / "reference" / "h100"
-    assert results.run_dir("outputs/nbval") == results.REPO_ROOT / "outputs" / "nbval"
-    assert results.run_dir(tmp_path / "abs") == tmp_path / "abs"
+    outs = tmp_path / "outs"
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(outs))
+    assert paths.run_dir("latest") == outs / "latest"
+    assert paths.run_dir("reference/h100") == outs / "reference" / "h100"
+    assert paths.run_dir("outputs/nbval") == outs / "nbval"
+    assert paths.run_dir(outs / "abs") == outs / "abs"
+    assert paths.is_reference("reference/h100") and not paths.is_reference("latest")
     monkeypatch.delenv("HWLIB_RUN")
-    assert results.run_dir() == tmp_path / "outs" / "interactive"
+    assert paths.run_dir() == outs / "interactive"
+    assert not paths.run_dir("fresh", create=False).exists()
+
+
+@pytest.mark.parametrize("bad, why", [("../x", "climbs out"), ("a/../../x", "climbs out"), ("", "empty"),
+                                      ("   ", "empty"), ("outputs", "names outputs/ itself"),
+                                      ("/etc/x", "outside")])
+def test_run_names_stay_under_outputs(bad, why, tmp_path, monkeypatch):
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(tmp_path / "outs"))
+    with pytest.raises(paths.RunNameError, match=why):
+        paths.run_dir(bad)
+    monkeypatch.setenv("HWLIB_RUN", bad)
+    if bad.strip():
+        with pytest.raises(paths.RunNameError, match="HWLIB_RUN"):
+            paths.run_dir()
+    assert not (tmp_path / "x").exists()
 
 
 def test_code_digest_names_the_code_and_nothing_else(tmp_path):
     (tmp_path / "hwlib" / "__pycache__").mkdir(parents=True)
-    (tmp_path / "kernels").mkdir()
+    (tmp_path / "hwlib" / "kernels").mkdir()
     (tmp_path / "hwlib" / "a.py").write_text("x = 1\n")
-    (tmp_path / "kernels" / "k.cu").write_text("// k\n")
+    (tmp_path / "hwlib" / "kernels" / "k.cu").write_text("// k\n")
     first = results.code_digest(tmp_path)
     assert len(first) == 12 and results.code_digest(tmp_path) == first
     (tmp_path / "hwlib" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"cache")
     (tmp_path / "notes.md").write_text("not code")
     results._code_digest.cache_clear()
     assert results.code_digest(tmp_path) == first            # caches and other files do not count
-    (tmp_path / "kernels" / "k.cu").write_text("// k changed\n")
+    (tmp_path / "hwlib" / "kernels" / "k.cu").write_text("// k changed\n")
     results._code_digest.cache_clear()
     assert results.code_digest(tmp_path) != first
     assert results.code_digest(tmp_path / "nowhere") is None

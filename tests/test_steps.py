@@ -55,12 +55,12 @@ def test_bf16_falls_back_to_fp16_before_ampere():
 
 
 def _tf32_state():
-    if steps._new_precision_api():
+    if precision._new_precision_api():
         return torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 
 
-def test_backend_flags_set_and_restore():
+def test_tf32_mode_sets_and_restores():
     before = _tf32_state()
     with precision.tf32_mode(True):
         on = _tf32_state()
@@ -68,3 +68,12 @@ def test_backend_flags_set_and_restore():
             off = _tf32_state()
     assert on != off and on in (("tf32", "tf32"), (True, True)) and off in (("ieee", "ieee"), (False, False))
     assert _tf32_state() == before
+
+
+def test_autocast_modes():
+    with precision.autocast(None, torch.device("cpu")):
+        assert not torch.is_autocast_enabled("cpu")
+    with precision.autocast("bf16", torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="autocast mode 'fp8'"):
+        precision.autocast("fp8", torch.device("cpu"))

@@ -3,10 +3,13 @@ import dataclasses
 import pytest
 import torch
 
-from hwlib import notebook, query, results
-from hwlib.ladder import run as train
-from hwlib.report import tables as report
+from hwlib import notebook, query
 from hwlib.device import ChoiceError
+from hwlib.ladder import record as record_mod
+from hwlib.ladder import run as train
+from hwlib.ladder.same_math import bf16_floor, compare_curves, needs_bf16_floor, same_math
+from hwlib.steps import settings_for
+from hwlib.studies.data_wait import measure_data_wait
 from hwlib.profiles import Plan
 from hwlib.workloads.gpt import GPTWorkload
 
@@ -14,6 +17,7 @@ PLAN = Plan(check=4, warmup=1, timed=3)
 
 
 def run(step="01_baseline_fp32", **kw):
+    kw.setdefault("progress", False)
     kw.setdefault("plan", PLAN)
     return train.run_step("gpt", step, profile="smoke", device="cpu", **kw)
 
@@ -31,29 +35,31 @@ def test_same_seed_same_losses_bit_for_bit():
 
 
 def test_same_math_check_passes_for_same_math_and_fails_for_other_math(isolated_run):
-    base = run()
-    sdpa = run("04_sdpa_attention")    # bf16 + fused attention: same math within tolerance
-    chk = train.same_math(sdpa)
-    assert chk.ok and chk.against == "03_bf16_autocast" and chk.max_rel_diff < chk.tolerance
-    # A real change of math (twice the learning rate) must fail the tolerance of an exact-math step.
-    other = run(lr=2 * base.config["lr"])
-    d = train.compare_curves(other.check_losses, base.check_losses, 0)
-    assert d > 0.01
+    base = run("03_bf16_autocast")
+    sdpa = run("04_sdpa_attention")    # fused attention: same math within tolerance
+    chk = same_math(sdpa, "03_bf16_autocast", base.check_losses)
+    assert chk.ok and chk.max_rel_diff < chk.tolerance and chk.k == PLAN.check
+    # A real change of math (twice the learning rate) fails the same check.
+    other = run("04_sdpa_attention", config={"lr": 2 * base.config["lr"]})
+    bad = same_math(other, "03_bf16_autocast", base.check_losses)
+    assert not bad.ok and bad.max_rel_diff > bad.tolerance and "FAILED" in str(bad)
+    with pytest.raises(ValueError, match="not a step before"):
+        same_math(sdpa, "05_fused_optimizer", base.check_losses)
 
 
 def test_gpu_only_step_on_cpu_is_a_skipped_row(isolated_run, cpu_only):
     r = run("02_tf32")
     assert r.status == "skipped" and "GPU-only" in r.reason and r.timing is None
-    chk = train.same_math(r)
+    chk = same_math(r, None, None)
     assert chk.ok and "skipped" in str(chk)
-    train.record(r, notebook="02_tf32", check=chk)
-    rows = report.ladder_rows(results.load(), "gpt")
+    record_mod.record(r, notebook="02_tf32", check=chk)
+    rows = query.ladder_rows(query.load(), "gpt")
     assert rows[0]["status"] == "skipped" and "GPU-only" in rows[0]["reason"] and rows[0]["throughput"] is None
 
 
 def test_skipped_step_in_between_widens_the_tolerance(isolated_run, cpu_only):
-    run()  # 01's curve is saved; 02 is skipped on CPU
-    chk = train.same_math(run("03_bf16_autocast"))
+    record_mod.record(run(), notebook="01")   # 01's curve is saved; 02 is skipped on CPU
+    chk = notebook.check_math(run("03_bf16_autocast"))
     assert chk.against == "01_baseline_fp32"
     assert chk.tolerance == pytest.approx(5e-3 + 3e-2)
 
@@ -70,21 +76,43 @@ def test_nonfinite_loss_is_reported_not_timed(isolated_run, monkeypatch):
     monkeypatch.setattr(GPTWorkload, "loss", poisoned)
     r = run()
     assert r.status == "nonfinite" and "step 2" in r.reason and r.timing is None
-    chk = train.same_math(r)
+    chk = same_math(r, None, None)
     assert not chk.ok
-    train.record(r, notebook="01", check=chk)
-    (row,) = report.ladder_rows(results.load(), "gpt")
+    record_mod.record(r, notebook="01", check=chk)
+    (row,) = query.ladder_rows(query.load(), "gpt")
     assert row["status"] == "nonfinite" and row["ms_per_step"] is None and row["throughput"] is None
 
 
-def test_measure_records_before_asserting(isolated_run):
-    res, chk = train.measure("gpt", "01_baseline_fp32", notebook="01", profile="smoke", device="cpu",
-                             plan=PLAN, progress=False)
-    metrics = {r["metric"]: r for r in results.load()}
+def test_record_writes_every_metric_and_mfu_only_against_a_ceiling(isolated_run):
+    res = run()
+    record_mod.record(res, notebook="01")
+    metrics = {r["metric"]: r for r in query.load()}
     assert {"ms_per_step", "tokens_per_s", "model_tflops", "mfu", "final_loss"} <= set(metrics)
     assert metrics["ms_per_step"]["value"] == res.timing.median_ms
-    assert metrics["mfu"]["value"] == pytest.approx(res.model_tflops / results.read_json(
-        isolated_run / "ceilings.json")["matmul_tflops"]["bf16"])
+    # no ceilings in this run: MFU is n/a, and nothing measured them on the side
+    assert metrics["mfu"]["value"] is None and "no ceilings" in metrics["mfu"]["reason"]
+    assert not (isolated_run / "ceilings.json").exists()
+    peak = 2 * res.model_tflops
+    record_mod.record(res, notebook="01", ceilings={"matmul_tflops": {"bf16": peak}})
+    mfu = next(r for r in query.load() if r["metric"] == "mfu")
+    assert mfu["value"] == pytest.approx(0.5) and mfu["status"] == "ok"
+    # a ceiling below the measured rate is a bad ceiling: flagged, not printed
+    record_mod.record(res, notebook="01", ceilings={"matmul_tflops": {"bf16": res.model_tflops / 3}})
+    mfu = next(r for r in query.load() if r["metric"] == "mfu")
+    assert mfu["value"] is None and "bad ceiling" in mfu["reason"]
+
+
+def test_a_variant_is_recorded_apart_from_the_ladder_row(isolated_run):
+    base = run()
+    record_mod.record(base, notebook="01")
+    variant = run(settings=settings_for("01_baseline_fp32"), config={"batch": 3})
+    assert variant.variant
+    record_mod.record(variant, notebook="01")
+    rows = query.ladder_rows(query.load(), "gpt")
+    assert len(rows) == 1 and rows[0]["ms_per_step"] == base.timing.median_ms
+    # its curve is not saved as the step's reference
+    assert query.saved_curve("gpt", "01_baseline_fp32", record_mod.curve_key(base)) == base.check_losses
+    assert query.saved_curve("gpt", "01_baseline_fp32", record_mod.curve_key(variant)) is None
 
 
 @pytest.mark.parametrize("kw,match", [({"workload": "bert"}, "'bert'"), ({"step": "42"}, "'42'"),
@@ -100,6 +128,20 @@ def test_plan_must_time_something():
         run(plan=Plan(check=2, warmup=0, timed=0))
 
 
+@pytest.mark.parametrize("kw,match", [({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"micro_batch": 0}, "micro_batch"),
+                                      ({"settings": {"tf32": True}}, "settings"), ({"plan": (1, 2, 3)}, "plan")])
+def test_bad_arguments_name_themselves(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        run(**kw)
+
+
+def test_config_is_a_dict_that_cannot_swallow_run_arguments():
+    with pytest.raises(TypeError):
+        run(n_layer=1)    # no catch-all: config fields go in config={...}
+    r = run(config={"n_layer": 1})
+    assert r.config["n_layer"] == 1
+
+
 def test_bf16_noise_floor_sets_the_resolution_of_later_checks(isolated_run):
     """After bf16, a step's tolerance is at least how far bf16 itself moved the curve (03 vs 02),
     capped by 03's tolerance; before bf16, or without saved curves, the step's own tolerance."""
@@ -110,20 +152,24 @@ def test_bf16_noise_floor_sets_the_resolution_of_later_checks(isolated_run):
                                 config={"batch": 2}, settings={"autocast": autocast}, losses=losses, check_steps=3)
 
     base = [4.0, 3.0, 2.0]
-    train.save_curve(res("02_tf32", base, None))
-    train.save_curve(res("03_bf16_autocast", [4.0, 3.0, 2.04]))          # bf16 moved it by 2e-2
-    train.save_curve(res("05_fused_optimizer", base))
+    for step, losses, ac in (("02_tf32", base, None), ("03_bf16_autocast", [4.0, 3.0, 2.04], "bf16"),
+                             ("05_fused_optimizer", base, "bf16"), ("07_nice_shapes", base, "bf16")):
+        record_mod.save_curve(res(step, losses, ac))                    # bf16 moved 03 by 2e-2
     r06 = res("06_torch_compile", [4.0, 3.0, 2.03])                    # 1.5e-2 from 05: over 06's 1e-2
-    check = train.same_math(r06)
+    check = notebook.check_math(r06)
     assert check.against == "05_fused_optimizer" and check.tolerance == pytest.approx(0.02) and check.ok
     assert "03 vs 02" in check.detail
-    far = train.same_math(res("06_torch_compile", [4.0, 3.0, 2.1]))     # 5e-2: beyond the floor too
+    far = notebook.check_math(res("06_torch_compile", [4.0, 3.0, 2.1]))   # 5e-2: beyond the floor too
     assert not far.ok
-    fp32 = train.same_math(res("06_torch_compile", [4.0, 3.0, 2.03], autocast=None))
+    fp32 = notebook.check_math(res("06_torch_compile", [4.0, 3.0, 2.03], autocast=None))
     assert fp32.tolerance == pytest.approx(0.01) and not fp32.ok
-    train.save_curve(res("07_nice_shapes", base))
-    loader = train.same_math(res("08_dataloader", [4.0, 3.0, 2.03]))     # same arithmetic: no floor
+    r08 = res("08_dataloader", [4.0, 3.0, 2.03])
+    assert not needs_bf16_floor(r08)                                     # same arithmetic: no floor
+    loader = notebook.check_math(r08)
     assert loader.against == "07_nice_shapes" and loader.tolerance == pytest.approx(0.01) and not loader.ok
+    assert bf16_floor([1.0, 2.0], None) is None
+    assert bf16_floor([1.0, 2.0], [1.0, 2.0 * (1 + 1.0)]) == pytest.approx(3e-2)   # capped by 03's tolerance
+    assert compare_curves([1.0, float("nan")], [1.0, 1.0]) == float("inf")
 
 
 def test_data_wait_against_resident_batches(isolated_run, cpu_only):
@@ -132,27 +178,28 @@ def test_data_wait_against_resident_batches(isolated_run, cpu_only):
     in more than the loader is refused."""
     common = dict(profile="smoke", device="cpu", progress=False, plan=Plan(check=2, warmup=0, timed=2))
     for step in ("06_torch_compile", "08_dataloader"):
-        eager = dataclasses.replace(train.settings_for(step), compile=False)   # inductor on CPU is slow
+        eager = dataclasses.replace(settings_for(step), compile=False)   # inductor on CPU is slow
         res = train.run_step("vit_bdh", step, settings=eager, **common)
-        train.record(res, notebook=step)
-    mismatched = train.measure_data_wait("vit_bdh", "08_dataloader", notebook="x", profile="smoke", device="cpu",
-                                         progress=False)   # the step's own settings compile; the rows did not
+        res.variant = False   # stands for the step's own row in this test
+        record_mod.record(res, notebook=step)
+    mismatched = measure_data_wait("vit_bdh", "08_dataloader", notebook="x", profile="smoke", device="cpu",
+                                   progress=False, recorded=query.load())   # the step's own settings compile
     assert mismatched[0]["status"] == "not comparable" and "compile" in mismatched[0]["reason"]
-    eager = dataclasses.replace(train.settings_for("08_dataloader"), compile=False)
-    rows = train.measure_data_wait("vit_bdh", "08_dataloader", notebook="08_dataloader", with_previous=True,
-                                   profile="smoke", device="cpu", progress=False, settings=eager)
+    eager = dataclasses.replace(settings_for("08_dataloader"), compile=False)
+    rows = measure_data_wait("vit_bdh", "08_dataloader", notebook="08_dataloader", with_previous=True,
+                             profile="smoke", device="cpu", progress=False, settings=eager, recorded=query.load())
     assert [r["step"] for r in rows] == ["08_dataloader", "06_torch_compile"]
-    recs = [r for r in results.load() if r["metric"] == "data_wait_share"]
+    recs = [r for r in query.load() if r["metric"] == "data_wait_share"]
     assert len(recs) == 2
     for r, rec in zip(rows, recs):
         assert r["status"] == "ok" and r["data_wait_share"] < 1.0 and isinstance(r["within_noise"], bool)
         assert r["data_wait_share"] == pytest.approx(1 - r["resident_ms"] / r["step_ms"])
         assert rec["value"] == pytest.approx(r["data_wait_share"])
     with pytest.raises(ValueError, match="not only the loader"):
-        train.measure_data_wait("vit_bdh", "08_dataloader", notebook="x", also=("05_fused_optimizer",),
-                                profile="smoke", device="cpu", progress=False)
-    missing = train.measure_data_wait("encoder_nli", "08_dataloader", notebook="x", profile="smoke", device="cpu",
-                                      progress=False)
+        measure_data_wait("vit_bdh", "08_dataloader", notebook="x", also=("05_fused_optimizer",),
+                          profile="smoke", device="cpu", progress=False, recorded=query.load())
+    missing = measure_data_wait("encoder_nli", "08_dataloader", notebook="x", profile="smoke", device="cpu",
+                                progress=False, recorded=query.load())
     assert missing[0]["status"] == "not measured"
 
 
