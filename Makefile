@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch
 RUN        ?= latest
 ARGS       ?=
 
-NEEDED := torch numpy pandas matplotlib tqdm papermill nbformat ipykernel ipywidgets pytest nbval
+NEEDED := torch numpy scipy matplotlib tqdm papermill nbformat ipykernel ipywidgets pytest nbval
 HAVE_ALL := $(shell $(PYTHON) -c "import $(shell echo $(NEEDED) | tr ' ' ',')" >/dev/null 2>&1 && echo yes)
 
 ifeq ($(HAVE_ALL),yes)
@@ -54,12 +54,17 @@ test-notebooks: setup
 	HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
 	    --nbval-lax --nbval-current-env notebooks
 
-# Kernel sources are plain CUDA: they compile with nvcc alone, no torch headers, no GPU needed.
+# Kernel sources (hwlib/kernels, shipped inside the package) are plain CUDA: they compile with nvcc
+# alone, with their own headers, no torch headers, no GPU needed.
+KERNELS_CU := $(wildcard hwlib/kernels/*.cu)
 test-kernels:
-	@if command -v nvcc >/dev/null 2>&1 && ls kernels/*.cu >/dev/null 2>&1; then \
-	    for f in kernels/*.cu; do echo "nvcc -arch=sm_90 -c $$f"; \
-	        nvcc -arch=sm_90 -c $$f -o /tmp/$$(basename $$f .cu).o || exit 1; done; \
-	else echo "test-kernels: no nvcc or no kernels/*.cu, nothing to compile"; fi
+	@test -n "$(KERNELS_CU)" || { echo "test-kernels: no hwlib/kernels/*.cu found"; exit 1; }
+	@if command -v nvcc >/dev/null 2>&1; then \
+	    out=$$(mktemp -d); \
+	    for f in $(KERNELS_CU); do echo "nvcc -arch=sm_90 -c $$f"; \
+	        nvcc -arch=sm_90 -c $$f -o $$out/$$(basename $$f .cu).o || { rm -rf $$out; exit 1; }; done; \
+	    rm -rf $$out; \
+	else echo "test-kernels: nvcc not on PATH, $(KERNELS_CU) not compiled"; fi
 
 env: setup
 	$(PY) -m hwlib.cli env

@@ -51,6 +51,30 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def other_gpu_processes(device: str | torch.device = "auto") -> list[int] | None:
+    """Pids of other processes holding a context on this GPU (through NVML), so that a timing made
+    beside them can be marked contended. [] on a CPU; None when NVML cannot tell (no library, no
+    permission, or a GPU it cannot map): unknown, which is not the same as none."""
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return []
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(dev).uuid)
+        handle = next((h for h in (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount()))
+                       if str(pynvml.nvmlDeviceGetUUID(h)).removeprefix("GPU-") == uuid.removeprefix("GPU-")),
+                      None)
+        if handle is None:
+            return None
+        procs = (list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+                 + list(pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)))
+    except Exception:   # NVML missing, too old, or refused: say "unknown", never fail a measurement
+        return None
+    me = os.getpid()
+    return sorted({p.pid for p in procs if p.pid != me})
+
+
 def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 

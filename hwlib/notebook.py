@@ -1,24 +1,27 @@
 """What every notebook does around its measurement, as one library call per cell.
 
 ``setup`` resolves the parameters and prints the environment; ``show_change`` prints the real code
-that applies a step; ``measure`` runs a ladder step for each workload, checks its math against the
-step before and records it; ``show_ladder`` and ``what_we_saw`` turn the run's results into the
-table, the figure and the prose. The notebooks stay thin and identical in shape.
+that applies a step and ``predict`` what the roofline says it should save; ``measure_all`` runs a
+ladder step for each workload, checks its math against the step before and records it;
+``assert_same_math`` judges the checks; ``show_ladder``, ``outcome`` and ``what_we_saw`` turn the
+run's results into the table, the figure, the prediction against the measurement and the prose.
+The notebooks stay thin and identical in shape.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 
-from . import query
-from .device import format_env_report, resolve_device
+from . import query, results, roofline
+from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
 from .ladder.same_math import MathCheck, bf16_floor, earlier_steps, needs_bf16_floor, same_math
 from .paths import run_dir
 from .profiles import Plan, plan as plan_for, resolve_profile
-from .steps import describe, get_step
+from .steps import STEP_NAMES, describe, get_step
 
 
 def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
@@ -28,7 +31,8 @@ def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
 
 
 def setup(profile: str = "auto", device: str = "auto", run=None) -> tuple[str, str]:
-    """Resolve the parameters, print the environment report and the plan; returns (profile, device)."""
+    """Resolve the parameters, print the environment report and the plan; returns (profile, device).
+    ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
     profile, device = resolve(profile, device)
     print(format_env_report(device))
     print(f"profile: {profile} | plan: {plan_for(profile)} | run: {run_dir(run)}")
@@ -118,18 +122,29 @@ def measure_all(workloads: list[str], step: str, *, notebook: str, profile: str 
     for w in workloads:
         res, check = measure(w, step, notebook=notebook, profile=profile, device=device, run=run, seed=seed)
         out[w] = (res, check)
-        print(f"{w}: {res.status}" + (f" ({res.reason})" if res.reason else "") + f" | {check}")
+        t = res.timing
+        print(f"{w}: {res.status}" + (f" ({res.reason})" if res.reason else "")
+              + (f", {t.median_ms:.2f} ms/step (p20 {t.p20_ms:.2f}, p80 {t.p80_ms:.2f})" if t else "") + f" | {check}")
         for note in res.notes:
             print(f"  note: {note}")
     return out
 
 
 def assert_same_math(measured: dict[str, tuple[StepResult, MathCheck]]) -> None:
-    """Every workload's step computes the same function as the step before (within its tolerance)."""
+    """Every workload's step computes the same function as the step before (within its tolerance):
+    each step that ran was compared with an earlier step's curve (only the baseline has none), over
+    all its check losses, all finite."""
+    assert measured, "nothing measured: give at least one workload"
     failed = [str(chk) for _, chk in measured.values() if not chk.ok]
     assert not failed, "math changed: " + "; ".join(failed)
-    bad = [f"{w}: {r.reason}" for w, (r, _) in measured.items() if r.status == "nonfinite"]
-    assert not bad, "non-finite loss: " + "; ".join(bad)
+    bad = [f"{w}: {r.status}: {r.reason}" for w, (r, _) in measured.items() if r.status not in ("ok", "skipped", "n/a")]
+    assert not bad, "; ".join(bad)
+    for w, (r, chk) in measured.items():
+        if r.status != "ok":
+            continue
+        assert len(r.check_losses) == r.check_steps and all(math.isfinite(v) for v in r.losses), f"{w}: {r.losses}"
+        assert chk.against is not None or r.step == STEP_NAMES[0], \
+            f"{w} {r.step}: no earlier step's curve to compare with, so its math was not checked"
 
 
 def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
@@ -144,9 +159,161 @@ def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
     return rows
 
 
-def what_we_saw(workload: str, step: str, run=None) -> str:
-    """This notebook's own step, in words built from the measured numbers."""
-    from .report.tables import step_prose
-    text = step_prose(query.ladder_rows(query.load(run), workload), workload, get_step(step).name)
+# --- the roofline's prediction, and the measurement against it -------------------------------------
+
+def _before(rows: list[dict], step: str) -> dict | None:
+    """The nearest ladder row before ``step`` with a measured time."""
+    i = STEP_NAMES.index(get_step(step).name)
+    earlier = [r for r in rows if r["throughput"] and STEP_NAMES.index(r["step"]) < i]
+    return earlier[-1] if earlier else None
+
+
+def predict(step: str, workloads: list[str], profile: str, run=None) -> dict[str, roofline.Prediction]:
+    """What the roofline says ``step`` removes for each workload, in FLOPs or bytes, and the time that
+    should save at this run's measured ceilings; printed as a table, returned for ``outcome``."""
+    ceil = query.ceilings(run)
+    recs = query.load(run)
+    out = {}
+    for w in workloads:
+        prev = _before(query.ladder_rows(recs, w), step)
+        out[w] = roofline.predict(w, step, profile, ceil, prev_ms=prev["ms_per_step"] if prev else None)
+    if ceil is None:
+        markdown("_No ceilings in this run: the predicted times need notebook 00's ceilings "
+                 "(the counts below stand without them)._")
+    table([p.to_row() for p in out.values()])
+    return out
+
+
+def outcome_rows(predicted: dict[str, roofline.Prediction], run=None) -> list[dict]:
+    """Each workload's measured saving (the step before's ms/step minus this step's) beside the
+    prediction."""
+    recs = query.load(run)
+    rows = []
+    for w, p in predicted.items():
+        lrows = query.ladder_rows(recs, w)
+        me = next((r for r in lrows if r["step"] == p.step), None)
+        prev = _before(lrows, p.step)
+        saved = prev["ms_per_step"] - me["ms_per_step"] if (me and prev and me["ms_per_step"] is not None) else None
+        rows.append({"workload": w, "kind": p.kind, "against": prev["step"] if prev else None,
+                     "predicted saving (ms)": p.saved_ms, "measured saving (ms)": saved,
+                     "measured / predicted": saved / p.saved_ms if (saved is not None and p.saved_ms) else None,
+                     "status": me["status"] if me else "not measured"})
+    return rows
+
+
+def outcome(predicted: dict[str, roofline.Prediction], run=None) -> list[dict]:
+    """``outcome_rows`` as a table; returns the rows."""
+    rows = outcome_rows(predicted, run)
+    table(rows)
+    return rows
+
+
+def prediction_prose(p: roofline.Prediction, row: dict | None) -> str:
+    """One sentence: the prediction against the measurement, from the numbers."""
+    if p.kind == "n/a":
+        return ""
+    if p.saved_ms is None:
+        return f"The roofline predicted no time for this change ({p.missing or p.basis})."
+    saved = row and row.get("measured saving (ms)")
+    said = (f"The roofline {'allowed at most' if p.kind == 'bound' else 'predicted'} {p.saved_ms:.3g} ms "
+            f"saved per step ({p.basis})")
+    if saved is None:
+        return said + "; nothing was measured to compare with."
+    return said + f"; the measurement saved {saved:.3g} ms against {row['against']}."
+
+
+def what_we_saw(workload: str, step: str | None = None, run=None, predicted: dict | None = None) -> str:
+    """This notebook's own ``step``, in words built from the measured numbers (with the roofline's
+    prediction beside it when ``predicted`` is given); the whole ladder when ``step`` is None."""
+    from .report.tables import step_prose, what_we_saw as ladder_prose
+    rows = query.ladder_rows(query.load(run), workload)
+    if step is None:
+        text = ladder_prose(rows, workload)
+    else:
+        text = step_prose(rows, workload, get_step(step).name)
+        if predicted and workload in predicted:
+            p = predicted[workload]
+            text = (text + " " + prediction_prose(p, outcome_rows({workload: p}, run)[0])).strip()
+    markdown("**What we saw.** " + text)
+    return text
+
+
+# --- side measurements and ceilings, recorded by the conventions (x-values in fields) --------------
+
+def record_value(metric: str, value, unit: str, *, notebook: str, workload: str | None, step: str | None,
+                 fields: dict, profile: str, run=None, params: dict | None = None, device="auto",
+                 p20=None, p80=None) -> dict:
+    """Record one side measurement; its x-values go in ``fields``, never in the metric's name."""
+    rec = results.make_record(notebook=notebook, workload=workload, step=step, metric=metric, value=value,
+                              p20=p20, p80=p80, unit=unit, profile=profile, fields=fields, params=params,
+                              device=device)
+    results.append(rec, run)
+    return rec
+
+
+def record_time(timing, *, metric: str, **kw) -> dict:
+    """``record_value`` of a time: a ``bench.Timing``, or a row with ``ms``, ``p20_ms`` and ``p80_ms``."""
+    med, p20, p80 = ((timing.median_ms, timing.p20_ms, timing.p80_ms) if hasattr(timing, "median_ms")
+                     else (timing["ms"], timing["p20_ms"], timing["p80_ms"]))
+    return record_value(metric, med, "ms", p20=p20, p80=p80, **kw)
+
+
+def record_ceilings(ceil: dict, *, notebook: str, profile: str, run=None) -> list[dict]:
+    """``copy_gbps`` and ``matmul_tflops`` (fields {"dtype"}) of measured ceilings, appended to the run."""
+    dev = ceil.get("kind", "auto")
+    recs = [results.make_record(notebook=notebook, workload=None, step=None, metric="copy_gbps",
+                                value=ceil["copy_gbps"], unit="GB/s", profile=profile, device=dev,
+                                params={"bytes": ceil.get("copy_bytes")})]
+    for dt in ("bf16", "tf32", "fp32"):
+        v, why = ceil["matmul_tflops"].get(dt), ceil.get("skipped", {}).get(dt)
+        recs.append(results.make_record(notebook=notebook, workload=None, step=None, metric="matmul_tflops",
+                                        value=v, unit="TFLOP/s", profile=profile, device=dev,
+                                        fields={"dtype": dt}, status="ok" if v is not None else "skipped",
+                                        reason=why, params={"n": ceil.get("matmul_n")}))
+    results.append(recs, run)
+    return recs
+
+
+def show_ceilings(ceil: dict, device: str = "auto") -> list[dict]:
+    """Measured ceilings beside the datasheet figures of this device, as a table and a figure."""
+    di = info(device)
+    sheet = datasheet(di)
+    rows = [{"ceiling": "device copy", "measured": ceil["copy_gbps"], "datasheet": sheet and sheet["copy_gbps"],
+             "unit": "GB/s"}]
+    for dt in ("bf16", "tf32", "fp32"):
+        rows.append({"ceiling": f"matmul {dt}", "measured": ceil["matmul_tflops"].get(dt),
+                     "datasheet": sheet and sheet["matmul_tflops"][dt], "unit": "TFLOP/s"})
+    for r in rows:
+        r["measured / datasheet"] = r["measured"] / r["datasheet"] if (r["measured"] and r["datasheet"]) else None
+    table(rows, ["ceiling", "measured", "datasheet", "measured / datasheet", "unit"])
+    print("datasheet source:", sheet["source"] if sheet else f"none on file for {di.name}")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
+    for a, part, unit in ((ax[0], [r for r in rows[1:] if r["measured"]], "TFLOP/s"), (ax[1], rows[:1], "GB/s")):
+        a.bar([r["ceiling"] for r in part], [r["measured"] for r in part], label="measured")
+        if sheet:
+            a.scatter([r["ceiling"] for r in part], [r["datasheet"] or 0 for r in part], color="k", marker="_",
+                      s=400, label="datasheet (dense)")
+        a.set_ylabel(unit)
+        a.legend()
+    ax[0].set_title(f"matmul, {di.name}", fontsize=10)
+    ax[1].set_title("memory", fontsize=10)
+    fig.tight_layout()
+    plt.show()
+    return rows
+
+
+def ceilings_prose(ceil: dict, device: str = "auto") -> str:
+    """What notebook 00 saw, from the measured ceilings."""
+    di = info(device)
+    sheet = datasheet(di)
+    mm = ceil["matmul_tflops"]
+    text = (f"{di.name}: the measured device copy reached {ceil['copy_gbps']:,.0f} GB/s"
+            + (f" ({ceil['copy_gbps'] / sheet['copy_gbps']:.0%} of the datasheet figure)" if sheet else "")
+            + "; matmul " + ", ".join(f"{dt} {v:,.1f} TFLOP/s" for dt, v in mm.items())
+            + (f". bf16 runs {mm['bf16'] / mm['fp32']:.1f}x fp32 on this device" if mm.get("bf16") and mm.get("fp32")
+               else "")
+            + ". MFU in every later notebook is model TFLOP/s over the measured 16-bit figure; the roofline "
+              "predictions divide by these ceilings.")
     markdown("**What we saw.** " + text)
     return text

@@ -156,6 +156,8 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         if ms.get("measurement"):   # only metrics of the same measurement as the newest step time
             m = {k: v for k, v in m.items() if v.get("measurement") in (None, ms["measurement"])}
         status = ms.get("status", "ok")
+        if status == "ok" and ms.get("contended"):   # timed beside another GPU process: never a clean ok
+            status = "contended"
         check = m.get("same_math_max_rel")
         if check and check.get("status") == "failed":
             status = "math changed"

@@ -3,11 +3,13 @@
 A run lives in ``outputs/<run>/``. ``results.jsonl`` gets one JSON object per line, each line
 written by a single ``write`` on an ``O_APPEND`` descriptor under an exclusive lock, then fsynced:
 concurrent writers cannot interleave, and a crash can at worst leave a last line without its
-newline, which ``load`` reports and skips. Whole files (JSON, tables) are written to a temporary
-file and renamed over the target, so readers see the old or the new file, never a mix.
+newline, which the reader (``hwlib.query``) reports and skips. Whole files (JSON, tables) are
+written to a temporary file and renamed over the target, so readers see the old or the new file,
+never a mix.
 
 A record that is measured again (a notebook re-run) supersedes the earlier one with the same key
-(notebook, workload, step, metric) when loaded; the file itself keeps both.
+(``record_key``: notebook, workload, step, metric and the measurement's fields) when read; the file
+itself keeps both.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import json
 import math
 import os
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -163,38 +166,32 @@ def append(records: list[dict] | dict, run: str | os.PathLike | None = None) -> 
     return path
 
 
-def load(run: str | os.PathLike | None = None, *, latest_only: bool = True) -> list[dict]:
-    """Records of a run; with ``latest_only`` a re-measured key keeps only its newest record."""
-    path = run_dir(run) / "results.jsonl"
-    if not path.exists():
-        return []
-    recs, torn = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                torn += 1
-    if torn:
-        warnings.warn(f"{path}: skipped {torn} torn line(s) left by an interrupted writer", stacklevel=2)
-    if not latest_only:
-        return recs
-    latest: dict = {}
-    for r in recs:
-        latest[tuple(r.get(k) for k in KEY)] = r
-    return list(latest.values())
+def _umask() -> int:
+    try:   # read, not set: setting it to read it back would race other threads creating files
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write a whole file so that readers see the old or the new content, never a mix."""
+    """Write a whole file so that readers see the old or the new content, never a mix. The file
+    keeps its mode (a new one gets the usual mode under the umask, not the temporary file's 600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "wb" if isinstance(data, bytes) else "w"
+    try:
+        perm = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        perm = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, perm)
         with os.fdopen(fd, mode) as f:
             f.write(data)
             f.flush()
@@ -209,11 +206,3 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
 
 def write_json(path: str | os.PathLike, obj) -> Path:
     return write_atomic(path, json.dumps(_clean(obj), indent=1, sort_keys=False, allow_nan=False) + "\n")
-
-
-def read_json(path: str | os.PathLike, default=None):
-    path = Path(path)
-    if not path.exists():
-        return default
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hwlib.seeds.audit
-from hwlib import results
+from hwlib import query, results
+from hwlib.seeds import lookup
 from hwlib.seeds.audit import audit, closest_workload
 from hwlib.steps import Settings
 from hwlib.precision import tf32_mode
@@ -58,8 +59,8 @@ def test_toy_conv_attention_statuses():
 
 
 def _peak(recs, workload, technique):
-    return next(r["value"] for r in recs if r["workload"] == workload and r["step"] == f"memory: {technique}"
-                and r["metric"] == "peak_alloc_gib")
+    (r,) = query.select(recs, workload=workload, metric="peak_alloc_gib", technique=technique)
+    return r["value"]
 
 
 def test_gains_come_from_the_reference_run():
@@ -73,7 +74,7 @@ def test_gains_come_from_the_reference_run():
     assert fused.gain == pytest.approx(steps["05_fused_optimizer"]["throughput"]
                                        / steps["04_sdpa_attention"]["throughput"], rel=1e-9)
     assert "05_fused_optimizer vs 04_sdpa_attention" in fused.gain_text and "H100" in fused.gain_text
-    recs = results.load(REF)
+    recs = lookup.load_records(REF)
     assert rep.row("activation checkpointing").gain == pytest.approx(
         1 - _peak(recs, "vit_bdh", "bf16 + checkpointing(blocks)") / _peak(recs, "vit_bdh", "bf16"))
     graphs = rep.row("CUDA graphs")
@@ -84,10 +85,10 @@ def test_gains_come_from_the_reference_run():
 def test_a_missing_workload_is_stood_in_for_and_said(tmp_path):
     if not (REF / "results.jsonl").exists():
         pytest.skip("no H100 reference run in this checkout")
-    only_gpt = [r for r in results.load(REF) if r.get("workload") == "gpt"]
-    results.append(only_gpt, tmp_path)
+    only_gpt = [r for r in lookup.load_records(REF) if r.get("workload") == "gpt"]
+    results.append(only_gpt, tmp_path / "gpt_only")
     m = ConvAttention()
-    rep = audit(m, torch.optim.AdamW(m.parameters(), fused=True), run=tmp_path)
+    rep = audit(m, torch.optim.AdamW(m.parameters(), fused=True), run=tmp_path / "gpt_only")
     assert rep.workload == "gpt" and "stand in" in rep.workload_reason    # vit_bdh is not in that run
     assert rep.row("channels_last").gain is None and "n/a for gpt" in rep.row("channels_last").gain_text
 

@@ -1,5 +1,7 @@
 """BK-Core: every backend against the float64 dense inverse, exact gradients, long-N stability, the
-bad-input paths, the CUDA loader's error and lock handling, and the .cu file through nvcc.
+bad-input paths (at the working precision), backend selection, the CUDA loader's error and lock
+handling, the C ABI (one header, checked against the .cu and both bindings), and the .cu file through
+nvcc.
 
 Triton runs compiled on CUDA tensors where a GPU is visible, else interpreted on CPU tensors
 (conftest.py sets TRITON_INTERPRET=1 on machines without a GPU, before triton is first imported).
@@ -14,7 +16,9 @@ import ctypes
 import os
 import shutil
 import subprocess
+import socket
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -25,9 +29,10 @@ import torch
 
 from hwlib.ops import build as hcuda
 from hwlib.device import ChoiceError, Unavailable
-from hwlib.ops import (available_backends, bk_core, resolvent_diagonal, resolvent_diagonal_dense,
-                       resolvent_diagonal_theta_phi, select_backend)
-from hwlib.ops import bk_reference, bk_scan
+from hwlib.ops import (KernelError, available_backends, bk_core, resolvent_diagonal, resolvent_diagonal_dense,
+                       resolvent_diagonal_theta_phi, select_backend, working_range)
+from hwlib.ops import bk_cuda, bk_reference, bk_scan
+from hwlib.paths import KERNELS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = torch.cuda.is_available()
@@ -450,34 +455,80 @@ def test_auto_falls_back_with_a_warning_when_cuda_is_unavailable(cpu_only):
     with pytest.warns(RuntimeWarning) as rec:
         assert select_backend("auto", "cuda") == "torch"
     said = [str(w.message) for w in rec]
-    assert any("backend 'cuda' unavailable" in m for m in said), said
-    assert any("backend 'triton' unavailable" in m for m in said), said
+    assert any("fell back from 'cuda' to 'torch'" in m and "CPU build" in m for m in said), said
+    assert any("fell back from 'triton' to 'torch'" in m for m in said), said
     assert available_backends("cpu")["cuda"] is not None and available_backends("cpu")["torch"] is None
 
 
-def test_auto_falls_back_when_a_kernel_fails_at_launch(monkeypatch):
-    """A backend that builds but fails on its first launch: warned, remembered, result still right."""
+@pytest.fixture
+def triton_first_on_cpu(monkeypatch):
+    """auto's CPU order with a kernel backend first, and a fresh resolution."""
     monkeypatch.setitem(bk_core._AUTO_ORDER, "cpu", ("triton", "torch"))
-    monkeypatch.setattr(bk_core, "_BROKEN", {})
+    bk_core._auto_choice.cache_clear()
+    yield
+    bk_core._auto_choice.cache_clear()
 
-    def check(name, device):     # triton "builds" here; only the launch fails
-        if (name, device.type) in bk_core._BROKEN:
-            raise Unavailable(bk_core._BROKEN[(name, device.type)])
+
+def test_auto_resolves_once_up_front(monkeypatch, triton_first_on_cpu):
+    """auto checks its backends once, before the first launch, and keeps its answer; a backend it
+    passes over is named, with the reason, in a warning at every resolution to another."""
+    checks = []
+
+    def check(name, device):
+        checks.append(name)
+        if name == "triton":
+            raise Unavailable("simulated: no compiler")
     monkeypatch.setattr(bk_core, "_check_backend", check)
-    real = bk_core._forward
+    a, b, c = _ok(n=7, batch=(3,))
+    for _ in range(3):
+        with pytest.warns(RuntimeWarning, match="fell back from 'triton' to 'torch' on cpu tensors: simulated: no compiler"):
+            g = resolvent_diagonal(a, b, c, 0.5j)
+        assert rel_err(g, resolvent_diagonal_dense(a, b, c, 0.5j)) < 1e-12
+    assert checks == ["triton", "torch"], checks        # resolved once, not per call
 
-    def failing(name, *args):
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_kernel_that_fails_at_launch_raises_naming_the_backend(monkeypatch, triton_first_on_cpu, where):
+    """No catch-all: a selected kernel's failure raises KernelError naming it, on every call, and no
+    torch row is computed in its place."""
+    monkeypatch.setattr(bk_core, "_check_backend", lambda name, device: None)   # triton "builds" here
+    ran = []
+    real_f, real_b = bk_core._forward, bk_core._backward
+
+    def forward(name, *args):
+        ran.append(("forward", name))
+        if name == "triton" and where == "forward":
+            raise RuntimeError("simulated launch failure")
+        return real_f("torch", *args)
+
+    def backward(name, *args):
+        ran.append(("backward", name))
         if name == "triton":
             raise RuntimeError("simulated launch failure")
-        return real(name, *args)
-    monkeypatch.setattr(bk_core, "_forward", failing)
-    a, b, c = _ok()
-    with pytest.warns(RuntimeWarning) as rec:
-        g = resolvent_diagonal(a, b, c, 1j)
-    said = [str(w.message) for w in rec]
-    assert len(said) == 1 and "backend 'triton' failed (RuntimeError: simulated launch failure)" in said[0], said
-    assert rel_err(g, resolvent_diagonal_dense(a, b, c, 1j)) < 1e-12
-    assert ("triton", "cpu") in bk_core._BROKEN
+        return real_b(name, *args)
+    monkeypatch.setattr(bk_core, "_forward", forward)
+    monkeypatch.setattr(bk_core, "_backward", backward)
+    a, b, c = (x.requires_grad_() for x in _ok(n=9, batch=(2,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # and no fallback warning either
+        for _ in range(2):
+            with pytest.raises(KernelError, match=f"backend 'triton' failed in the {where} "
+                                                  r"\(RuntimeError: simulated launch failure\)"):
+                resolvent_diagonal(a, b, c, 1j).real.sum().backward()
+    assert all(name == "triton" for _, name in ran), ran
+    assert not hasattr(bk_core, "_BROKEN") and not hasattr(bk_core, "_READY")
+
+
+def test_out_of_memory_in_a_kernel_stays_itself(monkeypatch, triton_first_on_cpu):
+    """Callers that handle OOM (the memory tools) still see torch.OutOfMemoryError, with the backend noted."""
+    monkeypatch.setattr(bk_core, "_check_backend", lambda name, device: None)
+
+    def forward(name, *args):
+        raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(bk_core, "_forward", forward)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        resolvent_diagonal(*_ok(), 1j)
+    assert any("backend 'triton'" in n for n in getattr(e.value, "__notes__", [])), e.value
 
 
 # --- the load_inline loader on a machine without CUDA ----------------------------------------------
@@ -497,43 +548,131 @@ def test_extensions_dir_default_and_override(monkeypatch, tmp_path):
     assert hcuda.extensions_dir() == tmp_path
 
 
-def _lock(folder: Path, age_s: float, owner: str | None):
+HOST = socket.gethostname()
+
+
+def _owner(folder: Path, text: str | None, age_s: float = 0.0, torch_lock: bool = True) -> Path:
+    """A build folder as a builder leaves it: its owner file ("pid host") and torch's ``lock``."""
     folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / "lock"
-    lock.write_text("")
-    t = time.time() - age_s
-    os.utime(lock, (t, t))
-    if owner is not None:
-        (folder / hcuda._OWNER).write_text(owner)
-    return lock
+    owner = folder / hcuda._OWNER
+    if text is not None:
+        owner.write_text(text)
+        t = time.time() - age_s
+        os.utime(owner, (t, t))
+    if torch_lock:
+        (folder / "lock").write_text("")
+    return owner
 
 
-def test_stale_lock_handling(tmp_path):
-    import socket
-    host = socket.gethostname()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    cases = [  # (age, owner, removed?)
-        (10, None, False),                          # fresh, owner unknown: maybe a build right now
-        (3600, None, True),                         # old, owner unknown: killed long ago
-        (10, f"{dead.pid} {host}", True),           # owner process gone
-        (3600, f"{os.getppid()} {host}", False),    # owner alive: a slow build, leave it
-        (10, f"{os.getpid()} {host}", True),        # ourselves, not building: an interrupted build
+@pytest.fixture
+def dead_pid():
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_owner_state(tmp_path, dead_pid):
+    cases = [  # (owner text, age, stale?)
+        (None, 0, False),                               # nobody holds it
+        (f"{dead_pid} {HOST}", 0, True),                # owner process gone
+        (f"{os.getppid()} {HOST}", 3600, False),        # owner alive here: a slow build, never cleared
+        (f"{os.getpid()} {HOST}", 0, True),             # ourselves, not building: an interrupted build
+        ("123 another-host", 10, False),                # another host, refreshed recently
+        ("123 another-host", 3600, True),               # another host, no refresh for an hour
+        ("", 10, False),                                # unreadable owner: judged by its age
+        ("garbage", 3600, True),
     ]
-    for i, (age, owner, removed) in enumerate(cases):
-        lock = _lock(tmp_path / str(i), age, owner)
-        if removed:
-            with pytest.warns(RuntimeWarning, match="stale build lock"):
-                assert hcuda.clear_stale_lock(lock.parent, max_age_s=300)
-        else:
-            assert not hcuda.clear_stale_lock(lock.parent, max_age_s=300)
-        assert lock.exists() != removed, (age, owner)
-    assert not hcuda.clear_stale_lock(tmp_path / "none")
+    for i, (text, age, stale) in enumerate(cases):
+        _owner(tmp_path / str(i), text, age)
+        who, why = hcuda.owner_state(tmp_path / str(i), stale_s=300)
+        assert (why is not None) == stale, (text, age, who, why)
+
+
+def test_a_dead_owner_is_cleared_and_the_waiter_builds(tmp_path, dead_pid):
+    owner = _owner(tmp_path, f"{dead_pid} {HOST}")
+    with pytest.warns(RuntimeWarning) as rec:
+        got = hcuda.acquire_build_lock(tmp_path, wait_s=5, poll_s=0.01)
+    said = " | ".join(str(w.message) for w in rec)
+    assert "stale build lock" in said and f"process {dead_pid}" in said and "torch's build lock" in said, said
+    assert got == owner and owner.read_text() == f"{os.getpid()} {HOST}"
+    assert not (tmp_path / "lock").exists()            # torch's lock of the killed build went with it
+
+
+def test_a_waiter_never_overwrites_a_live_owner_and_its_wait_is_bounded(tmp_path, monkeypatch):
+    """A live but stuck owner: the waiter leaves its file alone and gives up after the bound, with
+    an error naming the lock and how to clear it (the bound from the argument, else the variable)."""
+    text = f"{os.getppid()} {HOST}"
+    owner = _owner(tmp_path, text)
+    before = owner.stat()
+    for how in ("argument", "env"):
+        monkeypatch.setenv("HWLIB_BUILD_WAIT_S", "0.3")
+        t0 = time.monotonic()
+        with pytest.raises(hcuda.BuildLockTimeout) as e:
+            hcuda.acquire_build_lock(tmp_path, wait_s=0.3 if how == "argument" else None, poll_s=0.05)
+        assert 0.25 <= time.monotonic() - t0 < 5
+        msg = str(e.value)
+        assert str(owner) in msg and "delete" in msg and "HWLIB_BUILD_WAIT_S" in msg and text in msg, msg
+        assert owner.read_text() == text and owner.stat().st_ino == before.st_ino   # untouched
+        assert isinstance(e.value, Unavailable)        # auto passes over the backend, visibly
+    assert (tmp_path / "lock").exists()
+
+
+def test_a_waiter_rechecks_staleness_while_waiting(tmp_path):
+    """The owner dies while another process waits: the waiter clears it then, not only on entry."""
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _owner(tmp_path, f"{builder.pid} {HOST}")
+        threading.Timer(0.5, lambda: (builder.kill(), builder.wait())).start()   # reaped: no zombie
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="stale build lock"):
+            hcuda.acquire_build_lock(tmp_path, wait_s=20, poll_s=0.05)
+        assert time.monotonic() - t0 < 10
+    finally:
+        builder.kill()
+        builder.wait()
+    assert (tmp_path / hcuda._OWNER).read_text() == f"{os.getpid()} {HOST}"
+
+
+def test_the_builder_refreshes_its_lock_and_releases_it(tmp_path):
+    owner = hcuda.acquire_build_lock(tmp_path, wait_s=1)
+    os.utime(owner, (time.time() - 100, time.time() - 100))
+    with hcuda._Heartbeat(owner, 0.05):
+        time.sleep(0.3)
+        assert time.time() - owner.stat().st_mtime < 5
+    assert not owner.exists()
+
+
+BUILDER = r"""
+import sys, time
+from hwlib.ops import build
+build.acquire_build_lock(sys.argv[1], wait_s=30, poll_s=0.02)
+print(time.time(), flush=True)
+time.sleep(0.4)
+print(time.time(), flush=True)
+(build.Path(sys.argv[1]) / build._OWNER).unlink()
+"""
+
+
+def test_two_processes_build_one_at_a_time(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    spans = sorted(tuple(map(float, p.communicate(timeout=120)[0].split())) for p in procs)
+    assert all(p.returncode == 0 for p in procs)
+    assert len(spans) == 2 and spans[0][1] <= spans[1][0], spans     # the second started after the first ended
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_build_wait_must_be_a_number(monkeypatch, value):
+    monkeypatch.setenv("HWLIB_BUILD_WAIT_S", value)
+    with pytest.raises(ValueError, match="HWLIB_BUILD_WAIT_S"):
+        hcuda.build_wait_s()
+    assert hcuda.build_wait_s(2) == 2.0
 
 
 # --- the .cu sources through plain nvcc ------------------------------------------------------------
 
-CU_FILES = sorted((ROOT / "kernels").glob("*.cu"))
+CU_FILES = sorted(KERNELS_DIR.glob("*.cu"))
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -547,23 +686,15 @@ def test_cu_compiles_with_plain_nvcc(cu, tmp_path):
 
 @pytest.fixture(scope="module")
 def bk_host_lib(tmp_path_factory):
-    """kernels/bk_core.cu as a shared library: its host path runs the device code's block logic."""
+    """hwlib/kernels/bk_core.cu as a shared library: its host path runs the device code's block
+    logic. Its launchers are declared to ctypes from bk_core.h (``bk_cuda.bind_ctypes``)."""
     if NVCC is None:
         pytest.skip("nvcc not on PATH")
     so = tmp_path_factory.mktemp("bk") / "libbk_core.so"
-    r = subprocess.run([NVCC, "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC,-O2", str(ROOT / "kernels" / "bk_core.cu"),
+    r = subprocess.run([NVCC, "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC,-O2", str(KERNELS_DIR / "bk_core.cu"),
                         "-o", str(so)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    lib = ctypes.CDLL(str(so))
-    lib.bk_core_workspace_elems.restype = ctypes.c_longlong
-    lib.bk_core_workspace_elems.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
-    lib.bk_core_tile_positions.argtypes = [ctypes.c_int, ctypes.c_int]
-    for sfx in ("f32", "f64"):
-        getattr(lib, f"bk_core_forward_host_{sfx}").argtypes = \
-            [ctypes.c_void_p] * 5 + [ctypes.c_longlong] * 2 + [ctypes.c_double] * 2
-        getattr(lib, f"bk_core_backward_host_{sfx}").argtypes = \
-            [ctypes.c_void_p] * 8 + [ctypes.c_longlong] * 2 + [ctypes.c_double] * 2
-    return lib
+    return bk_cuda.bind_ctypes(ctypes.CDLL(str(so)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -598,12 +729,183 @@ def test_cu_block_logic_on_host(bk_host_lib, dtype):
                 assert rel_err(got, want) < 10 * TOL[dtype], (B, n)
 
 
-def test_kernel_only_timing_runs_the_launcher_and_refuses_auto():
+# --- the C ABI: declared once, in bk_core.h ---------------------------------------------------------
+
+CU_TEXT = (KERNELS_DIR / "bk_core.cu").read_text()
+H_TEXT = (KERNELS_DIR / bk_cuda.HEADER).read_text()
+
+
+def abi_problems(header: str, cu: str = CU_TEXT, wrapper: str = bk_cuda.WRAPPER) -> list[str]:
+    """Where the header, the .cu's definitions and the torch binding's calls disagree."""
+    declared = bk_cuda.parse_prototypes(header)
+    defined = bk_cuda.parse_prototypes(cu, definitions=True)
+    out = [f"{n}: defined in bk_core.cu as {defined.get(n)}, declared as {declared.get(n)}"
+           for n in sorted(set(declared) | set(defined)) if declared.get(n) != defined.get(n)]
+    return out + bk_cuda.check_binding(declared, wrapper)
+
+
+def test_the_header_the_cu_and_the_binding_agree():
+    assert abi_problems(H_TEXT) == []
+    protos = bk_cuda.prototypes()
+    assert len(protos) == 11 and protos["bk_core_forward_f32"].params[-1] == "void*"
+    assert protos["bk_core_workspace_elems"].restype == "long long"
+    # one declaration: both C++ sides include the header, neither repeats it
+    assert '#include "bk_core.h"' in CU_TEXT and '#include "bk_core.h"' in bk_cuda.BINDING
+    assert 'extern "C"' not in bk_cuda.BINDING
+    for proto in protos.values():           # and ctypes reads the same declarations
+        restype, argtypes = bk_cuda.ctypes_signature(proto)
+        assert len(argtypes) == len(proto.params)
+    assert "torch/" not in H_TEXT and "cuda_runtime" not in H_TEXT     # includable from plain C++
+
+
+ALTERED = {  # what a drifted copy looks like -> what the check must say
+    "a parameter dropped": (("long long N, double zr, double zi, void* stream);\nint bk_core_forward_f64",
+                             "long long N, double zr, double zi);\nint bk_core_forward_f64"),
+                            "bk_core_forward_f32: called with 10 arguments, bk_core.h declares 9"),
+    "a type changed": (("int bk_core_backward_f64(const double* a", "int bk_core_backward_f64(const float* a"),
+                       "bk_core_backward_f64: defined in bk_core.cu as"),
+    "a launcher renamed": (("const char* bk_core_error_string(int code);", "const char* bk_core_error_text(int code);"),
+                           "bk_core_error_string: called by the binding, not declared"),
+    "a host launcher gone": (("int bk_core_forward_host_f64(", "int bk_core_forward_host_f64_(", ),
+                             "bk_core_forward_host_f64: defined in bk_core.cu as"),
+}
+
+
+@pytest.mark.parametrize("how", ALTERED)
+def test_a_drifted_header_copy_fails_the_check(how):
+    (old, new), says = ALTERED[how]
+    assert old in H_TEXT
+    problems = abi_problems(H_TEXT.replace(old, new, 1))
+    assert any(says in p for p in problems), problems
+
+
+def test_a_binding_call_with_the_wrong_arguments_fails_the_check():
+    wrapper = bk_cuda.WRAPPER.replace("ws.data_ptr<double>(), B, N, zr, zi, stream)\n      : bk_core_backward_f32",
+                                      "ws.data_ptr<double>(), B, N, zr, stream)\n      : bk_core_backward_f32", 1)
+    assert wrapper != bk_cuda.WRAPPER
+    assert any("bk_core_backward_f64: called with 12 arguments, bk_core.h declares 13" in p
+               for p in abi_problems(H_TEXT, wrapper=wrapper))
+
+
+def test_the_cuda_backend_refuses_to_build_a_drifted_binding(monkeypatch):
+    drifted = bk_cuda.parse_prototypes(H_TEXT.replace("double zr, double zi, void* stream);\nint bk_core_forward_f64",
+                                                      "double zr, void* stream);\nint bk_core_forward_f64", 1))
+    monkeypatch.setattr(bk_cuda, "prototypes", lambda: drifted)
+    monkeypatch.setattr(bk_cuda, "_MODULE", None)
+    with pytest.raises(RuntimeError, match="disagrees with bk_core.h: bk_core_forward_f32: called with 10"):
+        bk_cuda.module()
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_nvcc_refuses_a_cu_that_differs_from_its_header(tmp_path):
+    shutil.copy(KERNELS_DIR / "bk_core.cu", tmp_path)
+    (tmp_path / "bk_core.h").write_text(H_TEXT.replace("long long B, long long N, double zr, double zi, void* stream);\n"
+                                                       "int bk_core_forward_f64",
+                                                       "long long B, int N, double zr, double zi, void* stream);\n"
+                                                       "int bk_core_forward_f64", 1))
+    r = subprocess.run([NVCC, "-arch=sm_90", "-c", str(tmp_path / "bk_core.cu"), "-o", str(tmp_path / "k.o")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "bk_core_forward_f32" in r.stderr, r.stderr[-2000:]
+
+
+# --- input checks at the working precision ------------------------------------------------------------
+
+def test_an_im_z_float32_cannot_carry_is_refused_and_float64_is_exact():
+    a, b, c, re = make((3,), 7, key=("tiny z",))
+    z = complex(re, 1e-50)
+    for check in (True, False):             # needs no read of the tensors: checked even without check_finite
+        with pytest.raises(ValueError, match=r"z: \|Im z\| = 1e-50 is below 4\.3\de-19.*float32.*float64"):
+            resolvent_diagonal(a.float(), b.float(), c.float(), z, check_finite=check)
+    ref = resolvent_diagonal_dense(a, b, c, z)
+    for backend in ("torch_loop", "torch"):
+        g = resolvent_diagonal(a, b, c, z, backend=backend)
+        assert g.isfinite().all() and rel_err(g, ref) < 1e-9, backend
+    z = complex(re, 1e-15)                  # small, but inside float32's range: computed, and right
+    g = resolvent_diagonal(a.float(), b.float(), c.float(), z, backend="torch")
+    assert rel_err(g, resolvent_diagonal_dense(a, b, c, z)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("what, mutate, says", [
+    ("off-diagonals", lambda a, b, c: (a, b * 0 + 1e20, c * 0 + 1e20), r"upper, lower: max\|upper \* lower\| = 1e\+40"),
+    ("diagonal", lambda a, b, c: (a * 0 + 1e20, b, c), r"diag: max\|diag\| = 1e\+20"),
+])
+def test_a_scale_float32_cannot_carry_is_refused_and_float64_is_exact(what, mutate, says):
+    """Finite inputs whose squares leave float32's range: the kernels would return NaN (or zeros)
+    where the dense inverse is finite; the op raises instead, naming the argument and the limit."""
+    a, b, c = mutate(*make((2,), 13, key=("huge", what))[:3])
+    a32, b32, c32 = (x.float() for x in (a, b, c))
+    assert not bk_scan.forward_scan(a32, b32, c32, 1j).isfinite().all() or what == "diagonal"
+    with pytest.raises(ValueError, match=says + r".*float32 carries .* <= 4\.61e\+18.*float64"):
+        resolvent_diagonal(a32, b32, c32, 1j)
+    ref = resolvent_diagonal_dense(a, b, c, 1j)
+    for backend in ("torch_loop", "torch"):
+        g = resolvent_diagonal(a, b, c, 1j, backend=backend)
+        assert g.isfinite().all() and rel_err(g, ref) < 1e-9, backend
+
+
+def test_a_large_z_is_refused_in_float32():
+    with pytest.raises(ValueError, match=r"z: \|z\| = 1e\+20"):
+        resolvent_diagonal(*(x.float() for x in _ok()), 1e20 + 1j)
+
+
+def test_scales_inside_float32s_range_are_computed_by_every_backend(triton_device):
+    """Couplings of 1e18 (|w|^2 near 1e36) still pass, and every backend stays accurate there."""
+    a, b, _, re = make((3,), 7, key=("big k",))
+    big = torch.full_like(b, 1e9)
+    ref = resolvent_diagonal_dense(a, big, big, 1j)
+    for backend in ("torch_loop", "torch", "triton"):
+        x = [t.float().to(triton_device if backend == "triton" else "cpu") for t in (a, big, big)]
+        g = resolvent_diagonal(*x, 1j, backend=backend)
+        assert rel_err(g.cpu(), ref) < TOL[torch.float32], backend
+    lo, hi = working_range(torch.float32)
+    assert 1e-19 < lo < 1e-18 and 1e18 < hi < 1e19
+    assert working_range(torch.float64)[0] < 1e-150
+
+
+# --- the study's timings: of the right result, and of the calls they say ----------------------------
+
+def test_timing_checks_what_it_timed_and_counts_its_calls(monkeypatch):
     from hwlib.studies import bk_core as bk_study
-    for d in ("forward", "forward+backward"):
-        t = bk_study.time_backend("torch", 4, 16, "cpu", direction=d, iters=2, warmup=1, kernel_only=True)
-        assert t.median_ms > 0 and t.n == 2
+    real_f, real_b = bk_core._forward, bk_core._backward
+    calls = []
+    monkeypatch.setattr(bk_core, "_forward", lambda name, *a: calls.append(name) or real_f(name, *a))
+    for d in bk_study.DIRECTIONS:
+        for kernel_only in (False, True):
+            calls.clear()
+            t = bk_study.time_backend("torch", 5, 17, "cpu", direction=d, iters=3, warmup=2, group=2,
+                                      kernel_only=kernel_only)
+            assert t.n == 3 and len(t.samples_ms) == 3 and 0 < t.p20_ms <= t.median_ms <= t.p80_ms
+            assert calls == ["torch"] * ((2 + 3) * 2 + 1), (d, kernel_only, calls)  # warm-up, timed, the check
+    monkeypatch.setattr(bk_core, "_forward", lambda name, *a: real_f(name, *a) * 1.01)     # 1% wrong
+    for kernel_only in (False, True):
+        with pytest.raises(RuntimeError, match="'torch' \\(forward\\) differs from the float64 reference"):
+            bk_study.time_backend("torch", 5, 17, "cpu", iters=1, warmup=0, kernel_only=kernel_only)
+    monkeypatch.setattr(bk_core, "_forward", real_f)
+    monkeypatch.setattr(bk_core, "_backward", lambda name, *a: [g * 1.01 for g in real_b(name, *a)])
+    with pytest.raises(RuntimeError, match="forward\\+backward\\) differs"):
+        bk_study.time_backend("torch", 5, 17, "cpu", direction="forward+backward", iters=1, warmup=0)
+
+
+def test_kernel_only_timing_refuses_auto_and_unknown_directions():
+    from hwlib.studies import bk_core as bk_study
     with pytest.raises(ValueError, match="kernel_only"):
         bk_study.time_backend("auto", 4, 16, "cpu", iters=1, kernel_only=True)
     with pytest.raises(ValueError, match="direction"):
         bk_study.time_backend("torch", 4, 16, "cpu", direction="sideways", iters=1, kernel_only=True)
+
+
+def test_study_records_keep_x_values_in_fields():
+    from hwlib.studies import bk_core as bk_study
+    rows = bk_study.add_share_of_copy(bk_study.speed_rows([(4, 9)], ["torch_loop", "torch"], "cpu", loop_iters=1), None)
+    recs = bk_study.speed_records(rows, profile="smoke", device="cpu")
+    assert {r["metric"] for r in recs} == {"forward_ms", "forward+backward_ms"}
+    assert sorted((r["fields"]["backend"], r["fields"]["B"], r["fields"]["N"], r["metric"]) for r in recs) == sorted(
+        (be, 4, 9, f"{d}_ms") for be in ("torch", "torch_loop") for d in bk_study.DIRECTIONS)
+    assert all(r["step"] is None and r["workload"] == "bk_core" and r["params"]["share_of_copy"] is None for r in recs)
+    first = bk_study.first_failing_records({"complex64": 123, "complex128": None}, profile="smoke", device="cpu")
+    assert [(r["metric"], r["fields"], r["value"], r["status"]) for r in first] == [
+        ("theta_phi_first_failing_N", {"dtype": "complex64"}, 123, "ok"),
+        ("theta_phi_first_failing_N", {"dtype": "complex128"}, None, "n/a")]
+    tg = bk_study.target_records(bk_study.targets(rows, 4, 9), profile="smoke", device="cpu")
+    assert [(r["metric"], r["status"]) for r in tg] == [("target", "n/a"), ("target", "failed")]   # no ceiling; loop
+    assert tg[0]["fields"] == {"target": "best forward >= 60% of copy bandwidth"}

@@ -22,6 +22,14 @@ def make_nb(path, body):
 WRITE = ('import os, json\nopen(os.path.join(os.environ["HWLIB_RUN"], "{name}.txt"), "a").write(profile + "\\n")')
 
 
+@pytest.fixture(autouse=True)
+def outputs(tmp_path, monkeypatch):
+    """Runs are named under a temporary outputs/ (run names never leave it)."""
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    monkeypatch.delenv("HWLIB_RUN", raising=False)
+    return tmp_path / "outputs"
+
+
 @pytest.fixture
 def series(tmp_path):
     d = tmp_path / "nbs"
@@ -36,12 +44,12 @@ def series(tmp_path):
 
 def reproduce(series, run, *extra):
     return cli.main(["reproduce", "--notebooks", str(series), "--run", str(run), "--profile", "smoke",
-                     "--device", "cpu", "--timeout", "25", "--quiet", *extra])
+                     "--device", "cpu", "--timeout", "12", "--quiet", *extra])
 
 
-def test_goes_on_past_failures_reports_them_and_resumes(series, tmp_path, capsys):
-    run = tmp_path / "run1"
-    assert reproduce(series, run) == 1
+def test_goes_on_past_failures_reports_them_and_resumes(series, outputs, capsys):
+    run = outputs / "run1"
+    assert reproduce(series, "run1") == 1
     err = capsys.readouterr().err
     assert "2 notebook(s) failed: 01_broken, 03_slow" in err
     state = json.loads((run / "state.json").read_text())
@@ -53,39 +61,41 @@ def test_goes_on_past_failures_reports_them_and_resumes(series, tmp_path, capsys
     # Resume: done notebooks are skipped, the failed ones and the tables notebook run again.
     (series / "03_slow.ipynb").unlink()
     make_nb(series / "01_broken.ipynb", WRITE.format(name="01"))
-    assert reproduce(series, run) == 0
+    assert reproduce(series, "run1") == 0
     assert (run / "00.txt").read_text() == "smoke\n" and (run / "99.txt").read_text() == "smoke\nsmoke\n"
     assert "done earlier" in capsys.readouterr().out
     # --force reruns what was done; --only restricts to the named notebooks.
-    assert reproduce(series, run, "--only", "00", "--force") == 0
+    assert reproduce(series, "run1", "--only", "00", "--force") == 0
     assert (run / "00.txt").read_text() == "smoke\nsmoke\n" and (run / "02.txt").read_text() == "smoke\n"
 
 
 def test_bad_arguments_are_clear_errors(series, tmp_path, capsys):
-    assert reproduce(series, tmp_path / "r", "--only", "05") == 2
+    assert reproduce(series, "r", "--only", "05") == 2
     assert "unknown notebook '05'" in capsys.readouterr().err
     assert cli.main(["reproduce", "--notebooks", str(series), "--profile", "huge"]) == 2
     assert "unknown profile 'huge'" in capsys.readouterr().err
     assert cli.main(["reproduce", "--notebooks", str(series), "--device", "tpu"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
-    assert cli.main(["reproduce", "--notebooks", str(tmp_path), "--run", str(tmp_path / "r")]) == 2
+    assert cli.main(["reproduce", "--notebooks", str(tmp_path), "--run", "r"]) == 2
     assert "no numbered notebooks" in capsys.readouterr().err
 
 
-def test_profile_of_a_run_cannot_change_silently(series, tmp_path, capsys):
-    run = tmp_path / "r2"
-    assert reproduce(series, run, "--only", "00") == 0
-    assert cli.main(["reproduce", "--notebooks", str(series), "--run", str(run), "--profile", "full",
-                     "--device", "cpu", "--only", "00"]) == 2
-    assert "made with profile 'smoke'" in capsys.readouterr().err
+def test_profile_of_a_run_cannot_change_silently(series, capsys):
+    assert reproduce(series, "r2", "--only", "00") == 0
+    for extra in ([], ["--force"]):                    # --force reruns notebooks; it never mixes profiles
+        assert cli.main(["reproduce", "--notebooks", str(series), "--run", "r2", "--profile", "full",
+                         "--device", "cpu", "--only", "00", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "made with profile 'smoke'" in err and "name a new run" in err and "--force" not in err
 
 
 def test_env_and_table_commands(tmp_path, capsys):
     assert cli.main(["env", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("device      cpu") and "precision" in out
-    assert cli.main(["table", "--run", str(tmp_path / "empty")]) == 2
+    assert cli.main(["table", "--run", "empty"]) == 2
     assert "no results.jsonl records" in capsys.readouterr().err
+    assert not (tmp_path / "outputs" / "empty").exists()        # reading a run never creates it
 
 
 def test_console_script_entry_point():
@@ -93,7 +103,7 @@ def test_console_script_entry_point():
     assert out.returncode == 0 and "reproduce" in out.stdout
 
 
-def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, capsys):
+def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, outputs, capsys):
     d = tmp_path / "nbs"
     d.mkdir()
     make_nb(d / "00_list.ipynb", 'import os\n'
@@ -101,12 +111,12 @@ def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, capsys):
     nb = nbf.read(d / "00_list.ipynb", 4)
     nb.cells[0].source += '\nworkloads = ["gpt"]'        # the notebook's own default, in its parameters cell
     nbf.write(nb, d / "00_list.ipynb")
-    run = tmp_path / "run"
-    assert reproduce(d, run, "--workloads", "vit_bdh, encoder_nli") == 0
+    run = outputs / "run"
+    assert reproduce(d, "run", "--workloads", "vit_bdh, encoder_nli") == 0
     assert (run / "w.txt").read_text() == "vit_bdh,encoder_nli"
-    assert reproduce(d, run, "--force") == 0                      # without the option: the notebook's own list
+    assert reproduce(d, "run", "--force") == 0                      # without the option: the notebook's own list
     assert (run / "w.txt").read_text() == "gpt"
-    assert reproduce(d, run, "--force", "--workloads", "vit") == 2
+    assert reproduce(d, "run", "--force", "--workloads", "vit") == 2
     assert "unknown workload 'vit'" in capsys.readouterr().err
-    assert reproduce(d, run, "--force", "--workloads", " , ") == 2
+    assert reproduce(d, "run", "--force", "--workloads", " , ") == 2
     assert "names no workload" in capsys.readouterr().err

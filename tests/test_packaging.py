@@ -1,5 +1,6 @@
 """Set-up files agree with each other, and the notebooks keep the series' skeleton."""
 
+import ast
 import json
 import re
 import tomllib
@@ -41,36 +42,145 @@ def test_ci_installs_the_cpu_torch_through_make_test():
     assert '"$(TORCH_SPEC)"' in mk   # the torch build is chosen before the package's requirements
 
 
-def test_readme_shows_the_two_commands_and_a_colab_badge_per_notebook():
+# The cumulative ladder's own notebooks: one step each, measured by the same library calls.
+LADDER_NOTEBOOKS = {s.split("_", 1)[0] for s in STEP_NAMES if s < "12"}
+COLAB = "https://colab.research.google.com/github/hwlib/hwlib/blob/main/notebooks/"
+# A number with a unit typed into prose: it would not follow the measurement.
+TYPED_NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(\.\d+)?\s*(x|×|ms|%|TFLOP|GFLOP|GB/s|GiB|MiB|s/step|samples/s|tokens/s)(?![a-zA-Z])")
+
+
+def _code(cell) -> str:
+    """A code cell's source as Python: IPython magics and shell lines become ``pass``."""
+    lines = "".join(cell["source"]).splitlines()
+    return "\n".join(l[: len(l) - len(l.lstrip())] + "pass" if l.lstrip().startswith(("%", "!")) else l
+                     for l in lines)
+
+
+def _asserts_on_measurements(tree) -> bool:
+    """An ``assert`` statement, or a call to ``nb.assert_same_math``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert):
+            return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "assert_same_math"):
+            return True
+    return False
+
+
+def _is_setup(src: str) -> bool:
+    """Imports hwlib; every install sits inside the ``if "google.colab" in sys.modules:`` block
+    and none names torch (Colab's own torch build is kept)."""
+    lines = [l for l in src.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+    gate = next((i for i, l in enumerate(lines) if re.match(r'if "google\.colab" in sys\.modules:', l)), None)
+    if gate is None or not any(re.match(r"(import hwlib|from hwlib import)", l) for l in lines):
+        return False
+    block = []
+    for l in lines[gate + 1:]:
+        if not l.startswith((" ", "\t")):
+            break
+        block.append(l)
+    installs = [l for l in lines if "pip install" in l]
+    return bool(installs) and all(l in block and not re.search(r"\btorch\b", l) for l in installs)
+
+
+def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
+    """Why a notebook breaks the series' skeleton (DESIGN.md), one line per problem; [] when it keeps it."""
+    cells, stem = nb["cells"], Path(name).stem
+    out = []
+    code = [c for c in cells if c["cell_type"] == "code"]
+    prose = [c for c in cells if c["cell_type"] == "markdown"]
+    row = next((l for l in readme.splitlines() if f"(notebooks/{name})" in l), "")
+    if f"]({COLAB}{name})" not in row or "colab-badge.svg" not in row:
+        out.append(f"its README row has no Colab badge pointing at notebooks/{name}")
+    if any(c.get("outputs") or c.get("execution_count") for c in code):
+        out.append("outputs committed: commit notebooks without outputs")
+    if not (cells and cells[0]["cell_type"] == "markdown" and "".join(cells[0]["source"]).startswith(f"# {stem[:2]} ")):
+        out.append(f"the first cell is not a Markdown title '# {stem[:2]} ...'")
+    params = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(params) != 1:
+        out.append(f"{len(params)} cells tagged 'parameters', not exactly one")
+    else:
+        names = {t.id for n in ast.walk(ast.parse(_code(params[0]))) if isinstance(n, ast.Assign)
+                 for t in n.targets if isinstance(t, ast.Name)}
+        if not {"profile", "device", "run"} <= names:
+            out.append(f"the parameters cell sets {sorted(names)}, not profile, device and run")
+        src = "".join(params[0]["source"])
+        if "HWLIB_PROFILE" not in src or "HWLIB_RUN" not in src:
+            out.append("the parameters cell does not read HWLIB_PROFILE and HWLIB_RUN (nbval cannot inject)")
+    if not code or not _is_setup("".join(code[0]["source"])):
+        out.append("no setup cell first (imports hwlib; installs only under google.colab; never torch)")
+    trees = []
+    for c in code:
+        try:
+            trees.append(ast.parse(_code(c)))
+        except SyntaxError as e:
+            out.append(f"a code cell does not parse: {e}")
+    if not any(_asserts_on_measurements(t) for t in trees[1:]):
+        out.append("no cell asserts on what it measured (an assert, or nb.assert_same_math)")
+    for c in prose:
+        text = re.sub(r"```.*?```|`[^`]*`", "", "".join(c["source"]), flags=re.S)
+        m = TYPED_NUMBER.search(text)
+        if m:
+            out.append(f"a number typed into prose: {m.group(0)!r} (build it from the results)")
+    if "what we saw" not in " ".join("".join(c["source"]).lower() for c in prose):
+        out.append("no 'What we saw' section")
+    if stem[:2] in LADDER_NOTEBOOKS:
+        calls = " ".join("".join(c["source"]) for c in code)
+        for call in ("nb.setup(", "nb.show_change(STEP", "nb.predict(", "nb.measure_all(", "nb.assert_same_math(",
+                     "nb.show_ladder(", "nb.outcome(", "nb.what_we_saw(w, STEP"):
+            if call not in calls:
+                out.append(f"the ladder notebook does not call {call}...)")
+    return out
+
+
+def test_readme_shows_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     assert "make reproduce" in readme and "make test" in readme
-    for nb in NOTEBOOKS:
-        assert f"notebooks/{nb.name}" in readme and "colab-badge.svg" in readme, nb.name
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_skeleton(path):
-    nb = json.loads(path.read_text())
+    problems = skeleton_problems(json.loads(path.read_text()), path.name, (ROOT / "README.md").read_text())
+    assert not problems, f"{path.name}: " + "; ".join(problems)
+
+
+def _broken(how: str) -> tuple[dict, str]:
+    """Notebook 02 and the README, broken in one way."""
+    nb = json.loads((ROOT / "notebooks" / "02_tf32.ipynb").read_text())
+    readme = (ROOT / "README.md").read_text()
     cells = nb["cells"]
-    code = [c for c in cells if c["cell_type"] == "code"]
-    assert not any(c.get("outputs") or c.get("execution_count") for c in code), "commit notebooks without outputs"
-    params = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
-    assert len(params) == 1, "exactly one cell tagged 'parameters'"
-    src = "".join(params[0]["source"])
-    assert 'profile = "auto"' in src and 'device = "auto"' in src
-    assert cells[0]["cell_type"] == "markdown" and "".join(cells[0]["source"]).startswith("# " + path.stem[:2])
-    assert "google.colab" in "".join(code[0]["source"])          # setup cell works in Colab too
-    text = "".join("".join(c["source"]) for c in cells)
-    assert "what we saw" in text.lower()
-    ladder = {s.split("_", 1)[0] for s in STEP_NAMES}
-    if path.stem[:2] in ladder:
-        for part in ("## The change", "## Measure", "## Same math?", "assert check.ok", "## The ladder so far"):
-            assert part in text, f"{path.name} lacks {part!r}"
-    elif path.stem[:2] not in ("00", "99"):
-        for part in ("## The change", "## Measure", "assert "):
-            assert part in text, f"{path.name} lacks {part!r}"
+    if how == "badge":
+        readme = readme.replace(f"{COLAB}02_tf32.ipynb", f"{COLAB}01_baseline_fp32.ipynb")
+    elif how == "outputs":
+        cells[1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["hi\n"]}]
+    elif how == "two parameters":
+        cells[3].setdefault("metadata", {})["tags"] = ["parameters"]
+    elif how == "no setup":
+        cells[1]["source"] = ["import hwlib\n"]
+    elif how == "no assert":
+        for c in cells:   # the substring stays, the assertion goes
+            if c["cell_type"] == "code":
+                c["source"] = ["".join(c["source"]).replace("nb.assert_same_math(measured)",
+                                                           "print('assert nothing')")]
+    elif how == "typed number":
+        cells[0]["source"].append("\nTF32 made this step 1.8x faster.")
+    return nb, readme
+
+
+@pytest.mark.parametrize("how, says", [
+    ("badge", "Colab badge"), ("outputs", "outputs committed"), ("two parameters", "cells tagged 'parameters'"),
+    ("no setup", "no setup cell"), ("no assert", "asserts on what it measured"), ("typed number", "typed into prose"),
+])
+def test_each_skeleton_check_fails_on_a_notebook_broken_that_way(how, says):
+    nb, readme = _broken(how)
+    problems = skeleton_problems(nb, "02_tf32.ipynb", readme)
+    assert any(says in p for p in problems), problems
+    clean_nb, clean_readme = _broken("none")
+    assert skeleton_problems(clean_nb, "02_tf32.ipynb", clean_readme) == []
 
 
 def test_kernel_sources_stay_free_of_torch_headers():
-    for cu in (ROOT / "kernels").glob("*.cu"):
+    cus = list((ROOT / "hwlib" / "kernels").glob("*.cu"))
+    assert cus, "no kernel sources under hwlib/kernels"
+    for cu in cus:
         assert "torch/" not in cu.read_text() and "ATen" not in cu.read_text(), cu.name

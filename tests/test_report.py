@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from hwlib import query, results
+from hwlib import paths, query, results
+from hwlib.ladder import record as record_mod
 from hwlib.report import tables as report
 
 
@@ -32,7 +33,7 @@ def ladder(isolated_run):
 
 
 def test_ladder_rows_derive_speedups(ladder):
-    rows = {r["step"]: r for r in report.ladder_rows(results.load(), "gpt")}
+    rows = {r["step"]: r for r in query.ladder_rows(query.load(), "gpt")}
     assert list(rows) == ["01_baseline_fp32", "02_tf32", "03_bf16_autocast", "04_sdpa_attention"]
     assert rows["01_baseline_fp32"]["speedup_vs_baseline"] == 1.0
     assert rows["03_bf16_autocast"]["speedup_vs_baseline"] == pytest.approx(2.0)
@@ -42,7 +43,7 @@ def test_ladder_rows_derive_speedups(ladder):
 
 
 def test_markdown_table_and_prose_use_the_numbers(ladder):
-    rows = report.ladder_rows(results.load(), "gpt")
+    rows = query.ladder_rows(query.load(), "gpt")
     md = report.markdown_table(rows)
     assert "| 03_bf16_autocast | ok | 5.0 (4.5-5.5) | 2,000 | 2.00 |" in md
     assert "skipped: GPU-only" in md and "math changed" in md
@@ -77,11 +78,12 @@ def test_readme_block_between_markers(ladder, tmp_path):
         report.update_readme(readme, ladder)
 
 
-def test_committed_readme_matches_reference_run():
-    ref = results.REPO_ROOT / "outputs" / "reference" / "h100"
-    if not (ref / "results.jsonl").exists():
+def test_committed_readme_matches_reference_run(monkeypatch):
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
+    ref = "reference/h100"
+    if not (paths.run_dir(ref, create=False) / "results.jsonl").exists():
         pytest.skip("no reference run committed")
-    readme = results.REPO_ROOT / "README.md"
+    readme = paths.REPO_ROOT / "README.md"
     text = readme.read_text()
     start, end = text.index(report.README_START), text.index(report.README_END)
     assert text[start + len(report.README_START):end].strip() == report.readme_block(ref).strip(), \
@@ -92,8 +94,8 @@ def test_a_rerun_with_fewer_metrics_does_not_mix_with_stale_ones(isolated_run):
     from hwlib.ladder import run as train
     from hwlib.profiles import Plan
     r = train.run_step("gpt", "01_baseline_fp32", profile="smoke", device="cpu", plan=Plan(2, 0, 2))
-    train.record(r, notebook="01")
+    record_mod.record(r, notebook="01")
     r.status, r.reason, r.timing = "skipped", "now skipped", None
-    train.record(r, notebook="01")
-    (row,) = report.ladder_rows(results.load(), "gpt")
+    record_mod.record(r, notebook="01")
+    (row,) = query.ladder_rows(query.load(), "gpt")
     assert row["status"] == "skipped" and row["throughput"] is None and row["final_loss"] is None

@@ -228,3 +228,20 @@ def test_run_step_extends_the_warm_up_past_a_new_packed_shape(monkeypatch):
                        plan=Plan(check=3, warmup=1, timed=4))
     assert r.status == "ok" and r.warmup_steps == 3 and len(r.losses) == 3 + 3 + 4 and r.timing.n == 4
     assert any("warm-up extended by 2 steps" in n for n in r.notes)
+
+
+def test_a_timing_beside_another_gpu_process_is_marked_contended(isolated_run, monkeypatch):
+    seen = iter([[], [4242]])   # nobody before the window, another process by its end
+    monkeypatch.setattr(train, "other_gpu_processes", lambda dev: next(seen))
+    r = run()
+    assert r.contended == [4242]
+    record_mod.record(r, notebook="01")
+    (row,) = query.ladder_rows(query.load(), "gpt")
+    assert row["status"] == "contended" and "4242" in row["reason"]
+    monkeypatch.setattr(train, "other_gpu_processes", lambda dev: None)   # NVML cannot tell
+    assert run().contended is None
+
+
+def test_no_other_process_on_a_cpu():
+    from hwlib.device import other_gpu_processes
+    assert other_gpu_processes("cpu") == []

@@ -51,6 +51,9 @@ def test_config_validation_names_the_field():
     for field, value in cases.items():
         with pytest.raises(ValueError, match=field if field != "n_head" else "divisible by n_head"):
             WL.config("smoke", **{field: value})
+    for field, value in (("lr", "0.1"), ("lr", float("nan")), ("weight_decay", float("inf")), ("init_std", -1)):
+        with pytest.raises(ValueError, match=f"EncoderNLIConfig.{field} must be a finite"):
+            WL.config("smoke", **{field: value})
 
 
 def test_full_profile_is_deberta_base_shaped():

@@ -35,6 +35,48 @@ def test_bad_config_and_names():
         WL.config("smoke", n_head=5)
 
 
+@pytest.mark.parametrize("workload", ["gpt", "resnet_bk"])
+@pytest.mark.parametrize("field,value", [("lr", float("nan")), ("lr", -1), ("lr", 0), ("lr", "0.1"), ("lr", True),
+                                         ("weight_decay", float("inf")), ("weight_decay", -0.1),
+                                         ("weight_decay", "0")])
+def test_optimizer_hyperparameters_are_validated(workload, field, value):
+    wl = get_workload(workload)
+    with pytest.raises(ValueError, match=rf"Config\.{field} must be a finite (positive|non-negative) number"):
+        wl.config("smoke", **{field: value})
+    assert wl.config("smoke", **{field: 0.5}).__getattribute__(field) == 0.5
+
+
+def test_resnet_bk_z_imag_is_validated():
+    wl = get_workload("resnet_bk")
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "1"):
+        with pytest.raises(ValueError, match="BKConfig.z_imag must be a finite positive number"):
+            wl.config("smoke", z_imag=bad)
+
+
+def test_gpt_and_resnet_bk_share_one_block():
+    from hwlib.workloads.blocks import PreNormBlock
+    gpt = WL.build(CFG, Settings(), seed=0)
+    bk_wl = get_workload("resnet_bk")
+    bk = bk_wl.build(bk_wl.config("smoke"), Settings(), seed=0)
+    assert all(type(b) is PreNormBlock for b in list(gpt.blocks) + list(bk.blocks))
+    # Parameter names (state-dict keys, init by name) are the ones checkpoints were written with.
+    assert [n for n, _ in gpt.blocks[0].named_parameters()][:6] == [
+        "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias"]
+    assert [n for n, _ in bk.blocks[0].named_parameters()][2:6] == [
+        "mix.to_potential.weight", "mix.to_potential.bias", "mix.from_features.weight", "mix.from_features.bias"]
+    # The seed-0 smoke weights, bit for bit, as they were before the two blocks became one.
+    assert _digest(gpt) == "19400ecb5c29f5cf" and _digest(bk) == "0c2eac3eb430ef4d"
+
+
+def _digest(model) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def test_flops_formula_matches_counted_flops():
     """The analytic count (used for MFU) against torch's FLOP counter on forward + backward."""
     m = WL.build(CFG, Settings(), seed=0)

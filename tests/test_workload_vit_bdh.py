@@ -34,6 +34,9 @@ def test_config_validation_names_the_field():
         WL.config("smoke", lr=0.0)
     with pytest.raises(ValueError, match="VitBDHConfig.weight_decay"):
         WL.config("smoke", weight_decay=float("nan"))
+    for field, bad in (("lr", -1), ("lr", "0.1"), ("lr", float("inf")), ("weight_decay", float("inf"))):
+        with pytest.raises(ValueError, match=f"VitBDHConfig.{field} must be a finite"):
+            WL.config("smoke", **{field: bad})
     with pytest.raises(ValueError, match="data_images .* at least one batch"):
         WL.config("smoke", data_images=8)
     with pytest.raises(ValueError, match=r"images must be \[B, 3, 32, 32\]"):

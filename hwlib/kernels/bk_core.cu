@@ -1,6 +1,8 @@
 // BK-Core in plain CUDA C++: G_i = [(T - zI)^-1]_ii for a batch of tridiagonal T, and its exact
-// gradient. No torch headers: CI checks it with `nvcc -arch=sm_90 -c kernels/bk_core.cu`; the torch
-// binding lives in hwlib/ops/bk_cuda.py and hwlib/cuda.py loads both with load_inline.
+// gradient. No torch headers: CI checks it with `nvcc -arch=sm_90 -c hwlib/kernels/bk_core.cu`; its
+// C ABI is declared once, in bk_core.h (included below, so the compiler holds the definitions to
+// it); the torch binding lives in hwlib/ops/bk_cuda.py and hwlib/ops/build.py loads both with
+// load_inline.
 //
 // Math (derivation in hwlib/ops/bk_reference.py), d_i = a_i - z, k_j = b_j c_j:
 //   sL_0 = 0,  sL_{i+1} = k_i / (d_i - sL_i)                 (sL_i = k_{i-1} gL_{i-1})
@@ -61,6 +63,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bk_core.h"
 
 #define BK_HD __host__ __device__ __forceinline__
 
@@ -750,9 +754,7 @@ template <int T, int L> constexpr int tile_positions() { return T * L; }
 #endif
 #define BK_BWD_F64 BK_BWD_F64_T, BK_BWD_F64_L
 
-// --- C ABI: raw pointers, row-major, the stream as void* so callers need no CUDA headers ----------
-// out / w: complex [B, N] as interleaved reals. ws: bk_core_workspace_elems(...) reals, any content.
-// Return: 0 or a cudaError_t code (bk_core_error_string turns it into text).
+// --- C ABI (declared in bk_core.h): raw pointers, row-major, the stream as void* -------------------
 
 extern "C" {
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import bench
-from ..device import DeviceInfo, info, resolve_device
+from ..device import DeviceInfo, info, other_gpu_processes, resolve_device
 from ..profiles import Plan, plan as plan_for, resolve_profile
 from ..steps import Settings, Step, get_step, not_applicable, resolve_autocast, settings_for, unavailable
 from ..workloads import get_workload
@@ -48,6 +48,7 @@ class StepResult:
     peak_reserved_gib: float | None = None # taken from the device by the caching allocator
     sdpa_backend: str | None = None
     host_wait_ms: float | None = None      # per timed step, host blocked on the loader (hwlib.data.loader)
+    contended: list | None = field(default_factory=list)   # other processes on the GPU around the timed window (None: unknown)
     notes: list = field(default_factory=list)
 
     @property
@@ -126,6 +127,16 @@ def _timed_window(res: StepResult, sess: Session, pl: Plan) -> int:
     return first
 
 
+def _note_contention(res: StepResult, dev: torch.device) -> None:
+    """Other processes on the GPU at the edges of the timed window: a timing made beside them is
+    marked contended (NVML; on a machine where it cannot tell, the result says unknown)."""
+    others = other_gpu_processes(dev)
+    if others is None:
+        res.contended = None
+    elif others and res.contended is not None:
+        res.contended = sorted(set(res.contended) | set(others))
+
+
 def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress: bool) -> list[float]:
     """Every step's loss; fills the timing, first-step time, peaks, SDPA backend and loader wait."""
     dev, total = sess.device, timed_from + timed
@@ -150,6 +161,7 @@ def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress
             clock, wait0 = bench.StepClock(dev), None
             for i in range(1, total):
                 if i == timed_from:
+                    _note_contention(res, dev)
                     clock.mark()
                     wait0 = getattr(sess.batches, "wait_s", None)
                 losses.append(sess.step(i))
@@ -158,6 +170,7 @@ def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress
                 bar and bar.update(1)
             vals = torch.stack(losses).float().cpu().tolist()  # one sync for the whole run
             if timed:
+                _note_contention(res, dev)
                 res.timing = clock.timing()
                 wait1 = getattr(sess.batches, "wait_s", None)
                 if wait1 is not None and wait0 is not None:

@@ -18,57 +18,71 @@ be undone, so it is re-raised as such.
 from __future__ import annotations
 
 import gc
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .checks import positive_int
 from .tracker import memory_figures
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
 
 
-def _positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{name} must be a whole number of samples, got {v!r} ({type(v).__name__})")
-    if v < 1:
-        raise ValueError(f"{name} must be at least one sample, got {v}")
-    return int(v)
-
-
 def plan_micro_batches(target: int, micro: int) -> list[int]:
     """Micro-batch sizes that add up to exactly ``target``, each at most ``micro``."""
-    target, micro = _positive_int("target batch", target), _positive_int("micro-batch", micro)
+    target, micro = positive_int("target batch", target), positive_int("micro-batch", micro)
     full, rest = divmod(target, min(micro, target))
     return [min(micro, target)] * full + ([rest] if rest else [])
 
 
+def _tensors(batch) -> list[torch.Tensor]:
+    """The batch's tensors (one, or a non-empty tuple/list), each with a sample dimension of one size."""
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch) if isinstance(batch, (tuple, list)) else None
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"batch must be a tensor or a non-empty tuple/list of tensors (samples first), "
+                        f"got {type(batch).__name__}" + (f" of {', '.join(sorted({type(t).__name__ for t in tensors}))}"
+                                                         if tensors else ""))
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("batch: a 0-d tensor has no sample dimension; give each tensor samples first")
+    n = {t.shape[0] for t in tensors}
+    if len(n) != 1:
+        raise ValueError(f"batch: its tensors disagree on the number of samples: {sorted(n)}")
+    return tensors
+
+
 def batch_size(batch) -> int:
-    t = batch if isinstance(batch, torch.Tensor) else batch[0]
-    return t.shape[0]
+    return _tensors(batch)[0].shape[0]
 
 
 def split_batch(batch, sizes: list[int]):
     """Split a tensor or a tuple/list of tensors (samples first) into consecutive micro-batches."""
-    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch)
-    n = {t.shape[0] for t in tensors}
-    if len(n) != 1:
-        raise ValueError(f"batch: its tensors disagree on the number of samples: {sorted(n)}")
-    if sum(sizes) != n.pop():
-        raise ValueError(f"micro-batch sizes add up to {sum(sizes)}, the batch has {batch_size(batch)} samples")
+    tensors = _tensors(batch)
+    if not isinstance(sizes, (list, tuple)) or not sizes:
+        raise TypeError(f"sizes must be a non-empty list of micro-batch sizes (plan_micro_batches), got {sizes!r}")
+    sizes = [positive_int(f"sizes[{i}]", b) for i, b in enumerate(sizes)]
+    if sum(sizes) != tensors[0].shape[0]:
+        raise ValueError(f"micro-batch sizes add up to {sum(sizes)}, the batch has {tensors[0].shape[0]} samples")
     parts = list(zip(*(t.split(sizes) for t in tensors)))
     return [p[0] if isinstance(batch, torch.Tensor) else type(batch)(p) if isinstance(batch, tuple) else list(p)
             for p in parts]
 
 
+def _callable(name: str, f) -> Callable:
+    if not callable(f):
+        raise TypeError(f"{name} must be callable, got {type(f).__name__}")
+    return f
+
+
 def accumulate(forward_backward: Callable, batch, sizes: list[int]) -> torch.Tensor:
     """Gradient of the whole batch, in micro-batches of ``sizes``; returns the batch's mean loss.
     ``forward_backward(micro_batch, weight)`` must add ``weight * grad(loss)`` to the gradients."""
+    _callable("forward_backward", forward_backward)
+    parts = split_batch(batch, sizes)
     total = sum(sizes)
     loss = None
-    for mb, b in zip(split_batch(batch, sizes), sizes):
+    for mb, b in zip(parts, sizes):
         part = forward_backward(mb, b / total) * (b / total)
         loss = part if loss is None else loss + part
     return loss
@@ -89,19 +103,30 @@ class ResilientStep:
 
     def __init__(self, forward_backward: Callable, optimizer_step: Callable, zero_grad: Callable,
                  device: torch.device, micro_batch: int):
-        self.forward_backward, self.optimizer_step, self.zero_grad = forward_backward, optimizer_step, zero_grad
-        self.device = device
-        self.micro = _positive_int("micro_batch", micro_batch)
+        self.forward_backward = _callable("forward_backward", forward_backward)
+        self.optimizer_step = _callable("optimizer_step", optimizer_step)
+        self.zero_grad = _callable("zero_grad", zero_grad)
+        if not isinstance(device, (torch.device, str)):
+            raise TypeError(f"device must be a torch.device or a name like 'cuda', got {type(device).__name__}")
+        self.device = torch.device(device)
+        self.micro = positive_int("micro_batch", micro_batch)
         self.events: list[OOMEvent] = []
         self.history: list[dict] = []
 
     @classmethod
     def for_session(cls, sess, micro_batch: int) -> "ResilientStep":
+        """The step of an open ``hwlib.ladder.Session``: its forward/backward, optimizer step and device."""
+        if getattr(sess, "opt", None) is None or not callable(getattr(sess, "forward_backward", None)):
+            raise TypeError(f"sess must be an open hwlib.ladder.Session, got {type(sess).__name__}")
         return cls(sess.forward_backward, sess.optimizer_step, lambda: sess.opt.zero_grad(set_to_none=True),
                    sess.device, micro_batch)
 
     def __call__(self, batch, step: int | None = None) -> torch.Tensor:
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int or None (it labels the OOM events), got {step!r}")
         n = batch_size(batch)
+        if n == 0:
+            raise ValueError("batch has no samples: there is nothing to step on")
         while True:
             sizes = plan_micro_batches(n, min(self.micro, n))
             failed = None

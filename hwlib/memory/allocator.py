@@ -21,8 +21,9 @@ def _options(conf: str) -> dict[str, str]:
     out = {}
     for part in filter(None, (p.strip() for p in conf.split(","))):
         key, sep, value = part.partition(":")
-        if not sep:
-            raise ValueError(f"{ENV}={conf!r}: option {part!r} is not of the form key:value")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"{ENV}={conf!r}: option {part!r} is not of the form key:value; "
+                             f"fix or unset {ENV} (and PYTORCH_ALLOC_CONF)")
         out[key.strip()] = value.strip()
     return out
 

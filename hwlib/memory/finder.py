@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .accumulation import _positive_int
+from .checks import finite_number, positive_int
 
 GiB = 2**30
 
@@ -51,18 +51,30 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return mp - c * mb, c
 
 
+def _peak(try_batch: Callable, b: int) -> float | None:
+    """``try_batch(b)``, checked: None (out of memory) or a finite peak >= 0 GiB."""
+    p = try_batch(b)
+    if p is None:
+        return None
+    return finite_number(f"try_batch({b}) (peak GiB, or None for out of memory)", p, low=0.0)
+
+
 def search_batch(try_batch: Callable[[int], float | None], capacity_gib: float, *, margin: float = 0.1,
                  start: int = 1, max_batch: int = 4096) -> FinderResult:
     """The search itself: ``try_batch(b)`` returns the measured peak in GiB, or None on OOM."""
-    start, max_batch = _positive_int("start", start), _positive_int("max_batch", max_batch)
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    if not callable(try_batch):
+        raise TypeError(f"try_batch must be callable (batch -> peak GiB or None), got {type(try_batch).__name__}")
+    start, max_batch = positive_int("start", start), positive_int("max_batch", max_batch)
+    if start > max_batch:
+        raise ValueError(f"start ({start}) must be at most max_batch ({max_batch})")
+    capacity_gib = finite_number("capacity_gib", capacity_gib, low=0.0, low_open=True)
+    margin = finite_number("margin", margin, low=0.0, high=1.0, high_open=True)
     budget = capacity_gib * (1 - margin)
     trials, fits = [], []
     first_bad = None
     b = start
     while b <= max_batch:
-        peak = try_batch(b)
+        peak = _peak(try_batch, b)
         ok = peak is not None and peak <= budget
         trials.append({"batch": b, "peak_gib": peak, "fits": ok})
         if not ok:
@@ -80,7 +92,7 @@ def search_batch(try_batch: Callable[[int], float | None], capacity_gib: float, 
     cand = max(best_known, min(upper, guess))
     peak = dict(fits).get(cand)
     while peak is None:
-        p = try_batch(cand)
+        p = _peak(try_batch, cand)
         trials.append({"batch": cand, "peak_gib": p, "fits": p is not None and p <= budget})
         if p is not None and p <= budget:
             peak = p

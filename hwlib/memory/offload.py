@@ -19,46 +19,92 @@ import math
 
 import torch
 
+from .checks import finite_number, positive_int
+
 
 BUCKET_PARAMS = 8 << 20   # 8M parameters: 32 MB of each moment per bucket
+
+
+def _check_hyper(where: str, g: dict) -> dict:
+    """lr, betas, eps and weight_decay of one group, checked as torch.optim.AdamW bounds them;
+    ``where`` ('' for the constructor's arguments) prefixes the name in an error."""
+    name = (lambda k: f"{where}[{k!r}]") if where else (lambda k: k)
+    out = {"lr": finite_number(name("lr"), g["lr"], low=0.0),
+           "eps": finite_number(name("eps"), g["eps"], low=0.0),
+           "weight_decay": finite_number(name("weight_decay"), g["weight_decay"], low=0.0)}
+    betas = g["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{name('betas')} must be a pair (beta1, beta2), got {betas!r}")
+    out["betas"] = tuple(finite_number(f"{name('betas')}[{i}]", b, low=0.0, high=1.0, high_open=True)
+                         for i, b in enumerate(betas))
+    return out
+
+
+def _param_groups(param_groups, defaults: dict) -> list[dict]:
+    """The groups as dicts of trainable parameters on one device, each with checked hyper-parameters."""
+    if isinstance(param_groups, torch.Tensor):
+        raise TypeError("param_groups must be an iterable of parameters or of dicts with 'params', "
+                        "got a single tensor: pass [tensor] or model.parameters()")
+    groups = list(param_groups)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out, seen = [], set()
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param_groups[{i}] must be a dict with 'params' (or pass parameters only), got {g!r:.80}")
+        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param_groups[{i}]['params'] holds a {type(p).__name__!r} object, not a tensor")
+            if id(p) in seen:
+                raise ValueError(f"param_groups[{i}]: a parameter appears in more than one group")
+            seen.add(id(p))
+        unknown = sorted(set(g) - {"params", *defaults})
+        if unknown:
+            raise ValueError(f"param_groups[{i}]: unknown option {unknown[0]!r}; use {', '.join(defaults)}")
+        hyper = _check_hyper(f"param_groups[{i}]" if set(g) - {"params"} else "", {**defaults, **g})
+        out.append({"params": [p for p in params if p.requires_grad], **hyper})
+    params = [p for g in out for p in g["params"]]
+    if not params:
+        raise ValueError("OffloadedAdamW: no parameters that require gradients")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"OffloadedAdamW: parameters on several devices ({', '.join(devices)}); it updates one device")
+    return out
+
+
+def _buckets(param_groups: list[dict], bucket_params: int) -> list[tuple[int, list]]:
+    """A bucket is a list of (parameter, start, end) segments of its flattened data: a large
+    parameter (GPT-2's 38.6M-entry embedding) spans several buckets, so the GPU staging stays at
+    two buckets. Buckets never straddle groups (one set of hyper-parameters per bucket)."""
+    buckets = []
+    for gi, g in enumerate(param_groups):
+        cur, n = [], 0
+        for p in g["params"]:
+            start = 0
+            while start < p.numel():
+                take = min(p.numel() - start, bucket_params - n)
+                cur.append((p, start, start + take))
+                n += take
+                start += take
+                if n == bucket_params:
+                    buckets.append((gi, cur))
+                    cur, n = [], 0
+        if cur:
+            buckets.append((gi, cur))
+    return buckets
 
 
 class OffloadedAdamW:
     def __init__(self, param_groups, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, bucket_params: int = BUCKET_PARAMS):
-        groups = list(param_groups)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        self.param_groups = []
-        for g in groups:
-            g = dict(g)
-            g["params"] = [p for p in g["params"] if p.requires_grad]
-            for k, v in (("lr", lr), ("betas", betas), ("eps", eps), ("weight_decay", weight_decay)):
-                g.setdefault(k, v)
-            self.param_groups.append(g)
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not params:
-            raise ValueError("OffloadedAdamW: no parameters that require gradients")
-        self.device = params[0].device
+        # A bucket of zero parameters never fills: checked first, or splitting would loop forever.
+        bucket_params = positive_int("bucket_params", bucket_params, unit="parameter")
+        defaults = _check_hyper("", {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.param_groups = _param_groups(param_groups, defaults)
+        self.device = next(p for g in self.param_groups for p in g["params"]).device
         cuda = self.device.type == "cuda"
-        # A bucket is a list of (parameter, start, end) segments of its flattened data: a large
-        # parameter (GPT-2's 38.6M-entry embedding) spans several buckets, so the GPU staging stays
-        # at two buckets. Buckets never straddle groups (one set of hyper-parameters per bucket).
-        self.buckets = []
-        for gi, g in enumerate(self.param_groups):
-            cur, n = [], 0
-            for p in g["params"]:
-                start = 0
-                while start < p.numel():
-                    take = min(p.numel() - start, bucket_params - n)
-                    cur.append((p, start, start + take))
-                    n += take
-                    start += take
-                    if n == bucket_params:
-                        self.buckets.append((gi, cur))
-                        cur, n = [], 0
-            if cur:
-                self.buckets.append((gi, cur))
+        self.buckets = _buckets(self.param_groups, bucket_params)
         self.sizes = [sum(b - a for _, a, b in segs) for _, segs in self.buckets]
         # Host copies of the moments, one flat buffer per bucket and moment.
         self.m_host = [torch.zeros(n, dtype=torch.float32, pin_memory=cuda) for n in self.sizes]
@@ -171,12 +217,33 @@ class OffloadedAdamW:
         return {"step": self.step_count, "m": [t.clone() for t in self.m_host], "v": [t.clone() for t in self.v_host],
                 "hyper": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
 
+    def check_state_dict(self, sd) -> None:
+        """Raise ValueError naming the first part of ``sd`` that this optimizer cannot take; change nothing."""
+        if not isinstance(sd, dict) or set(sd) != {"step", "m", "v", "hyper"}:
+            got = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"optimizer state: an OffloadedAdamW state has keys hyper, m, step, v; got {got}")
+        if isinstance(sd["step"], bool) or not isinstance(sd["step"], int) or sd["step"] < 0:
+            raise ValueError(f"optimizer state: step must be a non-negative int, got {sd['step']!r}")
+        for key in ("m", "v"):
+            ts = sd[key]
+            if not isinstance(ts, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                                                   and t.dim() == 1 for t in ts):
+                raise ValueError(f"optimizer state: {key} must be a list of 1-d float32 tensors")
+            if [t.numel() for t in ts] != self.sizes:
+                raise ValueError(f"optimizer state: bucket sizes {[t.numel() for t in ts]} do not match "
+                                 f"this model's {self.sizes}")
+        if not isinstance(sd["hyper"], list) or len(sd["hyper"]) != len(self.param_groups):
+            raise ValueError(f"optimizer state: hyper must hold one dict per parameter group "
+                             f"({len(self.param_groups)}), got {sd['hyper']!r:.80}")
+        for i, h in enumerate(sd["hyper"]):
+            if not isinstance(h, dict) or set(h) != {"lr", "betas", "eps", "weight_decay"}:
+                raise ValueError(f"optimizer state: hyper[{i}] must have lr, betas, eps and weight_decay, got {h!r:.80}")
+            _check_hyper(f"optimizer state: hyper[{i}]", h)
+
     def load_state_dict(self, sd: dict) -> None:
-        if [t.numel() for t in sd["m"]] != self.sizes:
-            raise ValueError(f"optimizer state: bucket sizes {[t.numel() for t in sd['m']]} do not match "
-                             f"this model's {self.sizes}")
+        self.check_state_dict(sd)
         self.step_count = sd["step"]
         for dst, src in zip(self.m_host + self.v_host, sd["m"] + sd["v"]):
             dst.copy_(src)
         for g, h in zip(self.param_groups, sd["hyper"]):
-            g.update(h)
+            g.update(_check_hyper("", h))

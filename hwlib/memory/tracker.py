@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 GiB = 2**30
+STAT_KEYS = ("allocated", "reserved", "peak_allocated", "peak_reserved")
 
 
 def _cuda_stats(device: torch.device) -> dict:
@@ -28,8 +29,15 @@ def _cuda_stats(device: torch.device) -> dict:
             "peak_reserved": torch.cuda.max_memory_reserved(device)}
 
 
-def memory_figures(device: torch.device) -> dict:
+def _device(device) -> torch.device:
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device must be a torch.device or a name like 'cuda', got {type(device).__name__}")
+    return torch.device(device)
+
+
+def memory_figures(device: torch.device | str) -> dict:
     """Allocated, reserved, free and total memory of a GPU in GiB (what an OOM message shows)."""
+    device = _device(device)
     if device.type != "cuda":
         return {}
     free, total = torch.cuda.mem_get_info(device)
@@ -48,9 +56,12 @@ class PhaseRecord:
 
 
 class MemoryTracker:
-    def __init__(self, device: torch.device, stats: Callable[[], dict] | None = None,
+    def __init__(self, device: torch.device | str, stats: Callable[[], dict] | None = None,
                  reset: Callable[[], None] | None = None):
-        self.device = device
+        device = self.device = _device(device)
+        for name, f in (("stats", stats), ("reset", reset)):
+            if f is not None and not callable(f):
+                raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
         if stats is None and device.type == "cuda":
             stats, reset = (lambda: _cuda_stats(device)), (lambda: torch.cuda.reset_peak_memory_stats(device))
         self._stats, self._reset = stats, reset or (lambda: None)
@@ -59,6 +70,8 @@ class MemoryTracker:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"phase name must be a non-empty str, got {name!r}")
         if not self.available:
             try:
                 yield
@@ -66,13 +79,21 @@ class MemoryTracker:
                 self.records.append(PhaseRecord(name, None, None, None, None))
             return
         self._reset()
-        before = self._stats()["allocated"]
+        before = self._read()["allocated"]
         try:
             yield
         finally:
-            s = self._stats()
+            s = self._read()
             self.records.append(PhaseRecord(name, before / GiB, s["allocated"] / GiB,
                                             s["peak_allocated"] / GiB, s["peak_reserved"] / GiB))
+
+    def _read(self) -> dict:
+        s = self._stats()
+        missing = [k for k in STAT_KEYS if not isinstance(s, dict) or not isinstance(s.get(k), (int, float))]
+        if missing:
+            raise ValueError(f"stats() must return a dict of byte counts {', '.join(STAT_KEYS)}; "
+                             f"{', '.join(missing)} missing or not a number")
+        return s
 
     def summary(self) -> dict[str, dict]:
         """Per phase, the maximum over all its calls of each figure."""

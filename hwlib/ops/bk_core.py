@@ -10,15 +10,19 @@ Backends (same math, same results to rounding):
 ==============  ==========================================================================
 ``torch_loop``  a Python loop over N, batched over B: the readable spec (``bk_reference``)
 ``torch``       associative scans, ~log2 N tensor ops (``bk_scan``): long N on any device
-``triton``      ``kernels/bk_core_triton.py``; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
+``triton``      ``hwlib/kernels/bk_core_triton.py``; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
                 forward chunked (``bk_forward_chunked``) from N >= 4 chunks, backward two-pass
-``cuda``        ``kernels/bk_core.cu`` through ``hwlib.ops.build`` (load_inline); CUDA tensors only;
+``cuda``        ``hwlib/kernels/bk_core.cu`` through ``hwlib.ops.build`` (load_inline); CUDA tensors only;
                 tiles of sequences x positions, a chunk per thread, chunks joined by scans of
                 their Moebius / affine maps: one read of the inputs, one write of the output
 ``auto``        CUDA tensors: the fastest measured first (notebook 12 on an H100: cuda, then
-                triton), then torch; CPU tensors: torch. A backend that cannot build or run is
-                skipped with a warning naming it and the reason.
+                triton), then torch; CPU tensors: torch. Resolved once per process and device
+                type, up front, before any launch: a backend that cannot build is passed over with
+                a warning naming it and the reason, every time ``auto`` resolves to another.
 ==============  ==========================================================================
+
+A kernel that builds but fails when launched raises ``KernelError`` naming the backend: it is never
+retried on another backend, so a kernel bug cannot turn into a slow row of the torch backend.
 
 Bytes and FLOPs per element of each kernel are in the kernel files' headers. Forward and backward
 of one call always use the same backend; the backward recomputes the sweeps rather than saving
@@ -27,6 +31,8 @@ O(N) complex state per sequence from the forward.
 
 from __future__ import annotations
 
+import functools
+import math
 import numbers
 import warnings
 
@@ -38,10 +44,14 @@ from . import bk_reference, bk_scan
 from .sources import load_python_kernel, triton_interpreted
 
 BACKENDS = ("auto", "torch_loop", "torch", "triton", "cuda")
+KERNELS = ("triton", "cuda")     # the backends that launch compiled kernels
 # fastest measured first (forward and forward+backward, B = 8192, N = 2048, H100: notebook 12)
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}
 CHUNKED_MIN_CHUNKS = 4  # triton forward: chunked (one lane per chunk) from N >= this many chunks
-_BROKEN: dict = {}      # (backend, device type) -> why it failed to build or run, so we try once
+
+
+class KernelError(RuntimeError):
+    """A kernel backend that was selected failed while running; the message names the backend."""
 
 
 # --- backends ------------------------------------------------------------------------------------
@@ -50,15 +60,10 @@ def _triton():
     return load_python_kernel("bk_core_triton.py")
 
 
-_READY: set = set()      # (backend, "cuda") that built and checked out: not re-checked per call
-
-
 def _check_backend(name: str, device: torch.device) -> None:
     """Raise Unavailable (with the reason) when ``name`` cannot run on tensors on ``device``."""
-    if name in ("torch_loop", "torch") or (name, device.type) in _READY:
+    if name in ("torch_loop", "torch"):
         return
-    if (name, device.type) in _BROKEN:
-        raise Unavailable(_BROKEN[(name, device.type)])
     if name == "cuda":
         if device.type != "cuda":
             raise Unavailable(f"backend 'cuda' needs CUDA tensors, got tensors on {device}")
@@ -75,29 +80,55 @@ def _check_backend(name: str, device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
             raise Unavailable(f"backend 'triton' does not run on {device.type} tensors")
         _triton()
-    if device.type == "cuda":   # on CPU, Triton's answer depends on TRITON_INTERPRET: ask every time
-        _READY.add((name, device.type))
 
 
-def select_backend(backend: str, device: torch.device | str, _quiet: tuple = ()) -> str:
-    """The backend that will run for tensors on ``device``; warns for each one ``auto`` skips
-    (except those in ``_quiet``, whose failure the caller has just reported)."""
+@functools.lru_cache(maxsize=None)
+def _auto_choice(device_type: str, order: tuple, interpreted: bool) -> tuple[str, tuple]:
+    """``auto``'s backend for tensors on ``device_type`` and the (backend, reason) pairs it passed
+    over. Decided once per process (and order, and Triton mode): building is slow, and whether a
+    backend builds does not change while the process runs."""
+    skipped = []
+    for name in order:
+        try:
+            _check_backend(name, torch.device(device_type))
+            return name, tuple(skipped)
+        except Unavailable as e:
+            skipped.append((name, str(e)))
+    return "torch", tuple(skipped)       # torch is last in every order
+
+
+def select_backend(backend: str, device: torch.device | str) -> str:
+    """The backend that will run for tensors on ``device``: ``backend`` itself (or Unavailable with
+    the reason), or for ``auto`` its resolution, with a RuntimeWarning for each backend it fell back
+    from and why."""
     device = torch.device(device)
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ChoiceError("backend", backend, BACKENDS)
     if backend != "auto":
         _check_backend(backend, device)
         return backend
-    for name in _AUTO_ORDER.get(device.type, ("torch",)):
-        try:
-            _check_backend(name, device)
-            return name
-        except Unavailable as e:
-            if name in _quiet:
-                continue
-            warnings.warn(f"resolvent_diagonal: backend {name!r} unavailable ({e}); falling back",
-                          RuntimeWarning, stacklevel=3)
-    return "torch"  # unreachable: torch is last in every order
+    order = _AUTO_ORDER.get(device.type, ("torch",))
+    name, skipped = _auto_choice(device.type, tuple(order), triton_interpreted())
+    for other, why in skipped:
+        warnings.warn(f"resolvent_diagonal: backend 'auto' fell back from {other!r} to {name!r} "
+                      f"on {device.type} tensors: {why}", RuntimeWarning, stacklevel=3)
+    return name
+
+
+def _run(name: str, what: str, fn, *args):
+    """``fn(*args)``; a kernel backend's failure becomes a KernelError naming it (out-of-memory
+    stays itself, with a note, so callers that handle it still can)."""
+    if name not in KERNELS:
+        return fn(name, *args)
+    try:
+        return fn(name, *args)
+    except torch.OutOfMemoryError as e:
+        e.add_note(f"in resolvent_diagonal's {what}, backend {name!r}")
+        raise
+    except Exception as e:
+        raise KernelError(f"resolvent_diagonal: backend {name!r} failed in the {what} ({type(e).__name__}: "
+                          f"{e}); nothing falls back: fix the kernel, or pass backend='torch' to run "
+                          f"without it") from e
 
 
 def _forward(name, a, b, c, z):
@@ -132,13 +163,13 @@ class ResolventDiagonal(torch.autograd.Function):
     def forward(ctx, a, b, c, z, backend):
         ctx.z, ctx.backend = z, backend
         ctx.save_for_backward(a, b, c)
-        return _forward(backend, a, b, c, z)
+        return _run(backend, "forward", _forward, a, b, c, z)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         a, b, c = ctx.saved_tensors
-        ga, gb, gc = _backward(ctx.backend, a, b, c, ctx.z, grad.contiguous())
+        ga, gb, gc = _run(ctx.backend, "backward", _backward, a, b, c, ctx.z, grad.contiguous())
         return ga, gb, gc, None, None
 
 
@@ -182,10 +213,48 @@ def _validate(diag, upper, lower, check_finite: bool):
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {want} (diag is {tuple(diag.shape)})")
         if x.device != diag.device:
             raise ValueError(f"{name} is on {x.device}, diag on {diag.device}: put them on one device")
-    if check_finite:
-        for name, x in (("diag", diag), ("upper", upper), ("lower", lower)):
-            if x.numel() and not bool(torch.isfinite(x).all()):
-                raise ValueError(f"{name} contains NaN or inf")
+
+
+def working_range(dtype: torch.dtype) -> tuple[float, float]:
+    """(smallest |Im z|, largest scale) that ``dtype`` carries through the continued fractions.
+
+    Every step takes 1 / w as conj(w) / |w|^2, with |w| >= |Im z| (symmetric T) and |w| at most
+    ``max|diag| + |z| + 2 max|upper * lower| / |Im z|`` (the scale): |w|^2 must neither underflow nor
+    overflow, with a factor 4 of margin either side for the sums and the kernels' 2x2 map products."""
+    f = torch.finfo(dtype)
+    return 4 * math.sqrt(f.tiny), math.sqrt(f.max) / 4
+
+
+def _check_range(a, b, c, z: complex, check_finite: bool) -> None:
+    """Inputs the working precision cannot carry raise ValueError naming the argument and the limit,
+    instead of coming back as NaN. The tensor part (``check_finite``) is one reduction: one
+    synchronisation on a GPU."""
+    lo, hi = working_range(a.dtype)
+    dt = str(a.dtype).removeprefix("torch.")
+    way_out = "pass float64 tensors (.double())" if a.dtype == torch.float32 else "rescale T and z together"
+    if abs(z.imag) < lo:
+        raise ValueError(f"z: |Im z| = {abs(z.imag):.3g} is below {lo:.3g}, the smallest {dt} carries through "
+                         f"1 / |w|^2 (|w| >= |Im z|): {way_out}, or move z further from the real axis")
+    if not check_finite:
+        return
+    zero = a.new_zeros(())
+    peaks = torch.stack([x.abs().amax() if x.numel() else zero for x in (a, b, c, b * c)]).tolist()
+    for name, v in zip(("diag", "upper", "lower"), peaks):
+        if not math.isfinite(v):
+            raise ValueError(f"{name} contains NaN or inf")
+    amax, kmax = peaks[0], peaks[3]
+    scale = amax + abs(z) + 2 * kmax / abs(z.imag)
+    if scale <= hi:
+        return
+    if amax + abs(z) > 2 * kmax / abs(z.imag):
+        what, size = ("diag", f"max|diag| = {amax:.3g}") if amax >= abs(z) else ("z", f"|z| = {abs(z):.3g}")
+    else:
+        kmax = float((b.double() * c.double()).abs().amax())       # past the dtype's range: say how far
+        what, size = "upper, lower", f"max|upper * lower| = {kmax:.3g} with |Im z| = {abs(z.imag):.3g}"
+    here = f"{scale:.3g}" if math.isfinite(scale) else f"beyond {dt}'s range"
+    raise ValueError(f"{what}: {size}; {dt} carries the continued fractions only while max|diag| + |z| + "
+                     f"2 max|upper * lower| / |Im z| <= {hi:.3g} (here {here}): {way_out}, "
+                     f"or scale T and z down together (G scales up by the same factor)")
 
 
 def resolvent_diagonal(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, z,
@@ -194,8 +263,12 @@ def resolvent_diagonal(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
 
     diag [..., N], upper/lower [..., N-1], float32 or float64, any strides (copied to contiguous
     where needed; gradients flow back through views and expands). Returns complex [..., N].
-    Differentiable in diag, upper, lower (exact; gradcheck-tested). ``check_finite`` costs one
-    read of the inputs and, on a GPU, a synchronisation: turn it off inside timed loops.
+    Differentiable in diag, upper, lower (exact; gradcheck-tested).
+
+    Inputs are checked at their own precision (``working_range``): a ``|Im z|`` or a scale of T
+    that the dtype cannot carry raises ValueError naming the argument and the limit. ``check_finite``
+    (the finite and scale checks of the tensors) costs one read of the inputs and, on a GPU, one
+    synchronisation: turn it off inside timed loops.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ChoiceError("backend", backend, BACKENDS)
@@ -211,20 +284,9 @@ def resolvent_diagonal(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
     if a.shape[0] == 0:
         out = bk_reference.COMPLEX_OF[a.dtype]
         return (a.to(out) * 0).reshape(*batch, n)       # keeps the graph for an empty batch
+    _check_range(a, b, c, z, check_finite)
     name = select_backend(backend, a.device)
-    if backend != "auto":
-        return ResolventDiagonal.apply(a, b, c, z, name).reshape(*batch, n)
-    while True:
-        try:
-            return ResolventDiagonal.apply(a, b, c, z, name).reshape(*batch, n)
-        except Exception as e:  # a kernel that builds but fails at its first launch
-            if name in ("torch", "torch_loop"):
-                raise
-            _BROKEN[(name, a.device.type)] = f"{type(e).__name__}: {e}"
-            _READY.discard((name, a.device.type))
-            warnings.warn(f"resolvent_diagonal: backend {name!r} failed ({type(e).__name__}: {e}); "
-                          f"falling back", RuntimeWarning, stacklevel=2)
-            name = select_backend("auto", a.device, _quiet=(name,))
+    return ResolventDiagonal.apply(a, b, c, z, name).reshape(*batch, n)
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:

@@ -1,8 +1,9 @@
-"""Load kernel sources from the repository's ``kernels/`` folder.
+"""Load kernel sources from ``hwlib/kernels/``, which ships inside the package (package data).
 
-``kernels/`` is deliberately not a Python package (PyPI has a package named ``kernels``): Triton
-files are imported by path under a private module name, ``.cu`` files are read as text for
-``hwlib.ops.build``. ``HWLIB_KERNELS`` points elsewhere (an installed copy of hwlib has no kernels/).
+``hwlib/kernels/`` is deliberately not imported as a Python package: Triton files are imported by
+path under a private module name, ``.cu`` and ``.h`` files are read as text for ``hwlib.ops.build``.
+A clone and an installed copy (a wheel, Colab) both find them at ``hwlib.paths.KERNELS_DIR``;
+``HWLIB_KERNELS`` points at another folder (kernels under development).
 """
 
 from __future__ import annotations
@@ -13,20 +14,23 @@ import sys
 from pathlib import Path
 
 from hwlib.device import Unavailable
-from hwlib.results import REPO_ROOT
+from hwlib.paths import KERNELS_DIR
 
 _MODULES: dict = {}
 
 
 def kernels_dir() -> Path:
-    return Path(os.environ.get("HWLIB_KERNELS") or REPO_ROOT / "kernels")
+    """``$HWLIB_KERNELS`` when set, else the package's own ``hwlib/kernels``."""
+    return Path(os.environ.get("HWLIB_KERNELS") or KERNELS_DIR)
 
 
 def kernel_path(filename: str) -> Path:
     p = kernels_dir() / filename
     if not p.is_file():
-        raise Unavailable(f"kernel source {p} not found: run from a clone of the repository "
-                          f"or set HWLIB_KERNELS to its kernels/ folder")
+        where = ("HWLIB_KERNELS=" + os.environ["HWLIB_KERNELS"]) if os.environ.get("HWLIB_KERNELS") else \
+            "the installed package"
+        raise Unavailable(f"kernel source {p} not found (looked in {where}): unset HWLIB_KERNELS or point it "
+                          f"at a folder holding {filename}, or reinstall hwlib (its wheel ships hwlib/kernels/)")
     return p
 
 

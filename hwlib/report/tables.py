@@ -14,8 +14,8 @@ from pathlib import Path
 from .. import results
 from ..paths import REPO_ROOT, run_dir
 from ..query import _num, ladder_rows, workloads_in
-from ..seeds import claims
 from .. import query
+from . import claims
 
 STEP_METRICS = ("ms_per_step", "tokens_per_s", "model_tflops", "mfu", "peak_mem_gib", "final_loss",
                 "compile_s", "first_step_s", "same_math_max_rel", "sdpa_backend")
@@ -246,7 +246,7 @@ def write_all(run=None) -> dict:
             plt.close(fig)
             written[f"{w}.png"] = d / "figures" / f"{w}_ladder.png"
     written["claims.md"] = results.write_atomic(d / "tables" / "claims.md", "# The seeds' claims beside this run's measurements\n\n"
-                                                + claims.markdown(claims.evaluate(d), level=2))
+                                                + claims.run_markdown(d, level=2))
     written["summary.json"] = results.write_json(d / "summary.json", summary(d))
     return written
 
@@ -269,8 +269,8 @@ def readme_block(run) -> str:
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
     lines += ["### The seeds' claims, measured", "",
               "Each claim of the five seed write-ups beside the ratio this run measured for the same change "
-              "(`hwlib/claims.py` says how each is looked up; the verdicts are derived, not typed).", "",
-              claims.markdown(claims.evaluate(run), level=4), ""]
+              "(`hwlib/seeds/data.py` says how each is looked up; the verdicts are derived, not typed).", "",
+              claims.run_markdown(run, level=4), ""]
     lines.append(time_table(run))
     return "\n".join(lines)
 

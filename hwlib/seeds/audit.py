@@ -21,13 +21,13 @@ import inspect
 import sys
 import types
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from ..paths import REPO_ROOT
-from . import claims
+from . import lookup
 
 STATUSES = ("on", "off", "n/a", "unknown")
 # Where the closest workload is not in the run, the next of these that is stands in.
@@ -66,9 +66,6 @@ class AuditReport:
 
     def status(self) -> dict[str, str]:
         return {r.optimization: r.status for r in self.rows}
-
-    def as_dicts(self) -> list[dict]:
-        return [asdict(r) for r in self.rows]
 
     def header(self) -> str:
         gains = (f"Gains: reference run `{self.run}` on {self.gpu or 'an unnamed device'}, workload "
@@ -476,13 +473,13 @@ def _gain(records, workload: str | None, closest: str, opt: str, step: str) -> t
     chain = tuple(dict.fromkeys(chain))
     if opt in _TECHNIQUE:
         t = _TECHNIQUE[opt]
-        cut = claims.measure(claims.Technique("bf16", t, "memory_cut", chain), records)
+        cut = lookup.measure(lookup.Technique("bf16", t, "memory_cut", chain), records)
         if cut["value"] is None:
             return None, cut["reason"] or "not measured"
-        slow = claims.measure(claims.Technique("bf16", t, "slowdown", (cut["workload"],)), records)
+        slow = lookup.measure(lookup.Technique("bf16", t, "slowdown", (cut["workload"],)), records)
         cost = f" at {slow['text']}" if slow["value"] is not None else ""
         return cut["value"], f"{cut['text']}{cost} (13_memory: '{t}' vs 'bf16', {cut['workload']}, {cut['gpu']})"
-    m = claims.measure(claims.Ladder("prev", step, workloads=chain), records)
+    m = lookup.measure(lookup.Ladder("prev", step, workloads=chain), records)
     if m["value"] is None:
         return None, m["reason"] or "not measured"
     return m["value"], f"{m['text']} ({m['to']} vs {m['from']}, {m['workload']}, {m['gpu']})"
@@ -490,8 +487,8 @@ def _gain(records, workload: str | None, closest: str, opt: str, step: str) -> t
 
 def _reference(run):
     from pathlib import Path
-    path = claims.default_run() if run is None else run
-    records = claims.load_records(path)
+    path = lookup.default_run() if run is None else run
+    records = lookup.load_records(path)
     try:
         shown = str(Path(path).resolve().relative_to(REPO_ROOT))
     except (TypeError, ValueError):
@@ -535,7 +532,7 @@ def audit(model, optimizer, loader=None, *, run=None, workload: str | None = Non
             why += f"; {chosen} is not in this run, so {used}'s gains stand in"
     else:
         why = f"no results at {run_name}"
-    gpu = claims.gpu_of(records) if records else None
+    gpu = lookup.gpu_of(records) if records else None
 
     try:
         mine = {id(p) for p in inner.parameters()}

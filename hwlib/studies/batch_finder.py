@@ -7,21 +7,41 @@ import gc
 
 import torch
 
-from .. import precision
-from ..ladder.session import Session
+from .. import precision, results
+from ..device import resolve_device
+from ..ladder.run import run_step
+from ..ladder.session import Session, free
 from ..memory import allocator
 from ..memory.accumulation import OOM_ERRORS
+from ..memory.checks import positive_int
 from ..memory.finder import GiB, FinderResult, search_batch
+from ..profiles import Plan
+from ..steps import Settings
 from ..workloads import get_workload
+from .memory import technique_settings
 
 
-def find_batch_size(workload: str, settings, device: torch.device, *, profile: str = "full", margin: float = 0.1,
-                    start: int = 1, max_batch: int = 1024, steps: int = 2, **config) -> FinderResult:
-    """Largest batch of ``workload`` under ``settings`` that fits this GPU with ``margin`` to spare."""
+def find_batch_size(workload: str, settings: Settings, device: torch.device | str, *, profile: str = "full",
+                    margin: float = 0.1, start: int = 1, max_batch: int = 1024, steps: int = 2,
+                    config: dict | None = None) -> FinderResult:
+    """Largest batch of ``workload`` under ``settings`` that fits this GPU with ``margin`` to spare.
+    ``config`` overrides fields of the workload's config other than the batch, which is searched."""
+    if not isinstance(settings, Settings):
+        raise TypeError(f"settings must be a hwlib.steps.Settings, got {type(settings).__name__}")
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device must be a torch.device or 'cuda', got {type(device).__name__}")
+    device = torch.device(device)
     if device.type != "cuda":
         raise ValueError("find_batch_size measures GPU memory: device must be a CUDA device "
                          "(search_batch takes any measuring function)")
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"config must be a dict of config fields, got {type(config).__name__}")
+    config = dict(config or {})
+    if "batch" in config:
+        raise ValueError("config: 'batch' is what find_batch_size searches; pass start and max_batch instead")
+    steps = positive_int("steps", steps, unit="step")
     wl = get_workload(workload)
+    wl.config(profile, **config)     # a bad profile or field is named now, not as a failed trial
     gc.collect()
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
@@ -55,3 +75,47 @@ def find_batch_size(workload: str, settings, device: torch.device, *, profile: s
         t["peak_alloc_gib"] = allocated.get(t["batch"])     # None for a batch that ran out of memory
     r.allocator = allocator.settings()
     return r
+
+
+def max_batches(workload: str, base_step: str, names: list[str], device: torch.device | str, *, profile: str,
+                margin: float = 0.1, notebook: str = "13_memory", run=None, config: dict | None = None,
+                ) -> dict[str, FinderResult]:
+    """``find_batch_size`` for each technique of the memory study on ``base_step``; each result is
+    recorded as ``max_batch`` on the base step with the field ``technique``."""
+    found = {}
+    for name in names:
+        settings, _ = technique_settings(base_step, name)
+        f = find_batch_size(workload, settings, device, profile=profile, margin=margin, config=config)
+        found[name] = f
+        results.append(results.make_record(
+            notebook=notebook, workload=workload, step=base_step, metric="max_batch", value=f.batch, unit="samples",
+            profile=profile, device=str(torch.device(device).type), fields={"technique": name},
+            params={"margin": margin, "trials": f.trials, "fit": list(f.fit), "predicted_peak_gib": f.predicted_peak_gib,
+                    "measured_peak_gib": f.measured_peak_gib, "allocator": f.allocator}), run)
+    return found
+
+
+def finder_long_run(workload: str, base_step: str, result: FinderResult, *, profile: str, device: str = "cuda",
+                    technique: str = "bf16", steps: int = 50, check: int = 5, notebook: str = "13_memory",
+                    run=None, config: dict | None = None) -> dict:
+    """The finder's batch trained for ``steps`` full steps in a fresh session under ``technique``: its
+    measured reserved peak against the prediction, recorded as ``finder_peak_error`` (relative)."""
+    steps, check = positive_int("steps", steps, unit="step"), positive_int("check", check, unit="step")
+    if check >= steps:
+        raise ValueError(f"check ({check}) must be fewer than steps ({steps}): the rest are timed")
+    settings, _ = technique_settings(base_step, technique)
+    free(resolve_device(device))     # the finder's last trial leaves nothing cached to count against this run
+    r = run_step(workload, base_step, profile=profile, device=device, settings=settings,
+                 plan=Plan(check=check, warmup=0, timed=steps - check),
+                 config={**(config or {}), "batch": result.batch})
+    ok = r.status == "ok" and r.peak_reserved_gib is not None
+    err = r.peak_reserved_gib / result.predicted_peak_gib - 1 if ok else None
+    row = {"batch": result.batch, "steps": len(r.losses), "status": r.status, "reason": r.reason,
+           "predicted_gib": result.predicted_peak_gib, "measured_gib": r.peak_reserved_gib,
+           "allocated_gib": r.peak_mem_gib, "error": err, "allocator": result.allocator}
+    results.append(results.make_record(
+        notebook=notebook, workload=workload, step=base_step, metric="finder_peak_error", value=err, unit="relative",
+        status="failed" if r.status == "ok" and not ok else r.status,
+        reason=r.reason or (None if ok else "no reserved peak measured (a CUDA device has one)"),
+        profile=profile, device=r.device, fields={"technique": technique}, params=row), run)
+    return row

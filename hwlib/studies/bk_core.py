@@ -12,13 +12,16 @@ of the measured copy ceiling says how close to the memory floor a kernel runs.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
 from .. import bench
+from ..results import make_record
 from ..ops.bk_core import resolvent_diagonal
-from ..ops.bk_reference import resolvent_diagonal_dense, resolvent_diagonal_theta_phi
+from ..ops.bk_reference import (backward_loop, forward_loop, resolvent_diagonal_dense,
+                                resolvent_diagonal_theta_phi)
 
 
 def random_inputs(batch: int | tuple, n: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
@@ -54,61 +57,95 @@ def per_call(t: bench.Timing, group: int) -> bench.Timing:
     return bench.Timing.from_samples([s / group for s in t.samples_ms])
 
 
-def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "forward",
-                 dtype=torch.float32, iters: int = 20, warmup: int = 3, group: int | None = None,
-                 kernel_only: bool = False) -> bench.Timing:
-    """Median time of one call (``forward``) or one call and its backward (``forward+backward``).
-    Inputs rotate among enough sets to exceed twice the L2 cache, so DRAM, not L2, is measured.
-    Each timed sample queues ``group`` calls back to back (default 4 for the kernel backends on a
-    GPU, 1 for the torch backends, whose calls take tens of milliseconds), as a training loop does: the Python dispatch of one call (validation, autograd)
-    overlaps the device work of the one before instead of being counted as device time.
-    ``kernel_only`` calls the backend's launcher on prepared contiguous inputs, without the op's
-    validation, dispatch and autograd: the kernel's own time, where a short kernel would otherwise
-    be timed by the host's speed at running that Python."""
-    dev = torch.device(device)
-    if group is None:
-        # Only the kernels are short enough for dispatch to matter; the torch backends take 10s of ms.
-        group = 4 if dev.type == "cuda" and backend in ("triton", "cuda", "auto") else 1
-    per_set = min_bytes(batch, n, dtype, direction)
-    sets = max(1, math.ceil(2 * 64 * 2**20 / per_set))
-    inputs = [random_inputs(batch, n, dtype=dtype, device=dev, seed=i) for i in range(min(sets, 8))]
-    if kernel_only:
-        from ..ops.bk_core import _backward, _forward, select_backend
-        if backend in ("auto", "torch_loop"):
-            raise ValueError(f"kernel_only times one named kernel backend, got {backend!r}")
-        select_backend(backend, dev)   # builds it, or raises Unavailable with the reason
-        cplx = torch.complex64 if dtype == torch.float32 else torch.complex128
-        grads = [torch.randn(batch, n, dtype=cplx, device=dev) for _ in inputs]
+DIRECTIONS = ("forward", "forward+backward")
+Z = 1j                       # the timed calls' z (the model's)
 
+
+def _timed_call(backend: str, direction: str, inputs: list, grads: list, kernel_only: bool):
+    """fn(i): one call on input set i (rotating), returning what it computed: G forward, the three
+    gradients forward+backward."""
+    from ..ops.bk_core import _backward, _forward
+    if kernel_only:
         def fn(i):
             a, b, c = inputs[i % len(inputs)]
-            g = _forward(backend, a, b, c, 1j)
-            if direction == "forward+backward":
-                return _backward(backend, a, b, c, 1j, grads[i % len(inputs)])
-            return g
-        if direction not in ("forward", "forward+backward"):
-            raise ValueError(f"direction must be 'forward' or 'forward+backward', got {direction!r}")
+            g = _forward(backend, a, b, c, Z)
+            return _backward(backend, a, b, c, Z, grads[i % len(inputs)]) if direction != "forward" else g
     elif direction == "forward":
         def fn(i):
             a, b, c = inputs[i % len(inputs)]
             with torch.no_grad():
-                return resolvent_diagonal(a, b, c, 1j, backend=backend, check_finite=False)
-    elif direction == "forward+backward":
+                return resolvent_diagonal(a, b, c, Z, backend=backend, check_finite=False)
+    else:
         leaves = [tuple(t.clone().requires_grad_(True) for t in s) for s in inputs]
-        grads = [torch.randn(batch, n, dtype=torch.complex64 if dtype == torch.float32 else torch.complex128,
-                             device=dev) for _ in leaves]
 
         def fn(i):
             a, b, c = leaves[i % len(leaves)]
-            g = resolvent_diagonal(a, b, c, 1j, backend=backend, check_finite=False)
+            g = resolvent_diagonal(a, b, c, Z, backend=backend, check_finite=False)
             return torch.autograd.grad(g, (a, b, c), grads[i % len(leaves)])
+    return fn
+
+
+def check_output(backend: str, direction: str, out, a, b, c, grad, rows: int = 4) -> float:
+    """The timed call's output against the float64 loop reference on its first ``rows`` sequences;
+    returns the relative error, raises RuntimeError past the dtype's tolerance: a time is only
+    worth recording for a call that computes G."""
+    k = min(rows, a.shape[0])
+    a64, b64, c64 = (x[:k].detach().cpu().double() for x in (a, b, c))
+    if direction == "forward":
+        got, want = [out[:k]], [forward_loop(a64, b64, c64, Z)]
     else:
+        got = [x[:k] for x in out]
+        want = list(backward_loop(a64, b64, c64, Z, grad[:k].cpu().to(torch.complex128)))
+    tol = 1e-3 if a.dtype == torch.float32 else 1e-9
+    err = 0.0
+    for x, ref in zip(got, want):
+        if ref.numel():
+            diff = (x.detach().cpu().to(ref.dtype) - ref).abs().max()
+            err = max(err, float(diff / ref.abs().max().clamp_min(1e-300)))
+    if not err <= tol:                   # also NaN
+        raise RuntimeError(f"time_backend: backend {backend!r} ({direction}) differs from the float64 reference "
+                           f"by {err:.2e} (tolerance {tol:g}): its timing would be of a wrong result")
+    return err
+
+
+def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "forward",
+                 dtype=torch.float32, iters: int = 20, warmup: int = 3, group: int | None = None,
+                 kernel_only: bool = False, verify: bool = True) -> bench.Timing:
+    """Median time of one call (``forward``) or one call and its backward (``forward+backward``).
+    Inputs rotate among enough sets to exceed twice the L2 cache, so DRAM, not L2, is measured.
+    Each timed sample queues ``group`` calls back to back (default 4 for the kernel backends on a
+    GPU, 1 for the torch backends, whose calls take tens of milliseconds), as a training loop does:
+    the Python dispatch of one call (validation, autograd) overlaps the device work of the one
+    before instead of being counted as device time. ``kernel_only`` calls the backend's launcher on
+    prepared contiguous inputs, without the op's validation, dispatch and autograd: the kernel's own
+    time, where a short kernel would otherwise be timed by the host's speed at running that Python.
+    ``verify`` checks the timed call's output against the float64 reference (``check_output``)."""
+    from ..ops.bk_core import select_backend
+    if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'forward' or 'forward+backward', got {direction!r}")
+    if kernel_only and backend in ("auto", "torch_loop"):
+        raise ValueError(f"kernel_only times one named kernel backend, got {backend!r}")
+    dev = torch.device(device)
+    if group is None:
+        # Only the kernels are short enough for dispatch to matter; the torch backends take 10s of ms.
+        group = 4 if dev.type == "cuda" and backend in ("triton", "cuda", "auto") else 1
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    if kernel_only:
+        select_backend(backend, dev)   # builds it, or raises Unavailable with the reason
+    sets = max(1, math.ceil(2 * 64 * 2**20 / min_bytes(batch, n, dtype, direction)))
+    inputs = [random_inputs(batch, n, dtype=dtype, device=dev, seed=i) for i in range(min(sets, 8))]
+    cplx = torch.complex64 if dtype == torch.float32 else torch.complex128
+    grads = [torch.randn(batch, n, dtype=cplx, device=dev) for _ in inputs]
+    fn = _timed_call(backend, direction, inputs, grads, kernel_only)
 
     def fn_group(i):
         for j in range(group):
             fn(i * group + j)
-    return per_call(bench.time_fn(fn_group, dev, warmup=warmup, iters=iters), group)
+    t = per_call(bench.time_fn(fn_group, dev, warmup=warmup, iters=iters), group)
+    if verify:
+        check_output(backend, direction, fn(0), *inputs[0], grads[0])
+    return t
 
 
 def cusparse_gtsv_timing(batch: int, n: int, *, iters: int = 20, group: int = 4) -> bench.Timing:
@@ -206,3 +243,155 @@ def seed_mixed_precision(ns: list[int], *, batch: int = 4, seed: int = 0, potent
                                              division_dtype=torch.complex128)
         rows.append({"N": n, "scheme": "theta/phi complex64, division complex128 (seed)", "rel_err": rel_err(mixed, ref)})
     return rows
+
+
+# --- the notebook's grid: rows, then records (workload "bk_core", x-values in fields) -----------------
+
+NOTEBOOK = "12_bk_core"
+CUSPARSE = "cuSPARSE gtsv2StridedBatch (1 RHS)"
+
+
+def correctness_rows(backends: list[str], device, *, seed: int = 0) -> list[dict]:
+    """Every backend on fresh random inputs (asymmetric b, c; odd N; batch shapes; Im z from 1 down
+    to 0.01; float32 and float64) against the float64 dense inverse and SciPy's banded solver."""
+    dev = torch.device(device)
+    rng = torch.Generator().manual_seed(seed)
+    rows = []
+    for be in backends:
+        for (shape, n), zi, dt in itertools.product([((), 1), ((3,), 2), ((2, 5), 17), ((3,), 257)],
+                                                    [1.0, 0.1, 0.01], [torch.float32, torch.float64]):
+            if be == "triton" and dev.type != "cuda" and n > 17:
+                continue   # the interpreter is slow; small sizes prove the indexing
+            a, b, c = random_inputs(shape, n, dtype=torch.float64, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+            z = complex(0.3, zi)
+            out = resolvent_diagonal(*(t.to(dev, dt) for t in (a, b, c)), z, backend=be)
+            rows.append({"backend": be, "dtype": str(dt).removeprefix("torch."), "shape": str(shape), "N": n,
+                         "Im z": zi, "err vs dense": rel_err(out, resolvent_diagonal_dense(a, b, c, z)),
+                         "err vs SciPy": rel_err(out, scipy_diag_inverse(a, b, c, z))})
+    return rows
+
+
+def worst_errors(rows: list[dict]) -> list[dict]:
+    """The worst error of each (backend, dtype) in ``correctness_rows``."""
+    worst: dict = {}
+    for r in rows:
+        k = (r["backend"], r["dtype"])
+        worst[k] = max(worst.get(k, 0.0), r["err vs dense"], r["err vs SciPy"])
+    return [{"backend": k[0], "dtype": k[1], "worst relative error": v} for k, v in worst.items()]
+
+
+def gradient_rows(backends: list[str], device, *, seed: int = 7, n: int = 13) -> list[dict]:
+    """Each backend's exact backward against autograd through the dense inverse (float64, odd N)."""
+    dev = torch.device(device)
+    rows = []
+    for be in backends:
+        a, b, c = (t.to(dev).requires_grad_(True) for t in random_inputs((2,), n, dtype=torch.float64, seed=seed))
+        w = torch.randn(2, n, dtype=torch.complex128, generator=torch.Generator().manual_seed(seed)).to(dev)
+        got = torch.autograd.grad(resolvent_diagonal(a, b, c, 0.5j, backend=be), (a, b, c), w)
+        want = torch.autograd.grad(resolvent_diagonal_dense(a, b, c, 0.5j), (a, b, c), w)
+        rows.append({"backend": be, "max relative error of (da, db, dc)": max(rel_err(g, h) for g, h in zip(got, want))})
+    return rows
+
+
+def _row(backend: str, batch: int, n: int, direction: str, t: bench.Timing, nbytes: int) -> dict:
+    return {"backend": backend, "B": batch, "N": n, "direction": direction, "ms": t.median_ms, "p20": t.p20_ms,
+            "p80": t.p80_ms, "GB/s": nbytes / (t.median_ms / 1e3) / 1e9}
+
+
+def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loop_iters: int = 3) -> list[dict]:
+    """Each backend (and on a GPU each kernel alone) at each (B, N) and direction; the Python loop
+    (``torch_loop``) at the first size only; on a GPU one cuSPARSE solve of that size. Every timed
+    call's output is checked against the float64 reference first (``time_backend``)."""
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda"
+    rows = []
+    for (B, N), d in itertools.product(sizes, DIRECTIONS):
+        for be in [b for b in backends if b != "torch_loop" and (on_gpu or b != "triton")]:
+            iters = (5 if be == "torch" else 20) if on_gpu else 3   # the torch scan takes 10s of ms a call
+            rows.append(_row(be, B, N, d, time_backend(be, B, N, dev, direction=d, iters=iters), min_bytes(B, N, direction=d)))
+            if on_gpu and be in ("cuda", "triton"):   # the launcher alone: no validation, dispatch or autograd
+                t = time_backend(be, B, N, dev, direction=d, iters=20, kernel_only=True)
+                rows.append(_row(f"{be} (kernel alone)", B, N, d, t, min_bytes(B, N, direction=d)))
+    B0, N0 = sizes[0]
+    if "torch_loop" in backends:
+        for d in DIRECTIONS:
+            t = time_backend("torch_loop", B0, N0, dev, direction=d, iters=loop_iters, warmup=1)
+            rows.append(_row("torch_loop", B0, N0, d, t, min_bytes(B0, N0, direction=d)))
+    if on_gpu:
+        try:
+            rows.append(_row(CUSPARSE, B0, N0, "solve", cusparse_gtsv_timing(B0, N0), 5 * 4 * B0 * N0))
+        except RuntimeError as e:
+            print("cuSPARSE reference not measured:", e)
+    return rows
+
+
+def add_share_of_copy(rows: list[dict], copy_gbps: float | None) -> list[dict]:
+    """Each row's GB/s as a share of the measured copy ceiling; None (n/a) without a ceiling."""
+    for r in rows:
+        r["share of copy"] = r["GB/s"] / copy_gbps if copy_gbps else None
+    return rows
+
+
+def speed_records(rows: list[dict], *, profile: str, device: str) -> list[dict]:
+    """Records of ``speed_rows``: metric "<direction>_ms" ("solve_ms" for cuSPARSE), step None,
+    fields {"backend", "B", "N"}."""
+    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric=f"{r['direction']}_ms",
+                        value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile, device=device,
+                        fields={"backend": r["backend"], "B": r["B"], "N": r["N"]},
+                        params={"gbps": r["GB/s"], "share_of_copy": r.get("share of copy")}) for r in rows]
+
+
+def first_failing_n(acc: list[dict], tol: float = 1e-4) -> dict[str, int | None]:
+    """The first N at which the seed's theta/phi recursion misses ``tol``, per complex dtype."""
+    return {dt: min((r["N"] for r in acc if r["method"] == "theta/phi (seed)" and r["dtype"] == dt
+                     and not r["rel_err"] < tol), default=None) for dt in ("complex64", "complex128")}
+
+
+def first_failing_records(first_bad: dict, *, profile: str, device: str) -> list[dict]:
+    """metric "theta_phi_first_failing_N", fields {"dtype"}; a dtype that never failed is recorded
+    as n/a with the reason, not as a number."""
+    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric="theta_phi_first_failing_N",
+                        value=v, unit="N", profile=profile, device=device, fields={"dtype": dt},
+                        status="ok" if v is not None else "n/a",
+                        reason=None if v is not None else "no failing N in the measured range")
+            for dt, v in first_bad.items()]
+
+
+def best(rows: list[dict], direction: str, batch: int, n: int) -> dict | None:
+    """The fastest op-level row (no loop, no kernel-alone, no cuSPARSE) of a direction and size."""
+    c = [r for r in rows if r["direction"] == direction and r["B"] == batch and r["N"] == n
+         and r["backend"] in ("torch", "triton", "cuda", "auto")]
+    return min(c, key=lambda r: r["ms"]) if c else None
+
+
+def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
+    """The targets at (batch, n): each {target, value, unit, measured (text), met}; met None (n/a)
+    where what it needs was not measured (e.g. no copy ceiling in this run)."""
+    f, fb = best(rows, "forward", batch, n), best(rows, "forward+backward", batch, n)
+    loop = next((r for r in rows if r["backend"] == "torch_loop" and r["direction"] == "forward+backward"
+                 and r["B"] == batch and r["N"] == n), None)
+    cus = next((r for r in rows if r["backend"] == CUSPARSE and r["B"] == batch and r["N"] == n), None)
+    out = []
+    if f:
+        share = f.get("share of copy")
+        out.append({"target": "best forward >= 60% of copy bandwidth", "value": share, "unit": "share of copy",
+                    "measured": f"{f['backend']}: " + (f"{share:.1%}" if share is not None else "n/a (no copy ceiling)"),
+                    "met": None if share is None else share >= 0.6})
+    if f and cus:
+        x = cus["ms"] / f["ms"]
+        out.append({"target": "forward >= 3x faster than one cuSPARSE gtsv2StridedBatch solve", "value": x,
+                    "unit": "x", "measured": f"{x:.2f}x ({f['ms']:.3f} vs {cus['ms']:.3f} ms)", "met": x >= 3})
+    if fb and loop:
+        x = loop["ms"] / fb["ms"]
+        out.append({"target": "forward+backward >= 300x faster than the torch loop", "value": x, "unit": "x",
+                    "measured": f"{x:.0f}x ({fb['backend']} {fb['ms']:.2f} ms vs {loop['ms']:.0f} ms)", "met": x >= 300})
+    return out
+
+
+def target_records(tgts: list[dict], *, profile: str, device: str) -> list[dict]:
+    """metric "target", fields {"target": text}, value = the measured number, status ok / failed
+    (n/a where it could not be judged)."""
+    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric="target", value=t["value"],
+                        unit=t["unit"], profile=profile, device=device, fields={"target": t["target"]},
+                        status="n/a" if t["met"] is None else "ok" if t["met"] else "failed",
+                        reason="not measured in this run" if t["met"] is None else None) for t in tgts]

@@ -18,9 +18,12 @@ from ..device import ChoiceError, resolve_device
 from ..ladder.run import run_step
 from ..ladder.same_math import compare_curves
 from ..ladder.session import Session
+from ..memory.accumulation import ResilientStep
+from ..memory.checks import positive_int
+from ..memory.offload import BUCKET_PARAMS
 from ..memory.tracker import MemoryTracker
 from ..profiles import Plan, resolve_profile
-from ..steps import get_step, settings_for
+from ..steps import Settings, get_step, settings_for
 from ..workloads import get_workload
 from ..workloads.checkpointing import parse_checkpointing
 
@@ -39,6 +42,12 @@ TECHNIQUES: dict[str, tuple[dict, int]] = {
 }
 
 
+def _config(config) -> dict:
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"config must be a dict of workload config fields, got {type(config).__name__}")
+    return dict(config or {})
+
+
 def technique_settings(base_step: str, name: str):
     if name not in TECHNIQUES:
         raise ChoiceError("technique", name, tuple(TECHNIQUES))
@@ -51,7 +60,11 @@ def measure_techniques(workload: str, base_step: str, names: list[str], *, profi
                        config: dict | None = None) -> list[dict]:
     """One row per technique (time, peaks, check losses, ratios to bf16) and its records, keyed by
     the field ``technique`` on the base step."""
-    config = dict(config or {})
+    config = _config(config)
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"names must be a list of technique names, got {names!r}")
+    for name in names:          # every name checked before the first measurement
+        technique_settings(base_step, name)
     rows, base = [], None
     wl = get_workload(workload)
     parts = wl.checkpoint_parts
@@ -112,8 +125,9 @@ def same_math_tolerance(base_step: str) -> float:
 def phase_profile(workload: str, settings, *, profile: str, device, steps: int = 3, seed: int = 0,
                   config: dict | None = None) -> list[dict]:
     """Allocated/reserved memory per phase (forward, backward, optimizer) over a few steps."""
+    steps = positive_int("steps", steps, unit="step")
     dev = resolve_device(device)
-    cfg = get_workload(workload).config(resolve_profile(profile, dev), **(config or {}))
+    cfg = get_workload(workload).config(resolve_profile(profile, dev), **_config(config))
     sess = Session(workload, cfg, settings, dev, seed)
     tracker = MemoryTracker(dev)
     try:
@@ -132,3 +146,93 @@ def phase_profile(workload: str, settings, *, profile: str, device, steps: int =
     finally:
         sess.close()
     return tracker.table()
+
+
+def _simulated_oom(forward_backward, fits: int):
+    """``forward_backward`` on a device that holds ``fits`` samples: larger micro-batches raise the
+    out-of-memory error a GPU would (a CPU has no device memory to run out of)."""
+    def fb(mb, weight):
+        if mb[0].shape[0] > fits:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: this device fits {fits} samples)")
+        return forward_backward(mb, weight)
+    return fb
+
+
+def resilient_steps(workload: str, base_step: str, batch: int, *, profile: str, device, steps: int = 3,
+                    simulate_fits: int | None = None, seed: int = 0, notebook: str = "13_memory", run=None,
+                    config: dict | None = None) -> tuple[ResilientStep, list[float]]:
+    """``steps`` training steps of ``batch`` samples through ``ResilientStep.for_session``, starting with
+    the whole batch as one micro-batch: on out-of-memory it halves the micro-batch and retries, the
+    batch unchanged. ``simulate_fits`` simulates a device that fits that many samples (CPU). Recorded as
+    ``oom_events`` on the base step with the field ``technique: resilient``."""
+    batch, steps = positive_int("batch", batch), positive_int("steps", steps, unit="step")
+    dev = resolve_device(device)
+    settings = settings_for(base_step)
+    cfg = get_workload(workload).config(resolve_profile(profile, dev), **{**_config(config), "batch": batch})
+    sess = Session(workload, cfg, settings, dev, seed)
+    try:
+        with sess.precision():
+            rs = ResilientStep.for_session(sess, micro_batch=batch)
+            if simulate_fits is not None:
+                rs.forward_backward = _simulated_oom(rs.forward_backward, positive_int("simulate_fits", simulate_fits))
+            losses = [rs(sess.batches(i), step=i).item() for i in range(steps)]
+    finally:
+        sess.close()
+    results.append(results.make_record(
+        notebook=notebook, workload=workload, step=base_step, metric="oom_events", value=len(rs.events), unit="events",
+        profile=profile, device=dev.type, fields={"technique": "resilient"},
+        params={"batch": batch, "final_micro_batch": rs.micro, "real_oom": simulate_fits is None,
+                "losses": losses}), run)
+    return rs, losses
+
+
+def _target(workload: str, text: str, value: float, shown: str, met: bool) -> dict:
+    return {"workload": workload, "target": text, "value": value, "measured": shown, "met": met}
+
+
+def memory_targets(workload: str, rows: list[dict], *, profile: str, long_run: dict | None = None,
+                   bucket_params: int = BUCKET_PARAMS) -> list[dict]:
+    """The study's rows (``measure_techniques``) against the targets for a model on a GPU: each
+    checkpointing setting cuts peak memory by >= 40% at <= 35% extra step time; offload keeps >= 60%
+    of the speed and frees the AdamW moments (8 bytes a parameter, less two buckets of staging); the
+    finder's batch runs its long run within 10% of the predicted peak."""
+    r = {x["technique"]: x for x in rows}
+    bf, off = r["bf16"], r.get("bf16 + offload")
+    if not bf.get("peak_alloc_gib"):
+        raise ValueError("memory_targets needs the peaks a GPU measures: the bf16 row has none")
+    out = []
+    for name in [k for k in r if "checkpointing" in k and "offload" not in k and "accumulation" not in k]:
+        ck = r[name]
+        if ck["status"] != "ok":
+            continue
+        cut, extra = 1 - ck["peak_alloc_gib"] / bf["peak_alloc_gib"], ck["time_vs_bf16"] - 1
+        out += [_target(workload, f"{name}: peak memory cut >= 40%", cut, f"{cut:.1%}", cut >= 0.40),
+                _target(workload, f"{name}: <= 35% extra step time", extra, f"{extra:+.1%}", extra <= 0.35)]
+    if off is not None and off["status"] == "ok":
+        wl = get_workload(workload)
+        n_params = sum(p.numel() for p in wl.build(wl.config(profile), Settings(), 0).parameters())
+        states, staging = 8 * n_params / 2**30, 2 * 2 * 4 * bucket_params / 2**30
+        freed = bf["peak_alloc_gib"] - off["peak_alloc_gib"]
+        out += [_target(workload, "offload keeps >= 60% of the step speed", off["speed_vs_bf16"],
+                        f"{off['speed_vs_bf16']:.1%}", off["speed_vs_bf16"] >= 0.60),
+                _target(workload, f"offload frees the AdamW moments: 8 B/param = {states:.2f} GiB", freed,
+                        f"{freed:.2f} GiB of peak freed (two buckets' staging stays: {staging:.3f} GiB)",
+                        freed >= 0.95 * (states - staging))]
+    if long_run and long_run.get("error") is not None:
+        e = long_run["error"]
+        out.append(_target(workload, "finder's batch: 50 steps, peak within 10% of prediction", e,
+                           f"{long_run['steps']} steps, {e:+.1%}", abs(e) <= 0.10))
+    return out
+
+
+def record_targets(targets: list[dict], *, base_step: str, profile: str, device, notebook: str = "13_memory",
+                   run=None) -> list[dict]:
+    """Each target as metric ``target`` on the base step, fields {"target": text}, value the measured
+    number, status ok or failed."""
+    recs = [results.make_record(notebook=notebook, workload=t["workload"], step=base_step, metric="target",
+                                value=t["value"], unit="", status="ok" if t["met"] else "failed", profile=profile,
+                                device=resolve_device(device).type, fields={"target": t["target"]},
+                                params={"measured": t["measured"]}) for t in targets]
+    if recs:
+        results.append(recs, run)
+    return recs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -15,7 +16,6 @@ def init_lm_weights(model: torch.nn.Module, seed: int, vocab: int, n_layer: int,
     ending in ``residual_out``), zero biases, unit LayerNorm gains. Padded vocabulary rows of
     ``wte`` start at zero; with the padded logits sliced off before the loss they get no gradient,
     so a padded model computes the unpadded model's function."""
-    import math
     g = torch.Generator().manual_seed(seed)
     std_proj = 0.02 / math.sqrt(2 * n_layer)
     with torch.no_grad():
@@ -40,6 +40,18 @@ def check_positive_ints(cfg, names: tuple[str, ...]) -> None:
         v = getattr(cfg, f)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{type(cfg).__name__}.{f} must be a positive integer, got {v!r}")
+
+
+def check_finite_numbers(cfg, positive: tuple[str, ...] = ("lr",), non_negative: tuple[str, ...] = ("weight_decay",)) -> None:
+    """Every config field in ``positive`` is a finite number > 0, every one in ``non_negative`` a
+    finite number >= 0, or a ValueError names the field. Strings ("0.1"), bools, NaN and inf are
+    refused: a NaN learning rate trains to NaN losses, and a string fails deep inside the optimizer."""
+    for names, need, ok in ((positive, "positive", lambda v: v > 0), (non_negative, "non-negative", lambda v: v >= 0)):
+        for f in names:
+            v = getattr(cfg, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"{type(cfg).__name__}.{f} must be a finite {need} number, got {v!r} "
+                                 f"({type(v).__name__}); pass e.g. {f}={getattr(type(cfg), f, 1e-3)!r}")
 
 
 class Workload:

@@ -64,7 +64,7 @@ from ..data import nli as nli_data
 from ..data.loader import LoaderBatches, StepSampler
 from ..shapes import padded
 from ..steps import Settings
-from .base import Workload, check_positive_ints
+from .base import Workload, check_finite_numbers, check_positive_ints
 from .checkpointing import parse_checkpointing
 
 
@@ -102,12 +102,7 @@ class EncoderNLIConfig:
         if self.n_words > (self.vocab - nli_data.N_RESERVED - 2) // 2:
             raise ValueError(f"EncoderNLIConfig.n_words ({self.n_words}) must be at most half the hashed "
                              f"vocabulary, {(self.vocab - nli_data.N_RESERVED - 2) // 2} for vocab {self.vocab}")
-        for f, lo in (("lr", 0.0), ("init_std", 0.0), ("weight_decay", None)):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < 0 or (lo is not None and v <= lo):
-                need = "positive" if lo is not None else "non-negative"
-                raise ValueError(f"EncoderNLIConfig.{f} must be a finite {need} number, got {v!r}")
+        check_finite_numbers(self, positive=("lr", "init_std"))
 
 
 PROFILES = {

@@ -26,7 +26,8 @@ import torch.utils.checkpoint
 from ..shapes import padded
 from ..steps import Settings
 from .checkpointing import HEAD_CHUNK, parse_checkpointing
-from .base import TokenLMWorkload, check_positive_ints, init_lm_weights
+from .base import TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
+from .blocks import PreNormBlock
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class GPTConfig:
 
     def __post_init__(self):
         check_positive_ints(self, ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"))
+        check_finite_numbers(self)
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
 
@@ -78,18 +80,9 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, attention: str):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg, attention)
-        self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.mlp_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))
+def gpt_block(cfg: GPTConfig, attention: str) -> PreNormBlock:
+    """A GPT-2 block: causal self-attention as the mixer of the shared pre-LayerNorm block."""
+    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention), "attn")
 
 
 class GPT(nn.Module):
@@ -102,7 +95,7 @@ class GPT(nn.Module):
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, attention) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(gpt_block(cfg, attention) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "GPT":

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from ..shapes import padded
 from ..steps import Settings
-from .base import TokenLMWorkload, check_positive_ints, init_lm_weights
+from .base import TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
+from .blocks import PreNormBlock
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class BKConfig:
 
     def __post_init__(self):
         check_positive_ints(self, ("n_layer", "n_head", "d_model", "context", "vocab", "batch", "data_tokens"))
-        if not self.z_imag > 0:
-            raise ValueError(f"BKConfig.z_imag must be > 0 (z on the real axis hits the spectrum), got {self.z_imag}")
+        # z_imag > 0: z on the real axis hits the spectrum of T.
+        check_finite_numbers(self, positive=("lr", "z_imag"))
 
 
 PROFILES = {
@@ -82,18 +83,9 @@ def _bk(a, b, c, z, backend):
         return resolvent_diagonal(a, b, c, z, backend=backend)
 
 
-class BKBlock(nn.Module):
-    def __init__(self, cfg: BKConfig, backend: str):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model)
-        self.mix = BKMixer(cfg, backend)
-        self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.mlp_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
-
-    def forward(self, x):
-        x = x + self.mix(self.ln_1(x))
-        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))
+def bk_block(cfg: BKConfig, backend: str) -> PreNormBlock:
+    """A ResNet-BK block: the BK-Core mixer in the pre-LayerNorm block GPT also uses."""
+    return PreNormBlock(cfg.d_model, lambda: BKMixer(cfg, backend), "mix")
 
 
 class ResNetBK(nn.Module):
@@ -103,7 +95,7 @@ class ResNetBK(nn.Module):
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(BKBlock(cfg, backend) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(bk_block(cfg, backend) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "ResNetBK":

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..steps import Settings
-from .base import Workload, check_positive_ints
+from .base import Workload, check_finite_numbers, check_positive_ints
 from .checkpointing import parse_checkpointing
 
 IMAGE, PATCH, IN_CHANNELS, CLASSES = 32, 4, 3, 10
@@ -73,12 +73,7 @@ class VitBDHConfig:
         check_positive_ints(self, ("n_layer", "n_head", "d_model", "n_neuron", "batch", "data_images"))
         if self.n_neuron % 2:
             raise ValueError(f"VitBDHConfig.n_neuron ({self.n_neuron}) must be even: RoPE rotates pairs of neurons")
-        for f in ("lr", "weight_decay"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0 \
-                    or (f == "lr" and v == 0):
-                bound = "> 0" if f == "lr" else ">= 0"
-                raise ValueError(f"VitBDHConfig.{f} must be a finite number {bound}, got {v!r}")
+        check_finite_numbers(self)
         if self.data_images < self.batch:
             raise ValueError(f"VitBDHConfig.data_images ({self.data_images}) must hold at least one batch "
                              f"({self.batch})")

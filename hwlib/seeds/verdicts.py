@@ -1,0 +1,111 @@
+"""Each seed claim's verdict beside what a run measured for the same change.
+
+=================  ===========================================================================
+``holds``          the measured gain reaches the claim's lower bound, beyond the timings' spread
+                   (or the cost stays within the claimed cost)
+``partly``         a real gain (beyond the p20-p80 spread of the two timings), below the claim
+``within noise``   the measured ratio lies inside the p20-p80 spread of the two timings: no
+                   difference this run can resolve, whatever the claim
+``fails``          no gain, or a loss, or a cost above the one claimed
+``premise fails``  the claimed change did not run, or does not do what the claim says; the
+                   measured column then shows what the change does when it does run
+``not measured``   the run lacks the step, or the lab lacks the hardware or workload; the note
+                   says which
+=================  ===========================================================================
+
+A run made on a CPU (the smoke profile) yields no verdict on a GPU claim: its ratios are shown,
+its verdicts are ``not measured``.
+"""
+
+from __future__ import annotations
+
+from .data import CLAIMS, SEEDS, Claim
+from .lookup import Measured, RunRecords, fmt_measured, load_records, measure_one, quantity_of
+
+VERDICTS = ("holds", "partly", "within noise", "fails", "premise fails", "not measured")
+
+
+def verdict(quantity: str, measured: float | None, bound: float | None, noise: float = 0.0) -> str:
+    """The verdict of a measured value against a claim (premise checks aside).
+
+    ``speed``: within noise when the ratio is above 1 by no more than the timings' spread
+    (``noise``: the wider relative p20-p80 half-spread of the two); else holds at or above
+    ``bound``, partly for a gain below it, fails for none. ``memory_cut``: holds at or above
+    ``bound``, partly for any cut below it, else fails. ``slowdown`` (a claimed cost): holds at or
+    below ``bound``, else fails. ``survived``: holds from one event on. Without a bound, any real
+    gain holds."""
+    if measured is None:
+        return "not measured"
+    if quantity == "speed":
+        if 1.0 < measured <= 1.0 + noise:
+            return "within noise"
+        if bound is None:
+            return "holds" if measured > 1.0 else "fails"
+        return "holds" if measured >= bound else "partly" if measured > 1.0 else "fails"
+    if quantity == "memory_cut":
+        if bound is None:
+            return "holds" if measured > 0 else "fails"
+        return "holds" if measured >= bound else "partly" if measured > 0 else "fails"
+    if quantity == "slowdown":
+        return "holds" if bound is None or measured <= bound else "fails"
+    if quantity == "survived":
+        return "holds" if measured >= 1 else "fails"
+    return "not measured"
+
+
+def judge(c: Claim, m: Measured) -> tuple[str, list[str]]:
+    """A claim's verdict on what was measured, with the notes that explain it."""
+    q = quantity_of(c.measure)
+    notes = [c.premise] if c.premise else []
+    if c.premise:
+        return "premise fails", notes
+    if q == "first_failing_n":
+        if m.value is not None and m.value <= c.bound:
+            return "premise fails", notes
+        if m.value is not None:
+            notes.append(f"the recursion holds to N = {m.value:.0f}; its speed is not measured")
+        return "not measured", notes
+    if m.value is None or m.reason:
+        return "not measured", notes
+    if m.kind and m.kind != "cuda":
+        return "not measured", notes + [f"measured on {m.kind} (smoke check): no verdict on a GPU claim"]
+    if q == "survived" and m.extra.get("real_oom") is False:
+        return "not measured", notes + ["the OOM was simulated, not a real CUDA out-of-memory error"]
+    v = verdict(q, m.value, c.bound, m.noise)
+    if v == "within noise":
+        notes.append(f"within the timings' p20-p80 spread (+/-{m.noise:.0%})")
+    return v, notes
+
+
+def _also(run: RunRecords, c: Claim, m: Measured) -> list[str]:
+    """The numbers of a claim's side lookups, as notes."""
+    out = []
+    for label, lk in c.also:
+        am = measure_one(run, lk, SEEDS[c.seed].workloads)
+        if am.value is not None:
+            where = f" on {am.workload}" if am.workload and am.workload != m.workload else ""
+            out.append(f"{label}{where}: {fmt_measured(quantity_of(lk), am.value)}")
+    return out
+
+
+def evaluate(run=None) -> list[dict]:
+    """One row per claim: seed, claim, claimed, measured, workload, gpu, verdict, note (and
+    compares, from/to, measured_text, quantity). ``run``: a run name or folder as
+    ``query.load`` takes it, or a list of records."""
+    r = RunRecords(load_records(run))
+    rows = []
+    for c in CLAIMS:
+        q = quantity_of(c.measure)
+        m = measure_one(r, c.measure, SEEDS[c.seed].workloads)
+        v, notes = judge(c, m)
+        if m.reason:
+            notes.append(m.reason)
+        notes += m.notes
+        if c.note:
+            notes.append(c.note)
+        notes += _also(r, c, m)
+        rows.append({"seed": c.seed, "claim": c.claim, "claimed": c.claimed, "compares": c.compares,
+                     "measured": m.value, "measured_text": fmt_measured(q, m.value), "quantity": q,
+                     "workload": m.workload, "gpu": m.gpu if m.value is not None else None,
+                     "from": m.frm, "to": m.to, "verdict": v, "note": "; ".join(n for n in notes if n)})
+    return rows

@@ -1,0 +1,112 @@
+"""The kernel sources ship inside the wheel, and an installed copy of hwlib, run outside the clone,
+finds and uses them (Colab installs hwlib; a clone is not there).
+
+The wheel is built from a copy of what the build reads, so the build never writes ``build/`` or
+``*.egg-info`` into the clone that other processes may be using."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hwlib.ops import sources
+from hwlib.paths import KERNELS_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_FILES = ("bk_core.cu", "bk_core.h", "bk_core_triton.py")
+
+
+def _pip(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """hwlib's wheel, built offline (no index, no build isolation: the running setuptools builds it)."""
+    missing = [m for m in ("pip", "setuptools") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed here: `pip wheel --no-build-isolation` cannot "
+                    f"build offline (install them, or build with network access)")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(ROOT / "hwlib", src / "hwlib", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
+    r = _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp / "dist"), str(src),
+             cwd=tmp)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    (whl,) = (tmp / "dist").glob("hwlib-*.whl")
+    return whl
+
+
+def test_the_wheel_holds_the_kernel_sources(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        for f in KERNEL_FILES:
+            assert f"hwlib/kernels/{f}" in names, sorted(n for n in names if "kernels" in n)
+            assert z.read(f"hwlib/kernels/{f}") == (KERNELS_DIR / f).read_bytes(), f
+    assert {p.name for p in KERNELS_DIR.iterdir() if p.suffix in (".cu", ".h", ".py")} <= set(KERNEL_FILES), \
+        "a new kernel file: add it to KERNEL_FILES (and check pyproject's package data takes it)"
+
+
+INSTALLED = r"""
+import json, os, sys
+import torch
+import hwlib
+from hwlib.ops import bk_cuda, resolvent_diagonal, resolvent_diagonal_dense, sources
+from hwlib.paths import KERNELS_DIR
+tk = sources.load_python_kernel("bk_core_triton.py")
+a = torch.rand(3, 7, dtype=torch.float64) - 2
+b = torch.rand(3, 6, dtype=torch.float64) + 0.5
+g = resolvent_diagonal(a, b, b, 0.3 + 0.5j, backend="triton")
+err = float((g - resolvent_diagonal_dense(a, b, b, 0.3 + 0.5j)).abs().max())
+print(json.dumps({"hwlib": hwlib.__file__, "kernels_dir": str(KERNELS_DIR), "cu": str(sources.kernel_path("bk_core.cu")),
+                  "triton": tk.__file__, "prototypes": len(bk_cuda.prototypes()), "err": err, "cwd": os.getcwd()}))
+"""
+
+
+def test_an_installed_copy_outside_the_clone_finds_its_kernels(wheel, tmp_path):
+    site, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = _pip("install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel), cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("HWLIB_KERNELS", "PYTHONPATH")}
+    env.update(PYTHONPATH=str(site), TRITON_INTERPRET="1", HWLIB_OUTPUTS=str(tmp_path / "outputs"))
+    r = subprocess.run([sys.executable, "-c", INSTALLED], capture_output=True, text=True, cwd=elsewhere, env=env,
+                       timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    import json
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    inside = site.resolve() / "hwlib"
+    for key in ("hwlib", "kernels_dir", "cu", "triton"):
+        assert Path(got[key]).resolve().is_relative_to(inside), (key, got[key])
+    assert not Path(got["cwd"]).resolve().is_relative_to(ROOT)
+    assert got["prototypes"] == 11 and got["err"] < 1e-10, got
+
+
+def test_hwlib_kernels_still_overrides(monkeypatch, tmp_path):
+    (tmp_path / "bk_core.cu").write_text("// a kernel under development\n")
+    monkeypatch.setenv("HWLIB_KERNELS", str(tmp_path))
+    assert sources.kernel_path("bk_core.cu") == tmp_path / "bk_core.cu"
+    with pytest.raises(sources.Unavailable, match=r"bk_core\.h not found .*HWLIB_KERNELS="):
+        sources.kernel_path("bk_core.h")
+    monkeypatch.delenv("HWLIB_KERNELS")
+    assert sources.kernels_dir() == KERNELS_DIR == ROOT / "hwlib" / "kernels"
+
+
+def test_kernel_sources_stay_free_of_torch_headers():
+    """The .cu and its header compile with plain nvcc (make test-kernels): no torch, no ATen."""
+    files = sorted(KERNELS_DIR.glob("*.cu")) + sorted(KERNELS_DIR.glob("*.h"))
+    assert len(files) >= 2
+    for f in files:
+        text = f.read_text()
+        assert "torch/" not in text and "ATen" not in text and "c10/" not in text, f.name

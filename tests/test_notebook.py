@@ -1,0 +1,101 @@
+"""hwlib.notebook's measure and same-math check, on the smoke profile on a CPU: the check compares a
+step with the step before (a saved curve when the run has one, else one computed now), and fails
+when the math differs."""
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+
+from hwlib import notebook, query
+from hwlib.ladder import record as record_mod
+from hwlib.ladder.run import run_step
+from hwlib.ladder.same_math import compare_curves
+from hwlib.steps import get_step
+
+KW = dict(profile="smoke", device="cpu", progress=False)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every run_step that hwlib.notebook makes to compute an earlier curve: (step, check_only)."""
+    seen = []
+
+    def spy(workload, step, **kw):
+        seen.append((step, kw.get("check_only")))
+        return run_step(workload, step, **kw)
+
+    monkeypatch.setattr(notebook, "run_step", spy)
+    return seen
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(step, check_only):
+    return run_step("gpt", step, check_only=check_only, **KW)
+
+
+def _step(step, check_only=False):
+    """A seeded smoke run of ``step`` (deterministic, so one run serves every test; a copy each call)."""
+    return copy.deepcopy(_cached(step, check_only))
+
+
+def test_measure_records_the_step_and_saves_its_curve(isolated_run):
+    res, check = notebook.measure("gpt", "03_bf16_autocast", notebook="t", **KW)
+    assert res.status == "ok" and check.ok
+    saved = query.saved_curve("gpt", "03_bf16_autocast", record_mod.curve_key(res))
+    assert saved == pytest.approx(res.check_losses) and len(saved) == res.check_steps
+    rows = query.ladder_rows(query.load(), "gpt")
+    assert [r["step"] for r in rows] == ["03_bf16_autocast"] and rows[0]["ms_per_step"] == res.timing.median_ms
+
+
+def test_check_passes_against_the_saved_curve_of_the_step_before(isolated_run, calls):
+    before, _ = notebook.measure("gpt", "03_bf16_autocast", notebook="t", **KW)
+    calls.clear()
+    res = _step("04_sdpa_attention")
+    check = notebook.check_math(res)
+    assert calls == []                               # the saved curve stood in: nothing re-ran
+    assert check.against == "03_bf16_autocast" and check.k == res.check_steps
+    assert check.max_rel_diff == pytest.approx(compare_curves(res.check_losses, before.check_losses))
+    assert check.ok and check.max_rel_diff <= check.tolerance == get_step("04_sdpa_attention").tolerance
+
+
+def test_check_fails_when_the_math_differs(isolated_run, calls):
+    before, _ = notebook.measure("gpt", "03_bf16_autocast", notebook="t", **KW)
+    calls.clear()
+    res = _step("04_sdpa_attention")
+    # The same step with its losses moved 5%: what a real change of math looks like to the check.
+    moved = dataclasses.replace(res, losses=[v * 1.05 for v in res.losses])
+    check = notebook.check_math(moved)
+    assert calls == [] and check.against == "03_bf16_autocast"
+    assert check.max_rel_diff == pytest.approx(compare_curves(moved.check_losses, before.check_losses))
+    assert not check.ok and check.max_rel_diff > 0.04 > check.tolerance and "FAILED" in str(check)
+    with pytest.raises(AssertionError, match="math changed"):
+        notebook.assert_same_math({"gpt": (moved, check)})
+    notebook.assert_same_math({"gpt": (res, notebook.check_math(res))})   # the unmoved step passes
+
+
+def test_check_computes_the_curve_of_the_step_before_when_none_is_saved(isolated_run, calls):
+    res = _step("04_sdpa_attention")
+    check = notebook.check_math(res)
+    assert calls == [("03_bf16_autocast", True)]     # only the check steps of 03, untimed
+    ref = _step("03_bf16_autocast", check_only=True)
+    assert check.against == "03_bf16_autocast" and check.ok
+    assert check.max_rel_diff == pytest.approx(compare_curves(res.check_losses, ref.check_losses))
+    assert notebook.earlier_curve(res, compute=False) == (None, None)
+
+
+def test_a_saved_curve_of_another_config_is_not_used(isolated_run, calls):
+    notebook.measure("gpt", "03_bf16_autocast", notebook="t", config={"lr": 1e-3}, **KW)
+    calls.clear()
+    res = _step("04_sdpa_attention")                 # the profile's own learning rate
+    name, curve = notebook.earlier_curve(res)
+    assert name == "03_bf16_autocast" and calls == [("03_bf16_autocast", True)]
+    assert curve == pytest.approx(_step("03_bf16_autocast", check_only=True).check_losses)
+
+
+def test_a_step_with_nothing_to_compare_with_fails_the_assertion(isolated_run):
+    res = _step("04_sdpa_attention")
+    lonely = notebook.same_math(res, None, None)     # what the check says without an earlier curve
+    with pytest.raises(AssertionError, match="no earlier step's curve"):
+        notebook.assert_same_math({"gpt": (res, lonely)})
