@@ -6,6 +6,11 @@ each notebook's outcome in ``outputs/<run>/state.json`` (so a rerun skips what i
 ``--force``), rebuilds tables, figures and ``summary.json`` from whatever results exist, then
 reports the failures and exits non-zero if there were any. ``99_*`` notebooks derive everything
 from the others' results and therefore always run.
+
+A run folder takes one ``reproduce`` at a time, holds one machine and one profile, and stays under
+``outputs/``; a signal (SIGINT, SIGTERM, SIGHUP) or an error ends the running notebook's whole
+process tree and records it as ``interrupted`` (``hwlib/runs.py``; docs/integrity.md lists the
+promises and their tests).
 """
 
 from __future__ import annotations
@@ -237,17 +242,18 @@ def reproduce(args) -> int:
                 check_folder(run, name, profile, device_name, args)
                 left = runs.end_leftover(run)
                 if left:
-                    print(f"hwlib reproduce: ended processes {left[1]} left running by a killed run of "
-                          f"{left[0]} in {run}", file=sys.stderr)
-                    if query.state(run).get(left[0], {}).get("status") != "ok":
-                        runs.update_state(run, **{left[0]: _entry("interrupted", 0.0, "its run was killed")})
+                    if left[1]:
+                        print(f"hwlib reproduce: ended processes {left[1]} left running by a killed run of "
+                              f"{left[0]} in {run}", file=sys.stderr)
+                    # Even one that was done before: the killed rerun may have replaced some of its records.
+                    runs.update_state(run, **{left[0]: _entry("interrupted", 0.0, "its run was killed")})
                 runs.update_state(run, _profile=profile, _device=device_name)
                 print(f"hwlib reproduce: {len(nbs)} notebooks, profile={profile} ({source}), device={dev.type}, "
                       f"run={run}", flush=True)
                 return _series(args, nbs, run, profile, dev.type, workloads)
         except Interrupted as e:
-            print(f"hwlib reproduce: stopped by {e}; the notebook's processes were ended and it is "
-                  f"recorded as interrupted; run the same command again to resume", file=sys.stderr)
+            print(f"hwlib reproduce: stopped by {e}; the running notebook's processes were ended and it "
+                  f"is recorded as interrupted; run the same command again to resume", file=sys.stderr)
             return 128 + e.signum
 
 

@@ -62,11 +62,29 @@ def table(rows: list[dict], columns: list[str] | None = None) -> None:
     markdown("\n".join(lines))
 
 
+def _resolve(obj):
+    """A function, class or method, or its dotted name ('hwlib.precision.tf32_mode')."""
+    if not isinstance(obj, str):
+        return obj
+    import importlib
+    parts = obj.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[i:]:
+            target = getattr(target, attr)
+        return target
+    raise ValueError(f"show_change: {obj!r} names no importable module; give the object or its dotted name")
+
+
 def show_change(step: str, *code) -> None:
     """The step's settings against the step before, and the real source of the code that applies
-    them (each object in ``code``: a function, class or method, printed with ``inspect.getsource``)."""
+    them (each of ``code``: a function, class or method, or its dotted name, printed with
+    ``inspect.getsource``)."""
     table(describe(step), ["setting", "before", "after"])
-    for obj in code:
+    for obj in map(_resolve, code):
         src = inspect.getsource(obj)
         where = f"{inspect.getmodule(obj).__name__}.{getattr(obj, '__qualname__', '')}"
         markdown(f"`{where}`:\n\n```python\n{src.rstrip()}\n```")
@@ -219,7 +237,8 @@ def prediction_prose(p: roofline.Prediction, row: dict | None) -> str:
             f"saved per step ({p.basis})")
     if saved is None:
         return said + "; nothing was measured to compare with."
-    return said + f"; the measurement saved {saved:.3g} ms against {row['against']}."
+    moved = f"saved {saved:.3g} ms" if saved >= 0 else f"was slower by {-saved:.3g} ms"
+    return said + f"; the measured step {moved} against {row['against']}."
 
 
 def what_we_saw(workload: str, step: str | None = None, run=None, predicted: dict | None = None) -> str:

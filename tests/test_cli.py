@@ -7,7 +7,7 @@ import sys
 import nbformat as nbf
 import pytest
 
-from hwlib import cli, results
+from hwlib import cli
 
 
 def make_nb(path, body):

@@ -1,6 +1,9 @@
+import copy
 import dataclasses
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -315,3 +318,366 @@ def test_tracker_on_cpu_reports_unavailable():
     with tr.phase("forward"):
         pass
     assert not tr.available and tr.summary()["forward"]["peak_allocated_gib"] is None
+
+
+# --- checkpoints: the whole file is checked first, and nothing in it runs code -------------------
+
+def _payload_file(path, obj_bytes: bytes):
+    """``obj_bytes`` behind a valid header: the right magic, length and checksum."""
+    import hashlib
+    from hwlib.memory import checkpoint as ck
+    path.write_bytes(ck._HEADER.pack(ck.MAGIC, len(obj_bytes), hashlib.sha256(obj_bytes).digest()) + obj_bytes)
+    return path
+
+
+class _Payload:
+    """A pickle that creates a file when it is unpickled by a loader that runs code."""
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def _pickled(obj) -> bytes:
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_a_malicious_checkpoint_is_refused_without_running_its_code(tmp_path):
+    # The payload is live: a code-running loader (weights_only=False) creates its marker.
+    import io
+    control = tmp_path / "control-marker"
+    torch.load(io.BytesIO(_pickled({"x": _Payload(control)})), weights_only=False)
+    assert control.exists()
+    marker = tmp_path / "marker"
+    evil = _payload_file(tmp_path / "evil.ckpt", _pickled({"workload": "gpt", "model": _Payload(marker)}))
+    sess = Session("gpt", WL.config("smoke"), Settings(), CPU)
+    before = [p.detach().clone() for p in sess.model.parameters()]
+    with pytest.raises(CheckpointError, match="other than tensors and plain data"):
+        load_checkpoint(evil, sess)
+    assert not marker.exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, sess.model.parameters()))
+
+
+def _session_state(sess):
+    return ([p.detach().clone() for p in sess.model.parameters()], copy.deepcopy(sess.opt.state_dict()),
+            torch.get_rng_state().clone(), random.getstate(), np.random.get_state()[1].copy())
+
+
+def _unchanged(sess, state) -> bool:
+    params, opt, trng, prng, nrng = state
+    now = _session_state(sess)
+    same_opt = repr(now[1]) == repr(opt)
+    return (all(torch.equal(a, b) for a, b in zip(params, now[0])) and same_opt and torch.equal(trng, now[2])
+            and prng == now[3] and (nrng == now[4]).all())
+
+
+@pytest.mark.parametrize("saved,loaded,match", [
+    (Settings(offload_optimizer=True), Settings(), "optimizer: checkpoint 'OffloadedAdamW', this run 'AdamW'"),
+    (Settings(), Settings(offload_optimizer=True), "optimizer: checkpoint 'AdamW', this run 'OffloadedAdamW'"),
+    (Settings(), Settings(fused_adamw=True), r"this run 'AdamW \(fused\)'"),
+], ids=["offloaded-into-adamw", "adamw-into-offloaded", "unfused-into-fused"])
+def test_another_optimizer_is_refused_before_anything_changes(tmp_path, saved, loaded, match):
+    cfg = WL.config("smoke")
+    src = Session("gpt", cfg, saved, CPU)
+    _train(src, 0, 2)
+    path = save_checkpoint(tmp_path / "a.ckpt", src, next_step=2)
+    dst = Session("gpt", cfg, loaded, CPU)
+    _train(dst, 0, 1)                    # an optimizer state to keep
+    torch.manual_seed(99)
+    state = _session_state(dst)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path, dst)
+    assert _unchanged(dst, state)
+
+
+def _rewrite(src, dst, change):
+    """The checkpoint at ``src`` with ``change(state)`` applied, under a valid header again."""
+    import io
+    from hwlib.memory import checkpoint as ck
+    raw = src.read_bytes()
+    st = torch.load(io.BytesIO(raw[ck._HEADER.size:]), weights_only=True)
+    change(st)
+    return _payload_file(dst, _pickled(st))
+
+
+def _opt_entry(st):
+    return next(iter(st["optimizer"]["state"].values()))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda st: _opt_entry(st).__setitem__("exp_avg", torch.zeros(3)), "exp_avg is \\(3,\\)"),
+    (lambda st: st["optimizer"]["param_groups"][0].__setitem__("lr", float("nan")), "lr.*finite"),
+    (lambda st: st["model"].__setitem__("wte.weight", torch.zeros(2, 2)), "another model: 'wte.weight' is \\(2, 2\\)"),
+    (lambda st: st["model"].pop("ln_f.bias"), "'ln_f.bias' is missing"),
+    (lambda st: st["model"].__setitem__("extra", torch.zeros(1)), "'extra' is not in this run's model"),
+    (lambda st: st["rng"]["python"].__setitem__("version", 99), "RNG states"),
+    (lambda st: st["rng"]["numpy"].__setitem__("keys", torch.zeros(5, dtype=torch.int64)), "RNG states"),
+    (lambda st: st["rng"].__setitem__("torch", torch.zeros(7, dtype=torch.uint8)), "RNG states"),
+    (lambda st: st.__setitem__("next_step", -1), "next_step -1"),
+    (lambda st: st.__setitem__("losses", [1.0, 2.0, 3.0]), "at most next_step \\(2\\)"),
+    (lambda st: st.__setitem__("scaler", {"scale": 1.0}), "loss scaling: checkpoint with a GradScaler"),
+    (lambda st: st.pop("rng"), "contents are not a checkpoint's"),
+], ids=["exp_avg-shape", "lr-nan", "weight-shape", "missing-weight", "extra-weight", "python-rng", "numpy-rng",
+        "torch-rng", "negative-position", "losses-past-position", "scaler", "no-rng"])
+def test_a_damaged_part_is_refused_before_anything_changes(tmp_path, change, match):
+    cfg = WL.config("smoke")
+    src = Session("gpt", cfg, Settings(), CPU)
+    _train(src, 0, 2)
+    good = save_checkpoint(tmp_path / "a.ckpt", src, next_step=2, losses=[5.0, 4.0])
+    bad = _rewrite(good, tmp_path / "b.ckpt", change)
+    dst = Session("gpt", cfg, Settings(), CPU)
+    _train(dst, 0, 1)
+    state = _session_state(dst)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(bad, dst)
+    assert _unchanged(dst, state)
+    assert load_checkpoint(good, dst) == (2, [5.0, 4.0])      # the intact file still loads
+
+
+def test_an_old_format_checkpoint_is_refused_unread(tmp_path):
+    from hwlib.memory import checkpoint as ck
+    path = tmp_path / "old.ckpt"
+    path.write_bytes(b"HWLCKPT1" + b"\0" * 40)
+    with pytest.raises(CheckpointError, match="older format.*not loaded"):
+        load_checkpoint(path, Session("gpt", WL.config("smoke"), Settings(), CPU))
+    assert ck.MAGIC != b"HWLCKPT1"
+
+
+def test_checkpoint_arguments_are_checked(tmp_path):
+    sess = Session("gpt", WL.config("smoke"), Settings(), CPU)
+    for bad in (-1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="next_step"):
+            save_checkpoint(tmp_path / "a.ckpt", sess, next_step=bad)
+    with pytest.raises(TypeError, match=r"losses\[0\] must be a number"):
+        save_checkpoint(tmp_path / "a.ckpt", sess, next_step=1, losses=[torch.tensor(1.0)])
+    with pytest.raises(ValueError, match="losses holds 2 values but only 1 steps ran"):
+        save_checkpoint(tmp_path / "a.ckpt", sess, next_step=1, losses=[1.0, 2.0])
+    for bad in (None, "", 3):
+        with pytest.raises(TypeError, match="path must be"):
+            save_checkpoint(bad, sess, next_step=0)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path, sess)                   # a folder, not a file
+    path = save_checkpoint(tmp_path / "a.ckpt", sess, next_step=0)
+    sess.close()
+    with pytest.raises(TypeError, match="open hwlib.ladder.Session .*closed"):
+        load_checkpoint(path, sess)
+    with pytest.raises(TypeError, match="open hwlib.ladder.Session"):
+        save_checkpoint(path, object(), next_step=0)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+# --- offloaded AdamW: arguments and state ---------------------------------------------------------
+
+def _no_hang(seconds=10):
+    """Turn a hang into a failure (SIGALRM), so that a regression to an endless loop fails the test."""
+    import signal
+
+    def boom(*_):
+        raise TimeoutError(f"did not return within {seconds} s")
+    signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    return lambda: signal.alarm(0)
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    ({"bucket_params": 0}, ValueError, "bucket_params must be at least one parameter"),
+    ({"bucket_params": -5}, ValueError, "bucket_params"), ({"bucket_params": 2.5}, TypeError, "bucket_params"),
+    ({"lr": -1}, ValueError, "lr must be a finite number >= 0, got -1"),
+    ({"lr": float("nan")}, ValueError, "lr must be a finite"), ({"lr": "0.1"}, TypeError, "lr must be a number"),
+    ({"eps": float("inf")}, ValueError, "eps"), ({"weight_decay": -0.1}, ValueError, "weight_decay"),
+    ({"betas": (0.9, 1.0)}, ValueError, r"betas\[1\]"), ({"betas": 0.9}, TypeError, "betas must be a pair"),
+])
+def test_offloaded_adamw_arguments_are_checked(kw, err, match):
+    params = [torch.nn.Parameter(torch.ones(4))]
+    stop = _no_hang()
+    try:
+        with pytest.raises(err, match=match):
+            OffloadedAdamW(params, **kw)
+    finally:
+        stop()
+
+
+def test_offloaded_adamw_groups_and_state_are_checked():
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] must be a finite"):
+        OffloadedAdamW([{"params": [p]}, {"params": [q], "lr": float("nan")}])
+    with pytest.raises(ValueError, match="unknown option 'momentum'"):
+        OffloadedAdamW([{"params": [p], "momentum": 0.9}])
+    with pytest.raises(ValueError, match="more than one group"):
+        OffloadedAdamW([{"params": [p]}, {"params": [p]}])
+    with pytest.raises(TypeError, match="single tensor"):
+        OffloadedAdamW(p)
+    with pytest.raises(TypeError, match="'int' object, not a tensor"):
+        OffloadedAdamW([1, 2])
+    opt = OffloadedAdamW([p, q], bucket_params=5)
+    good = opt.state_dict()
+    for change, match in ((lambda sd: sd["m"].pop(), "bucket sizes"), (lambda sd: sd.__setitem__("step", -1), "step"),
+                          (lambda sd: sd["hyper"][0].__setitem__("lr", -1.0), r"hyper\[0\]\['lr'\]"),
+                          (lambda sd: sd.pop("v"), "keys")):
+        sd = copy.deepcopy(good)
+        change(sd)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+    assert opt.state_dict()["hyper"] == good["hyper"] and opt.step_count == 0
+
+
+# --- the ladder runner with accumulation alone, and the memory tools' arguments ---------------------
+
+def test_run_step_accumulates_with_micro_batch_alone():
+    from hwlib.ladder.run import run_step
+    from hwlib.profiles import Plan
+    pl = Plan(check=3, warmup=0, timed=1)
+    acc = run_step("gpt", "01_baseline_fp32", profile="smoke", device="cpu", plan=pl, micro_batch=3)
+    one = run_step("gpt", "01_baseline_fp32", profile="smoke", device="cpu", plan=pl)
+    assert acc.status == "ok" and acc.variant and not one.variant and acc.settings == one.settings
+    # batch 8 as 3 + 3 + 2 exact micro-batches: the same curve up to fp32 rounding
+    assert acc.losses == pytest.approx(one.losses, rel=1e-5) and len(acc.losses) == 4
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    ({"capacity_gib": float("nan")}, ValueError, "capacity_gib"), ({"capacity_gib": -1.0}, ValueError, "capacity_gib"),
+    ({"capacity_gib": "10"}, TypeError, "capacity_gib"), ({"margin": "0.1"}, TypeError, "margin"),
+    ({"margin": float("nan")}, ValueError, "margin"), ({"start": 8, "max_batch": 4}, ValueError, "start \\(8\\)"),
+    ({"try_batch": None}, TypeError, "try_batch must be callable"),
+    ({"try_batch": lambda b: float("nan")}, ValueError, r"try_batch\(1\)"),
+    ({"try_batch": lambda b: "1"}, TypeError, r"try_batch\(1\)"),
+    ({"try_batch": lambda b: -1.0}, ValueError, r"try_batch\(1\)"),
+])
+def test_search_batch_arguments_are_checked(kw, err, match):
+    args = {"try_batch": lambda b: 1.0 + b, "capacity_gib": 10.0, **kw}
+    with pytest.raises(err, match=match):
+        search_batch(args.pop("try_batch"), **args)
+
+
+def test_split_accumulate_and_resilient_step_arguments_are_checked():
+    x = torch.arange(4)
+    for batch, err, match in (((), TypeError, "non-empty tuple/list of tensors"), ([1, 2], TypeError, "of int"),
+                              (torch.tensor(1.0), ValueError, "0-d tensor"), ("ab", TypeError, "got str")):
+        with pytest.raises(err, match=match):
+            split_batch(batch, [1])
+    for sizes, err, match in (([6, -2], ValueError, r"sizes\[1\] must be at least one"),
+                              ([4, 0], ValueError, r"sizes\[1\]"), ([2.0, 2.0], TypeError, r"sizes\[0\]"),
+                              (4, TypeError, "sizes must be a non-empty list"), ([], TypeError, "sizes")):
+        with pytest.raises(err, match=match):
+            split_batch(x, sizes)
+    with pytest.raises(TypeError, match="forward_backward must be callable"):
+        accumulate(None, x, [4])
+    ok = (lambda mb, w: torch.tensor(1.0), lambda: None, lambda: None)
+    with pytest.raises(TypeError, match="optimizer_step must be callable"):
+        ResilientStep(ok[0], None, ok[2], CPU, 2)
+    with pytest.raises(TypeError, match="device must be"):
+        ResilientStep(*ok, 0, 2)
+    with pytest.raises(TypeError, match="micro_batch must be a whole number"):
+        ResilientStep(*ok, CPU, 2.5)
+    rs = ResilientStep(*ok, "cpu", 2)                   # a device name is taken
+    assert rs.device == CPU
+    with pytest.raises(ValueError, match="batch has no samples"):
+        rs(torch.zeros(0, 3))
+    with pytest.raises(TypeError, match="step must be an int or None"):
+        rs(torch.zeros(2, 3), step="1")
+    with pytest.raises(TypeError, match="open hwlib.ladder.Session"):
+        ResilientStep.for_session(object(), 2)
+
+
+def test_resilient_step_for_session_keeps_the_large_batch_gradient():
+    cfg = WL.config("smoke", batch=8)
+    ref = Session("gpt", cfg, Settings(), CPU)
+    want = [ref.step(i).item() for i in range(2)]
+    sess = Session("gpt", cfg, Settings(), CPU)
+    rs = ResilientStep.for_session(sess, micro_batch=8)
+    real = rs.forward_backward
+
+    def fits_two(mb, w):
+        if mb[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(mb, w)
+    rs.forward_backward = fits_two
+    got = [rs(sess.batches(i), step=i).item() for i in range(2)]
+    assert [(e.micro_before, e.micro_after) for e in rs.events] == [(8, 4), (4, 2)]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_tracker_and_allocator_arguments_are_checked(monkeypatch):
+    from hwlib.memory import allocator
+    from hwlib.memory.tracker import memory_figures
+    assert MemoryTracker("cpu").device == CPU and memory_figures("cpu") == {}
+    with pytest.raises(TypeError, match="device must be"):
+        MemoryTracker(3)
+    with pytest.raises(TypeError, match="stats must be callable"):
+        MemoryTracker(CPU, stats={"allocated": 0})
+    tr = MemoryTracker(CPU, stats=lambda: {"allocated": 0})
+    with pytest.raises(ValueError, match="reserved, peak_allocated, peak_reserved missing"):
+        with tr.phase("forward"):
+            pass
+    with pytest.raises(TypeError, match="phase name"):
+        with MemoryTracker(CPU).phase(None):
+            pass
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    for conf in (":True", "expandable_segments:", "expandable_segments"):
+        monkeypatch.setenv(allocator.ENV, conf)
+        with pytest.raises(ValueError, match="key:value; fix or unset PYTORCH_CUDA_ALLOC_CONF"):
+            allocator.settings()
+
+
+# --- the memory study's entry points -----------------------------------------------------------------
+
+def test_study_arguments_are_checked_before_any_measurement(monkeypatch):
+    from hwlib.device import ChoiceError
+    from hwlib.studies import batch_finder, memory as study
+    monkeypatch.setattr(study, "run_step", lambda *a, **k: pytest.fail("measured before the names were checked"))
+    with pytest.raises(ChoiceError, match="'bf17'"):
+        study.measure_techniques("gpt", "05_fused_optimizer", ["bf16", "bf17"], profile="smoke", device="cpu")
+    with pytest.raises(TypeError, match="names must be a list"):
+        study.measure_techniques("gpt", "05_fused_optimizer", "bf16", profile="smoke", device="cpu")
+    with pytest.raises(TypeError, match="config must be a dict"):
+        study.measure_techniques("gpt", "05_fused_optimizer", ["bf16"], profile="smoke", device="cpu", config=[1])
+    st = settings_for("05_fused_optimizer")
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        batch_finder.find_batch_size("gpt", st, "cpu", profile="smoke")
+    with pytest.raises(TypeError, match="settings must be a hwlib.steps.Settings"):
+        batch_finder.find_batch_size("gpt", {"tf32": True}, "cuda", profile="smoke")
+    with pytest.raises(ValueError, match="'batch' is what find_batch_size searches"):
+        batch_finder.find_batch_size("gpt", st, torch.device("cuda"), profile="smoke", config={"batch": 4})
+    with pytest.raises(TypeError, match="config must be a dict"):
+        batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke", config=4)
+
+
+def test_resilient_steps_record_their_events(isolated_run):
+    from hwlib import query
+    from hwlib.studies import memory as study
+    rs, losses = study.resilient_steps("gpt", "05_fused_optimizer", 8, profile="smoke", device="cpu", steps=2,
+                                       simulate_fits=2)
+    assert [e.micro_after for e in rs.events] == [4, 2] and all(h["samples"] == 8 for h in rs.history)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    (rec,) = query.select(query.load(isolated_run), metric="oom_events")
+    assert rec["step"] == "05_fused_optimizer" and rec["fields"] == {"technique": "resilient"}
+    assert rec["value"] == 2 and rec["params"]["final_micro_batch"] == 2 and not rec["params"]["real_oom"]
+
+
+def test_memory_targets_follow_the_record_conventions(isolated_run):
+    from hwlib import query
+    from hwlib.studies import memory as study
+    row = lambda name, ms, peak: {"technique": name, "status": "ok", "ms_per_step": ms, "peak_alloc_gib": peak,
+                                  "time_vs_bf16": ms / 100.0, "speed_vs_bf16": 100.0 / ms}
+    rows = [row("bf16", 100.0, 10.0), row("bf16 + checkpointing(blocks)", 130.0, 5.0),
+            row("bf16 + checkpointing(head)", 150.0, 9.0), row("bf16 + offload", 120.0, 9.9)]
+    ts = study.memory_targets("gpt", rows, profile="smoke", long_run={"error": 0.05, "steps": 50})
+    met = {t["target"]: t["met"] for t in ts}
+    assert met["bf16 + checkpointing(blocks): peak memory cut >= 40%"] and \
+        met["bf16 + checkpointing(blocks): <= 35% extra step time"]
+    assert not met["bf16 + checkpointing(head): peak memory cut >= 40%"]
+    assert met["finder's batch: 50 steps, peak within 10% of prediction"]
+    study.record_targets(ts, base_step="05_fused_optimizer", profile="smoke", device="cpu")
+    recs = query.select(query.load(isolated_run), metric="target")
+    assert len(recs) == len(ts) and all(r["step"] == "05_fused_optimizer" and set(r["fields"]) == {"target"}
+                                        for r in recs)
+    cut = query.select(recs, target="bf16 + checkpointing(blocks): peak memory cut >= 40%")[0]
+    assert cut["value"] == pytest.approx(0.5) and cut["status"] == "ok"
+    assert query.select(recs, target="bf16 + checkpointing(head): peak memory cut >= 40%")[0]["status"] == "failed"
+    with pytest.raises(ValueError, match="needs the peaks a GPU measures"):
+        study.memory_targets("gpt", [dict(rows[0], peak_alloc_gib=None)], profile="smoke")

@@ -133,7 +133,7 @@ class ResilientStep:
             try:
                 loss = accumulate(self.forward_backward, batch, sizes)
             except OOM_ERRORS as e:
-                failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
             if failed is None:
                 break
             # Outside the except block the traceback (and the tensors its frames hold) is gone.
