@@ -43,6 +43,7 @@ $(VENV)/.hwlib-setup: pyproject.toml
 reproduce: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(ARGS)
 
+# Independent parts: `make -j2 test` runs them side by side (CI does).
 test: setup test-unit test-kernels test-notebooks
 
 test-unit: setup

@@ -126,7 +126,7 @@ def test_the_same_gain_beyond_a_narrow_spread_holds(tmp_path):
 
 @pytest.mark.parametrize("quantity,measured,bound,noise,expected", [
     ("speed", 2.0, 2.0, 0.0, "holds"), ("speed", 1.5, 2.0, 0.0, "partly"), ("speed", 1.0, 2.0, 0.0, "fails"),
-    ("speed", 0.8, 1.1, 0.0, "fails"), ("speed", 1.05, 1.5, 0.1, "within noise"),
+    ("speed", 0.8, 1.1, 0.0, "fails"), ("speed", 1.05, 1.5, 0.1, "fails"), ("speed", 1.4, 1.5, 0.1, "within noise"),
     ("speed", 1.2, 1.1, 0.3, "within noise"), ("speed", 1.2, None, 0.3, "within noise"),
     ("speed", 1.2, None, 0.1, "holds"), ("speed", 1.2, 1.5, 0.1, "partly"), ("speed", 0.95, 1.1, 0.1, "fails"),
     ("memory_cut", 0.5, 0.5, 0.0, "holds"), ("memory_cut", 0.2, 0.5, 0.0, "partly"),

@@ -207,7 +207,7 @@ def what_we_saw(rows: list[dict], workload: str) -> str:
 def summary(run=None) -> dict:
     """summary.json's content (schema in DESIGN.md), derived from the run's records."""
     recs = query.load(run)
-    ceil = query.read_json(run_dir(run) / "ceilings.json", {}) or {}
+    ceil = query.ceilings(run) or {}
     dev = next((r.get("device") for r in recs if r.get("device")), {}) or {}
     vers = next((r.get("versions") for r in recs if r.get("versions")), {}) or {}
     prof = next((r.get("profile") for r in recs if r.get("profile")), None)
@@ -232,7 +232,7 @@ def write_all(run=None) -> dict:
     """Rebuild every table and figure of a run, and summary.json. Returns the paths written."""
     d = run_dir(run)
     recs = query.load(d)
-    ceil = query.read_json(d / "ceilings.json")
+    ceil = query.ceilings(d)
     written = {}
     for w in workloads_in(recs):
         rows = ladder_rows(recs, w)
@@ -278,7 +278,7 @@ def readme_block(run) -> str:
 def time_table(run) -> str:
     """Where the wall time of ``hwlib reproduce`` went, per notebook, from the run's state.json,
     with the compile time that the compiled steps report."""
-    state = query.read_json(run_dir(run) / "state.json", {}) or {}
+    state = query.state(run)
     nbs = {k: v for k, v in state.items() if not k.startswith("_")}
     if not nbs:
         return ""

@@ -28,20 +28,23 @@ VERDICTS = ("holds", "partly", "within noise", "fails", "premise fails", "not me
 def verdict(quantity: str, measured: float | None, bound: float | None, noise: float = 0.0) -> str:
     """The verdict of a measured value against a claim (premise checks aside).
 
-    ``speed``: within noise when the ratio is above 1 by no more than the timings' spread
-    (``noise``: the wider relative p20-p80 half-spread of the two); else holds at or above
-    ``bound``, partly for a gain below it, fails for none. ``memory_cut``: holds at or above
-    ``bound``, partly for any cut below it, else fails. ``slowdown`` (a claimed cost): holds at or
-    below ``bound``, else fails. ``survived``: holds from one event on. Without a bound, any real
-    gain holds."""
+    ``speed``: the ratio's interval is ``measured`` -/+ ``noise`` (the wider relative p20-p80
+    half-spread of the two timings). It holds when the whole interval is at or above ``bound``;
+    it is within noise when the interval contains ``bound`` (or, without a bound, contains 1: a gain
+    this run cannot tell from none); below it, partly for a gain the interval shows (above 1), else
+    fails. ``memory_cut``: holds at or above ``bound``, partly for any cut below it, else fails.
+    ``slowdown`` (a claimed cost): holds at or below ``bound``, else fails. ``survived``: holds
+    from one event on. Without a bound, any real gain holds."""
     if measured is None:
         return "not measured"
     if quantity == "speed":
-        if 1.0 < measured <= 1.0 + noise:
+        lo, hi = measured * (1.0 - noise), measured * (1.0 + noise)
+        target = 1.0 if bound is None else bound
+        if lo >= target and (bound is not None or lo > 1.0):
+            return "holds"
+        if lo <= target <= hi:
             return "within noise"
-        if bound is None:
-            return "holds" if measured > 1.0 else "fails"
-        return "holds" if measured >= bound else "partly" if measured > 1.0 else "fails"
+        return "partly" if lo > 1.0 else "fails"
     if quantity == "memory_cut":
         if bound is None:
             return "holds" if measured > 0 else "fails"
