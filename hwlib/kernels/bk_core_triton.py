@@ -1,7 +1,8 @@
 """BK-Core in Triton: G_i = [(T - zI)^-1]_ii for a batch of tridiagonal T, and its exact gradient.
 
-Loaded from this folder by ``hwlib.ops.sources`` (``kernels/`` is not a package). The math, with
-d_i = a_i - z and k_j = b_j c_j (see ``hwlib/ops/bk_reference.py`` for the derivation):
+Loaded from this folder by ``hwlib.ops.sources`` (imported by path, not as a package module).
+The math, with d_i = a_i - z and k_j = b_j c_j (see ``hwlib/ops/bk_reference.py`` for the
+derivation):
 
     sL_i = k_{i-1} gL_{i-1},  gL_i = 1 / (d_i - sL_i)           left to right
     sR_i = k_i gR_{i+1},      gR_i = 1 / (d_i - sR_i)           right to left

@@ -136,7 +136,7 @@ def parse_prototypes(text: str, *, definitions: bool = False) -> dict[str, Proto
 
 
 def prototypes() -> dict[str, Prototype]:
-    """The launchers as ``kernels/bk_core.h`` declares them."""
+    """The launchers as ``hwlib/kernels/bk_core.h`` declares them."""
     return parse_prototypes(read_kernel_source(HEADER))
 
 

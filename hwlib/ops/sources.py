@@ -56,7 +56,7 @@ def triton_interpreter_mismatch() -> str | None:
 
 
 def load_python_kernel(filename: str):
-    """Import ``kernels/<filename>`` (a Triton module) once per interpreter mode."""
+    """Import ``hwlib/kernels/<filename>`` (a Triton module) once per interpreter mode."""
     path = kernel_path(filename)
     key = (str(path), path.stat().st_mtime_ns, triton_interpreted())
     if key in _MODULES:

@@ -7,7 +7,10 @@ Minimal bytes (each input read once, each output written once), s = bytes of the
                        real gradients written                               ~ 5 N s + 5 N s + 3 N s
 
 so 20 B per element forward in float32. ``gbps`` divides those bytes by the measured time: the share
-of the measured copy ceiling says how close to the memory floor a kernel runs.
+of the measured copy ceiling (handed in by the caller; n/a without one) says how close to the memory
+floor a kernel runs. Every timing is of a call whose output was checked against the float64
+reference first. Records: workload "bk_core", step None, x-values in fields (``speed_records``,
+``first_failing_records``, ``target_records``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ import math
 import torch
 
 from .. import bench
-from ..results import make_record
 from ..ops.bk_core import resolvent_diagonal
 from ..ops.bk_reference import (backward_loop, forward_loop, resolvent_diagonal_dense,
                                 resolvent_diagonal_theta_phi)
+from ..results import make_record
 
 
 def random_inputs(batch: int | tuple, n: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
@@ -358,9 +361,10 @@ def first_failing_records(first_bad: dict, *, profile: str, device: str) -> list
 
 
 def best(rows: list[dict], direction: str, batch: int, n: int) -> dict | None:
-    """The fastest op-level row (no loop, no kernel-alone, no cuSPARSE) of a direction and size."""
+    """The fastest row of a direction and size among the vectorised torch backend and the kernels
+    (through the op or alone); the Python loop and cuSPARSE are what it is compared with."""
     c = [r for r in rows if r["direction"] == direction and r["B"] == batch and r["N"] == n
-         and r["backend"] in ("torch", "triton", "cuda", "auto")]
+         and r["backend"] not in ("torch_loop", CUSPARSE)]
     return min(c, key=lambda r: r["ms"]) if c else None
 
 
@@ -389,9 +393,10 @@ def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
 
 
 def target_records(tgts: list[dict], *, profile: str, device: str) -> list[dict]:
-    """metric "target", fields {"target": text}, value = the measured number, status ok / failed
-    (n/a where it could not be judged)."""
+    """metric "target", fields {"target": text}, value = the measured number (its wording in
+    ``params["measured"]``), status ok / failed (n/a where it could not be judged)."""
     return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric="target", value=t["value"],
                         unit=t["unit"], profile=profile, device=device, fields={"target": t["target"]},
+                        params={"measured": t["measured"]},
                         status="n/a" if t["met"] is None else "ok" if t["met"] else "failed",
                         reason="not measured in this run" if t["met"] is None else None) for t in tgts]
