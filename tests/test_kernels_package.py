@@ -6,7 +6,7 @@ The wheel is built from a copy of what the build reads, so the build never write
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -30,10 +30,20 @@ def _pip(*args, cwd: Path) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """hwlib's wheel, built offline (no index, no build isolation: the running setuptools builds it)."""
-    missing = [m for m in ("pip", "setuptools") if importlib.util.find_spec(m) is None]
+    # Asked of the installed metadata, not of the import system: setuptools' distutils shim reacts
+    # to a find_spec("pip") in this process and breaks inductor's later import of distutils.
+    missing = [m for m in ("pip", "setuptools") if not _installed(m)]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed here: `pip wheel --no-build-isolation` cannot "
                     f"build offline (install them, or build with network access)")
