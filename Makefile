@@ -43,7 +43,7 @@ $(VENV)/.hwlib-setup: pyproject.toml
 reproduce: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(ARGS)
 
-# Independent parts: `make -j2 test` runs them side by side (CI does).
+# Independent parts: `make test -j2` runs them side by side (CI does).
 test: setup test-unit test-kernels test-notebooks
 
 test-unit: setup
