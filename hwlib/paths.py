@@ -69,6 +69,24 @@ def run_dir(run: str | os.PathLike | None = None, *, create: bool = True) -> Pat
     return p
 
 
+def read_dir(run: str | os.PathLike | None = None) -> Path:
+    """The folder to read a run from: ``run_dir(run, create=False)``, except that a committed
+    reference (``reference/<machine>``) that this process's outputs root does not hold is read from
+    the checkout's ``outputs/reference/``, where it is committed. Tests and notebook checks point
+    ``HWLIB_OUTPUTS`` at a scratch folder and still compare with the references; nothing is ever
+    written through this path."""
+    committed = (REPO_ROOT / "outputs" / "reference").resolve()
+    if run is not None and Path(os.fspath(run)).is_absolute():
+        p = Path(os.fspath(run)).resolve()
+        if p == committed or committed in p.parents:
+            return p
+    p = run_dir(run, create=False)
+    name = run_name(run)
+    if not p.exists() and name.split("/")[0] == "reference":
+        return committed.parent / name
+    return p
+
+
 def is_reference(run: str | os.PathLike | None) -> bool:
     """Whether ``run`` is a committed reference run (``outputs/reference/...``)."""
     return run_name(run).split("/")[0] == "reference"

@@ -16,7 +16,7 @@ import math
 import warnings
 from pathlib import Path
 
-from .paths import run_dir
+from .paths import read_dir
 from .results import record_key
 from .steps import LADDER, STEP_NAMES
 
@@ -70,7 +70,7 @@ def read_records(path: str | Path) -> list[dict]:
 def load(run=None, *, latest_only: bool = True) -> list[dict]:
     """Records of a run; with ``latest_only`` a re-measured key (``results.record_key``: notebook,
     workload, step, metric and the measurement's fields) keeps only its newest record."""
-    recs = read_records(run_dir(run, create=False) / RESULTS_FILE)
+    recs = read_records(read_dir(run) / RESULTS_FILE)
     if not latest_only:
         return recs
     latest: dict = {}
@@ -101,9 +101,9 @@ def read_json(path: str | Path, default=None):
 
 def ceilings(run=None) -> dict | None:
     """This run's measured ceilings (``ceilings.json``), or None when not measured or damaged."""
-    c = read_json(run_dir(run, create=False) / "ceilings.json")
+    c = read_json(read_dir(run) / "ceilings.json")
     if c is not None and not (isinstance(c, dict) and isinstance(c.get("matmul_tflops"), dict)):
-        warnings.warn(f"{run_dir(run, create=False) / 'ceilings.json'}: not a ceilings object; treated as absent",
+        warnings.warn(f"{read_dir(run) / 'ceilings.json'}: not a ceilings object; treated as absent",
                       stacklevel=2)
         return None
     return c
@@ -112,7 +112,7 @@ def ceilings(run=None) -> dict | None:
 def saved_curve(workload: str, step: str, key: dict, run=None) -> list[float] | None:
     """This run's saved check losses of ``step``, when made with ``key`` (config, seed, device, K:
     ``ladder.record.curve_key``); else None. A damaged curve file reads as absent."""
-    saved = read_json(run_dir(run, create=False) / "curves" / workload / f"{step}.json")
+    saved = read_json(read_dir(run) / "curves" / workload / f"{step}.json")
     if not isinstance(saved, dict) or {k: saved.get(k) for k in key} != key:
         return None
     losses = saved.get("losses")
@@ -190,7 +190,7 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
 def state(run=None) -> dict:
     """The run's ``state.json`` (notebook -> status and seconds), entries without a numeric
     ``seconds`` or a status left out; {} when missing or damaged."""
-    path = run_dir(run, create=False) / "state.json"
+    path = read_dir(run) / "state.json"
     s = read_json(path, {})
     if not isinstance(s, dict):
         warnings.warn(f"{path}: not a JSON object; treated as empty", stacklevel=2)

@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import query
-from ..paths import REPO_ROOT, RunNameError, outputs_root
-from ..results import record_key
+from ..paths import REPO_ROOT, read_dir
 
 QUANTITIES = ("speed", "slowdown", "memory_cut", "first_failing_n", "survived", "share", "relative")
 
@@ -357,25 +356,13 @@ def gpu_of(records: list[dict]) -> str | None:
 
 def load_records(run) -> list[dict]:
     """Records of a run given by name, folder or as a list; a run that does not exist has none
-    (and its folder is not created)."""
+    (and its folder is not created). Committed references are found wherever outputs/ points
+    (``paths.read_dir``)."""
     if isinstance(run, list):
         return run
-    p = Path(run) if run is not None else None
-    if p is not None and not p.is_absolute() and p.parts and p.parts[0] != "outputs":
-        p = outputs_root() / p
-    elif p is not None and not p.is_absolute():
-        p = REPO_ROOT / p
-    if p is not None and not (p / query.RESULTS_FILE).exists():
+    if run is not None and not (read_dir(run) / query.RESULTS_FILE).exists():
         return []
-    try:
-        return query.load(p)
-    except RunNameError:
-        # A folder outside this process's outputs/ (the committed reference while HWLIB_OUTPUTS
-        # points elsewhere): it is only read here, so its records are read where they are.
-        latest = {}
-        for r in query.read_records(p / query.RESULTS_FILE):
-            latest[record_key(r)] = r
-        return list(latest.values())
+    return query.load(run)
 
 
 def default_run() -> Path:
