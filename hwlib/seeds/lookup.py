@@ -319,25 +319,23 @@ def measure_one(run: RunRecords, lk, workloads: tuple) -> Measured:
     raise TypeError(f"unknown lookup {type(lk).__name__}: use Ladder, Technique, Records, Value or NotHere")
 
 
+# How each quantity reads in the claims tables; a quantity not listed prints as a plain number.
+QUANTITY_FORMATS = {
+    "speed": lambda v: f"{v:.2f}x",
+    "memory_cut": lambda v: f"{-v:+.0%} memory",
+    "slowdown": lambda v: f"{v - 1:+.0%} time",
+    "first_failing_n": lambda v: f"misses 1e-4 from N = {v:.0f}",
+    "survived": lambda v: f"{v:.0f} OOM event(s) survived",
+    "share": lambda v: f"{v:.1%} of step time",
+    "relative": lambda v: f"{v:.1%} off",
+}
+
+
 def fmt_measured(quantity: str, v: float | None) -> str:
     """A measured figure as the claims tables show it."""
     if v is None:
         return "-"
-    if quantity == "speed":
-        return f"{v:.2f}x"
-    if quantity == "memory_cut":
-        return f"{-v:+.0%} memory"
-    if quantity == "slowdown":
-        return f"{v - 1:+.0%} time"
-    if quantity == "first_failing_n":
-        return f"misses 1e-4 from N = {v:.0f}"
-    if quantity == "survived":
-        return f"{v:.0f} OOM event(s) survived"
-    if quantity == "share":
-        return f"{v:.1%} of step time"
-    if quantity == "relative":
-        return f"{v:.1%} off"
-    return f"{v:g}"
+    return QUANTITY_FORMATS.get(quantity, lambda x: f"{x:g}")(v)
 
 
 def measure(lookup, run=None, workloads: tuple[str, ...] = ()) -> dict:
