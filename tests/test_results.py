@@ -143,6 +143,20 @@ def test_run_dir_names(tmp_path, monkeypatch):
     assert not paths.run_dir("fresh", create=False).exists()
 
 
+def test_committed_references_are_read_wherever_outputs_points(tmp_path, monkeypatch):
+    committed = paths.REPO_ROOT / "outputs" / "reference" / "h100"
+    outs = tmp_path / "outs"
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(outs))
+    assert paths.read_dir("reference/h100") == committed.resolve()
+    assert paths.read_dir(committed) == committed.resolve()        # its absolute path, outside outs
+    (outs / "reference" / "h100").mkdir(parents=True)              # a run's own reference comes first
+    assert paths.read_dir("reference/h100") == outs / "reference" / "h100"
+    assert paths.read_dir("latest") == outs / "latest" and not (outs / "latest").exists()
+    with pytest.raises(paths.RunNameError, match="outside"):       # only the references are exempt
+        paths.read_dir(paths.REPO_ROOT / "outputs" / "elsewhere")
+    assert query.load("reference/h200-none") == []
+
+
 @pytest.mark.parametrize("bad, why", [("../x", "climbs out"), ("a/../../x", "climbs out"), ("", "empty"),
                                       ("   ", "empty"), ("outputs", "names outputs/ itself"),
                                       ("/etc/x", "outside")])
