@@ -29,7 +29,7 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup reproduce test test-unit test-notebooks test-kernels table readme env clean
+.PHONY: setup reproduce test test-unit test-notebooks test-kernels test-browser lab table readme env clean
 
 setup: $(SETUP_STAMP)
 
@@ -44,10 +44,25 @@ reproduce: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(ARGS)
 
 # Independent parts: `make test -j2` runs them side by side (CI does).
-test: setup test-unit test-kernels test-notebooks
+test: setup test-unit test-kernels test-notebooks test-browser
 
 test-unit: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/test_browser.py
+
+# The dashboards in a real browser: JupyterLab, notebook 98 run through Debian's Chromium (Playwright
+# cannot download its own browser here). Screenshots land in outputs/browser/dashboard/screenshots/.
+CHROMIUM ?= $(firstword $(wildcard /usr/lib/chromium/chromium) $(shell command -v chromium 2>/dev/null))
+test-browser: setup
+	@if [ -n "$(CHROMIUM)" ]; then \
+	    HWLIB_CHROMIUM=$(CHROMIUM) HWLIB_BROWSER_OUTPUTS=$(CURDIR)/outputs/browser \
+	        $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_browser.py; \
+	else echo "test-browser: SKIPPED: no Chromium found (Debian: apt-get install chromium); the dashboards were not tested in a browser"; fi
+
+# JupyterLab on the checkout, opened at the notebooks (LAB_ARGS: e.g. --port=8899 --no-browser).
+LAB_ARGS ?=
+lab: setup
+	@$(PY) -c "import jupyterlab" 2>/dev/null || { echo "make lab: JupyterLab is not installed for $(PY) (pip install jupyterlab)"; exit 1; }
+	$(PY) -m jupyterlab --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks $(LAB_ARGS)
 
 # nbval cannot inject parameters: the notebooks read HWLIB_PROFILE and HWLIB_RUN themselves.
 test-notebooks: setup
@@ -78,4 +93,4 @@ readme: setup
 	$(PY) -m hwlib.cli readme
 
 clean:
-	rm -rf $(VENV) .torch_extensions outputs/nbval
+	rm -rf $(VENV) .torch_extensions outputs/nbval outputs/browser

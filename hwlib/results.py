@@ -107,13 +107,15 @@ def _versions() -> dict:
 def make_record(*, notebook: str, workload: str | None, step: str | None, metric: str, value, unit: str,
                 p20=None, p80=None, status: str = "ok", reason: str | None = None, profile: str | None = None,
                 params: dict | None = None, device: str | dict = "auto", fields: dict | None = None,
-                extra: dict | None = None) -> dict:
+                extra: dict | None = None, telemetry: dict | None = None) -> dict:
     """One measurement's record, stamped here and nowhere else with the device, library versions,
     git commit, code digest and time.
 
     ``device`` is the device the measurement ran on ('cuda', 'cpu', 'auto', or the facts as a dict);
     ``fields`` are the measurement's own x-values (batch, N, backend, variant, world_size...): they
-    are record fields, never parts of the metric's name, and they are part of its key."""
+    are record fields, never parts of the metric's name, and they are part of its key.
+    ``telemetry``: the summary of the timed window (``hwlib.telemetry.summarize``), so that a slow
+    or noisy row can be explained; not part of the key."""
     if status not in STATUSES:
         raise ValueError(f"status {status!r}: choose one of {', '.join(STATUSES)}")
     if not isinstance(metric, str) or not metric:
@@ -125,6 +127,10 @@ def make_record(*, notebook: str, workload: str | None, step: str | None, metric
            "params": params or {}, "fields": dict(fields or {}), "device": dev, "versions": _versions(),
            "git_commit": git_commit(), "code_digest": code_digest(),
            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    if telemetry is not None:
+        if not isinstance(telemetry, dict):
+            raise TypeError(f"telemetry must be a summary dict (hwlib.telemetry.summarize), got {type(telemetry).__name__}")
+        rec["telemetry"] = telemetry
     if extra:
         clash = set(extra) & set(rec)
         if clash:

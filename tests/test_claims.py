@@ -133,6 +133,8 @@ def test_the_same_gain_beyond_a_narrow_spread_holds(tmp_path):
     ("memory_cut", -0.1, 0.5, 0.0, "fails"), ("slowdown", 1.1, 1.3, 0.0, "holds"),
     ("slowdown", 1.4, 1.3, 0.0, "fails"), ("survived", 1, None, 0.0, "holds"), ("survived", 0, None, 0.0, "fails"),
     ("speed", None, 2.0, 0.0, "not measured"),
+    ("share", 0.65, 0.7, 0.0, "holds"), ("share", 0.79, 0.7, 0.0, "holds"), ("share", 0.35, 0.7, 0.0, "fails"),
+    ("share", 0.95, 0.7, 0.0, "fails"), ("share", 0.3, None, 0.0, "not measured"),
 ])
 def test_verdict_rules(quantity, measured, bound, noise, expected):
     assert verdicts.verdict(quantity, measured, bound, noise) == expected

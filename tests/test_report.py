@@ -57,7 +57,7 @@ def test_write_all_and_summary_schema(ladder):
     for p in written.values():
         assert Path(p).exists() and Path(p).stat().st_size > 0
     s = json.loads((ladder / "summary.json").read_text())
-    assert set(s) == {"device", "versions", "profile", "ceilings", "workloads", "kernels"}
+    assert set(s) == {"device", "versions", "profile", "ceilings", "workloads", "kernels", "generation", "multi_gpu"}
     assert s["ceilings"]["matmul_tflops"]["bf16"] == 800.0
     steps = s["workloads"]["gpt"]["steps"]
     assert [x["step"] for x in steps][:2] == ["01_baseline_fp32", "02_tf32"]

@@ -82,7 +82,7 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
         contended = (f"timed beside other processes on the GPU (pids {', '.join(map(str, res.contended))}): "
                      "the time is not clean") if res.contended else None
         recs.append(rec("ms_per_step", t.median_ms, "ms", p20=t.p20_ms, p80=t.p80_ms, reason=contended,
-                        extra={"contended": res.contended}))
+                        extra={"contended": res.contended}, telemetry=res.telemetry))
         recs.append(rec(f"{res.unit}_per_s", res.items_per_s, f"{res.unit}/s",
                         p20=res.items_per_step / (t.p80_ms / 1e3), p80=res.items_per_step / (t.p20_ms / 1e3)))
         recs.append(rec("model_tflops", res.model_tflops, "TFLOP/s"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import bench
+from .. import bench, telemetry as tel
 from ..device import DeviceInfo, info, other_gpu_processes, resolve_device
 from ..profiles import Plan, plan as plan_for, resolve_profile
 from ..steps import Settings, Step, get_step, not_applicable, resolve_autocast, settings_for, unavailable
@@ -50,6 +50,7 @@ class StepResult:
     host_wait_ms: float | None = None      # per timed step, host blocked on the loader (hwlib.data.loader)
     contended: list | None = field(default_factory=list)   # other processes on the GPU around the timed window (None: unknown)
     notes: list = field(default_factory=list)
+    telemetry: dict | None = None          # the timed window's clocks, power, throttling (hwlib.telemetry.summarize)
 
     @property
     def check_losses(self) -> list:
@@ -137,10 +138,13 @@ def _note_contention(res: StepResult, dev: torch.device) -> None:
         res.contended = sorted(set(res.contended) | set(others))
 
 
-def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress: bool) -> list[float]:
-    """Every step's loss; fills the timing, first-step time, peaks, SDPA backend and loader wait."""
+def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress: bool, sample: bool = True,
+           on_step=None) -> list[float]:
+    """Every step's loss; fills the timing, first-step time, peaks, SDPA backend, loader wait and the
+    timed window's telemetry (``sample``). ``on_step(i, loss, clock)`` is called after each step with
+    the loss tensor as it is (no sync) and the step clock inside the timed window (a live monitor)."""
     dev, total = sess.device, timed_from + timed
-    bar = None
+    bar = sampler = None
     if progress:
         from tqdm.auto import tqdm   # only when a bar is asked for
         bar = tqdm(total=total, desc=f"{res.workload} {res.step}", leave=False)
@@ -157,16 +161,19 @@ def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress
                 torch.cuda.reset_peak_memory_stats(dev)
             res.first_step_s, loss0 = bench.wall_s(lambda: sess.step(0), dev)
             losses.append(loss0)
+            on_step and on_step(0, loss0, None)
             bar and bar.update(1)
             clock, wait0 = bench.StepClock(dev), None
             for i in range(1, total):
                 if i == timed_from:
                     _note_contention(res, dev)
+                    sampler = tel.Sampler(dev).start() if sample else None   # NVML opened before the first mark
                     clock.mark()
                     wait0 = getattr(sess.batches, "wait_s", None)
                 losses.append(sess.step(i))
                 if i >= timed_from:
                     clock.mark()
+                on_step and on_step(i, losses[-1], clock if i >= timed_from else None)
                 bar and bar.update(1)
             vals = torch.stack(losses).float().cpu().tolist()  # one sync for the whole run
             if timed:
@@ -179,6 +186,8 @@ def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress
                 res.peak_mem_gib = torch.cuda.max_memory_allocated(dev) / 2**30
                 res.peak_reserved_gib = torch.cuda.max_memory_reserved(dev) / 2**30
     finally:
+        if sampler is not None:   # stopped after the window's final sync: it covers the whole window
+            res.telemetry = sampler.stop().summary()
         if bar is not None:
             bar.close()
         sess.close()
@@ -189,14 +198,16 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
              device: str | torch.device = "auto", seed: int = 0, plan: Plan | None = None,
              source: str | None = None, check_only: bool = False, progress: bool = False,
              settings: Settings | None = None, micro_batch: int | None = None,
-             config: dict | None = None) -> StepResult:
+             config: dict | None = None, telemetry: bool = True, on_step=None) -> StepResult:
     """Train ``workload`` under ``step``'s cumulative settings and measure it.
 
     ``check_only`` runs just the seeded steps of the semantics check, untimed. ``settings``
     replaces the step's cumulative settings for a side experiment (the result is marked a variant:
     its curve is not the step's reference). ``micro_batch`` accumulates each batch exactly in
     micro-batches of at most that many samples. ``config`` overrides fields of the workload's
-    config (``{"batch": 8, "n_layer": 4}``). A step this device cannot run comes back with
+    config (``{"batch": 8, "n_layer": 4}``). ``telemetry`` samples the timed window in a background
+    thread (``hwlib.telemetry``; its summary goes into the records); ``on_step`` is ``_train``'s
+    per-step hook (a live monitor). A step this device cannot run comes back with
     ``status='skipped'`` and the reason; one that does not apply to the workload, ``'n/a'``.
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -223,7 +234,7 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch)
     timed_from = _timed_window(res, sess, pl)
     res.warmup_steps = timed_from - pl.check
-    res.losses = _train(res, sess, timed_from, pl.timed, progress)
+    res.losses = _train(res, sess, timed_from, pl.timed, progress, telemetry, on_step)
     bad = next((i for i, v in enumerate(res.losses) if not math.isfinite(v)), None)
     if bad is not None:
         res.status = "nonfinite"

@@ -204,6 +204,27 @@ def what_we_saw(rows: list[dict], workload: str) -> str:
 
 # --- whole-run outputs ----------------------------------------------------------------------------
 
+def generation_section(recs: list[dict]) -> dict:
+    """summary.json's ``generation``: notebook 14's rungs (tokens/s, cycle time, shares), from records."""
+    from ..studies.generation import summary_rows
+    return {"steps": summary_rows(recs)}
+
+
+def multi_gpu_section(recs: list[dict]) -> dict:
+    """summary.json's ``multi_gpu``: notebook 15's rows per workload (world size, strategy, scaling,
+    batches, throughput, efficiency against one process, exposed communication, same math)."""
+    from ..distributed.scaling import rows as scaling_rows
+    out: dict = {}
+    for r in scaling_rows(recs):
+        out.setdefault(r["workload"], []).append(
+            {k: r[k] for k in ("world_size", "strategy", "scaling", "per_gpu_batch", "global_batch", "options",
+                               "status", "reason", "ms_per_step", "ms_p20", "ms_p80", "throughput", "unit")}
+            | {r["unit"].replace("/s", "_per_s"): r["throughput"], "efficiency": r["efficiency"],
+               "speedup": r["speedup"], "mfu": r["mfu"], "exposed_comm_ms": r["exposed_comm_ms"],
+               "comm_ms": r["comm_ms"], "same_math_max_rel": r["same_math_max_rel"]})
+    return out
+
+
 def summary(run=None) -> dict:
     """summary.json's content (schema in DESIGN.md), derived from the run's records."""
     recs = query.load(run)
@@ -225,6 +246,8 @@ def summary(run=None) -> dict:
              "speedup_vs_baseline": r["speedup_vs_baseline"], "final_loss": r["final_loss"],
              "compile_s": r["compile_s"], "same_math_max_rel": r["same_math_max_rel"],
              "sdpa_backend": r["sdpa_backend"]} for r in rows]}
+    out["generation"] = generation_section(recs)
+    out["multi_gpu"] = multi_gpu_section(recs)
     return out
 
 

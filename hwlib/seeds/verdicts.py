@@ -25,6 +25,9 @@ from .lookup import Measured, RunRecords, fmt_measured, load_records, measure_on
 VERDICTS = ("holds", "partly", "within noise", "fails", "premise fails", "not measured")
 
 
+SHARE_TOLERANCE = 0.10      # a claimed share holds within 10 percentage points
+
+
 def verdict(quantity: str, measured: float | None, bound: float | None, noise: float = 0.0) -> str:
     """The verdict of a measured value against a claim (premise checks aside).
 
@@ -34,7 +37,9 @@ def verdict(quantity: str, measured: float | None, bound: float | None, noise: f
     this run cannot tell from none); below it, partly for a gain the interval shows (above 1), else
     fails. ``memory_cut``: holds at or above ``bound``, partly for any cut below it, else fails.
     ``slowdown`` (a claimed cost): holds at or below ``bound``, else fails. ``survived``: holds
-    from one event on. Without a bound, any real gain holds."""
+    from one event on. ``share`` (a claimed share of time): holds within ``SHARE_TOLERANCE`` of
+    ``bound``, else fails; a share with no claimed figure has no verdict. Without a bound, any real
+    gain holds."""
     if measured is None:
         return "not measured"
     if quantity == "speed":
@@ -53,6 +58,10 @@ def verdict(quantity: str, measured: float | None, bound: float | None, noise: f
         return "holds" if bound is None or measured <= bound else "fails"
     if quantity == "survived":
         return "holds" if measured >= 1 else "fails"
+    if quantity == "share" and bound is not None:
+        # A claimed share is an "about" figure ("~70%"): read as that share +/- SHARE_TOLERANCE;
+        # more than that either way and the write-up's account of where the time goes is wrong.
+        return "holds" if abs(measured - bound) <= SHARE_TOLERANCE else "fails"
     return "not measured"
 
 

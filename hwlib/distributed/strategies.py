@@ -1,0 +1,222 @@
+"""How one model is spread over the processes of a torchrun job, each strategy on top of a ladder
+step's settings.
+
+============  ===================================================================================
+``single``    one process, no wrapper: the ladder's step as it runs on one GPU. The reference of
+              every efficiency and of the same-math check.
+``ddp``       DistributedDataParallel: parameters replicated, gradients all-reduced in buckets
+              while backward still runs (``bucket_cap_mb``, ``gradient_as_bucket_view``,
+              ``static_graph``); torch.compile of the wrapped model on top, so that DDPOptimizer
+              splits the graph at bucket boundaries and each bucket's all-reduce starts as soon as
+              its part of backward is done.
+``fsdp2``     ``fully_shard`` (FSDP2): parameters, gradients and AdamW states sharded; a unit's
+              parameters are all-gathered before it runs and its gradients reduce-scattered after.
+              Units are the model's blocks, each compiled before it is sharded (FSDP's hooks stay
+              outside the compiled graphs); a model without blocks is one compiled unit.
+``ddp_zero1`` ``ddp`` with ``ZeroRedundancyOptimizer`` (ZeRO stage 1): the ladder's AdamW, its
+              states sharded; each rank updates its shard and broadcasts the updated parameters.
+============  ===================================================================================
+
+Every strategy keeps the ladder's AdamW (same parameter groups, fused when the step fuses it) and
+fp32 gradients and reductions: under bf16 autocast the arithmetic of a step stays the step's own, so
+the loss curve at world size K matches one process at the same global batch (``hwlib.distributed.train``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..device import ChoiceError, DeviceInfo
+from ..ladder.session import make_optimizer
+from ..steps import LADDER, Settings, Step, get_step, not_applicable, resolve_autocast, settings_for
+from ..workloads import get_workload
+
+STRATEGIES = ("single", "ddp", "fsdp2", "ddp_zero1")
+DESCRIPTIONS = {
+    "single": "one process, no wrapper (the ladder's step)",
+    "ddp": "DDP, gradients all-reduced in buckets during backward, compiled (DDPOptimizer)",
+    "fsdp2": "FSDP2 fully_shard per block, each block compiled before sharding",
+    "ddp_zero1": "DDP with ZeroRedundancyOptimizer (AdamW states sharded)",
+}
+
+# Settings a multi-process step cannot take as they are, and why; the base step leaves them off.
+NOT_DISTRIBUTED = {
+    "cuda_graphs": "CUDA graphs replay the compiled forward and backward, but DDP's and FSDP's collectives "
+                   "are launched by autograd hooks between those graphs; reduce-overhead mode is not "
+                   "supported under them",
+    "packing": "a packed batch carries per-sequence offsets across its rows: it cannot be split by rows "
+               "between processes",
+}
+RESIDENT_WHY = ("batches are produced before timing and kept on each rank's device (the loader is "
+                "notebook 08's subject): the scaling measures compute and communication")
+
+
+def check_strategy(name: str) -> str:
+    if name not in STRATEGIES:
+        raise ChoiceError("strategy", name, STRATEGIES)
+    return name
+
+
+@dataclass(frozen=True)
+class Options:
+    """The strategies' knobs. DDP: bucket size in MiB, gradients as views into the buckets (no copy
+    between .grad and the bucket), static graph (bucket order fixed after the first step). FSDP2:
+    reshard after forward (None: FSDP's default, True for blocks and False for the root)."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    reshard_after_forward: bool | None = None
+
+    def __post_init__(self):
+        v = self.bucket_cap_mb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"bucket_cap_mb must be a finite number > 0 (MiB), got {v!r}")
+        for f in ("gradient_as_bucket_view", "static_graph"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
+        if self.reshard_after_forward not in (None, True, False):
+            raise ValueError(f"reshard_after_forward must be None, True or False, got {self.reshard_after_forward!r}")
+
+    def changed(self) -> dict:
+        """The options that differ from the defaults (they become part of a record's fields)."""
+        base = Options()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)}
+
+
+# --- which ladder step the strategies go on top of --------------------------------------------------
+
+def base_step(workload: str) -> str:
+    """The workload's best single-GPU step that the strategies can run: the last ladder step that
+    applies to it whose own change is not one of ``NOT_DISTRIBUTED`` (its cumulative settings are
+    then made distributable by ``distributed_settings``)."""
+    wl = get_workload(workload)
+    for st in reversed(LADDER):
+        if not_applicable(st, wl.name) is None and not set(st.change) & set(NOT_DISTRIBUTED):
+            return st.name
+    return LADDER[0].name
+
+
+def distributed_settings(step: str | Step, di: DeviceInfo, strategy: str = "ddp") -> tuple[Settings, list[str]]:
+    """The step's cumulative settings as every rank runs them under ``strategy``, and a note for each
+    change: ``NOT_DISTRIBUTED`` settings off, batches resident, FSDP2 without channels_last weights,
+    bf16 before Ampere as fp16."""
+    st = get_step(step) if isinstance(step, str) else step
+    wanted = settings_for(st.name)
+    notes, change = [], {}
+    for name, why in NOT_DISTRIBUTED.items():
+        if getattr(wanted, name):
+            change[name] = False
+            notes.append(f"{name} off: {why}")
+    if strategy == "fsdp2" and wanted.channels_last:
+        change["channels_last"] = False
+        notes.append("channels_last off: FSDP2 shards contiguous parameters only (the convolution runs NCHW; "
+                     "same math, another layout)")
+    if wanted.loader != "resident":
+        change["loader"] = "resident"
+        notes.append(f"loader '{wanted.loader}' -> resident: {RESIDENT_WHY}")
+    eff = resolve_autocast(dataclasses.replace(wanted, **change), di)
+    if eff.autocast != wanted.autocast:
+        notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
+    if eff.offload_optimizer:
+        raise ValueError("offload_optimizer is a single-process memory technique; the strategies shard instead")
+    return eff, notes
+
+
+# --- the strategies ----------------------------------------------------------------------------------
+
+@dataclass
+class Applied:
+    """A strategy applied to a model: what the training step calls (``fwd``), the optimizer, the
+    module a no-grad probe may call without collectives (``probe``: None when it cannot), and notes."""
+
+    fwd: torch.nn.Module
+    opt: torch.optim.Optimizer
+    probe: torch.nn.Module | None
+    notes: list
+
+
+def apply(strategy: str, model: torch.nn.Module, cfg, settings: Settings, device: torch.device, world: int,
+          options: Options | None = None) -> Applied:
+    """Wrap ``model`` (already on ``device``, identical on every rank) for ``strategy``."""
+    check_strategy(strategy)
+    options = options or Options()
+    if strategy == "single":
+        if world != 1:
+            raise ValueError(f"strategy 'single' runs one process; this job has world size {world}")
+        return apply_single(model, cfg, settings)
+    if strategy == "fsdp2":
+        return apply_fsdp2(model, cfg, settings, device, world, options)
+    return apply_ddp(model, cfg, settings, device, options, zero=strategy == "ddp_zero1")
+
+
+def _compiled(m: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+    # Inductor's default mode, as step 06 compiles: CUDA graphs are off under every strategy.
+    return torch.compile(m) if settings.compile else m
+
+
+def apply_single(model, cfg, settings: Settings) -> Applied:
+    return Applied(_compiled(model, settings), make_optimizer(model, cfg, settings), model, [])
+
+
+def apply_ddp(model, cfg, settings: Settings, device: torch.device, options: Options, zero: bool = False) -> Applied:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=options.bucket_cap_mb, gradient_as_bucket_view=options.gradient_as_bucket_view,
+              static_graph=options.static_graph)
+    opt = make_optimizer(model, cfg, settings)
+    notes = []
+    if zero:
+        opt = zero_redundancy(opt)
+        notes.append("AdamW states sharded by ZeroRedundancyOptimizer; updated parameters broadcast by their owner")
+    if settings.compile:
+        notes.append("torch.compile over DDP: DDPOptimizer splits the graph at bucket boundaries")
+    # The probe calls the inner module: a forward outside DDP launches no collective.
+    return Applied(_compiled(ddp, settings), opt, model, notes)
+
+
+def zero_redundancy(opt: torch.optim.Optimizer):
+    """The ladder's optimizer (its class, parameter groups and hyper-parameters, fused or not) with
+    its states sharded over the ranks."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]
+    kw = {k: opt.defaults[k] for k in ("lr", "betas", "eps") if k in opt.defaults}
+    if opt.defaults.get("fused"):
+        kw["fused"] = True
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **kw)
+
+
+def apply_fsdp2(model, cfg, settings: Settings, device: torch.device, world: int, options: Options) -> Applied:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (world,))
+    kw = {} if options.reshard_after_forward is None else {"reshard_after_forward": options.reshard_after_forward}
+    blocks = getattr(model, "blocks", None)
+    notes = []
+    if isinstance(blocks, torch.nn.ModuleList) and len(blocks):
+        # Compile each block, then shard the compiled module (the recipe FSDP2 documents): the
+        # all-gather and reduce-scatter hooks run eagerly around the compiled block. The blocks share
+        # one compiled graph; what lies outside them (embeddings, final norm, head, loss) runs eager.
+        for i, block in enumerate(blocks):
+            unit = _compiled(block, settings)
+            fully_shard(unit, mesh=mesh, **kw)
+            blocks[i] = unit
+        fully_shard(model, mesh=mesh)
+        fwd = model
+        notes.append(f"{len(blocks)} blocks sharded one by one" + (", each compiled; embeddings, head and loss "
+                                                                   "eager" if settings.compile else ""))
+    else:
+        fwd = _compiled(model, settings)
+        fully_shard(fwd, mesh=mesh, **kw)
+        notes.append("no blocks to shard apart: the whole model is one FSDP unit" +
+                     (", compiled before sharding" if settings.compile else ""))
+    # Parameters are sharded DTensors from here on: the optimizer steps on each rank's shards only.
+    opt = make_optimizer(model, cfg, settings)
+    # A no-grad probe of the model would all-gather (a collective) and, compiled, compile a graph of its
+    # own: none here.
+    return Applied(fwd, opt, None, notes)

@@ -1,0 +1,446 @@
+"""Notebook 14's measurements: the Polychromic trainer's generation ladder, its time shares over a
+5-step cycle, decode bandwidth, the semantics checks, the gradient demonstration and the diversity
+score study. Each function returns rows; ``*_records`` turn rows into records (workload
+"polychromic", the ladder rung as ``step``, x-values in fields).
+
+A cycle is what the seed's trainer repeats: ``every`` trainer steps, the last with the diversity
+bonus. Every phase is timed by ``hwlib.bench.wall_s`` (a sync before and after): the phases run one
+after another and the bonus's phases end in host work (``.tolist()``, ``.item()``), so device time
+alone would miss what the seed's loop waits for. Each ladder rung starts its cycles from the same
+LoRA weights and optimizer state (``Trainer.reset``), so its trainer losses must equal the first
+rung's: the ladder changes how replies are generated, never the training.
+
+Decode bandwidth: bytes one decode step must read (every weight once, the input embedding only for
+its rows; plus the KV cache of all rows at the mean length L + T/2 where a cache is used) over the
+time of one decode step (generation time / forward calls). The seed's way recomputes the whole
+sequence per token: its bytes are counted the same way, as what a step must read at minimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import torch
+
+from .. import bench
+from ..ops import diversity as dv
+from ..precision import tf32_mode
+from ..results import make_record
+from ..workloads import polychromic as pc
+from ..workloads.polychromic.build import weight_bytes
+
+NOTEBOOK = "14_generation_diversity"
+WORKLOAD = "polychromic"
+RUNGS = {  # step name -> (way, what changes)
+    "14a_seed_way": ("seed", "one generate per reply, train mode, checkpointing on (no KV cache); per-prompt "
+                             "encoding, pairwise matrix, .item()"),
+    "14b_eval_kv_cache": ("eval_cache", "eval mode: the KV cache is on"),
+    "14c_batched": ("batched", "one generate for all prompts (num_return_sequences=N), one encoder call, "
+                               "the closed-form score, one sync"),
+    "14d_static_hf": ("static_hf", "Hugging Face static KV cache, decode compiled with CUDA graphs"),
+    "14d_static_own": ("static_own", "the lab's decode loop: static cache, one CUDA graph per step, sampling "
+                                     "inside the graph"),
+}
+PER_PROMPT = ("seed", "eval_cache")     # the seed's bonus: per-prompt round trip, encoding and score
+QUALITY_TOL = 1e-6                      # relative; the training path is identical on every rung
+
+
+def bonus(tr: pc.Trainer, way: str) -> tuple[float, dict, torch.Tensor]:
+    """One diversity bonus by ``way``: (score as a float, seconds per phase, replies)."""
+    dev = tr.device
+    cfg = tr.cfg
+    t = {p: 0.0 for p in pc.PHASES if p != "training"}
+    t["generation"], replies = bench.wall_s(lambda: tr.generate(way), dev)
+    if way in PER_PROMPT:
+        scores = []
+        for p in range(cfg.prompts):
+            s, (ids, mask) = bench.wall_s(lambda: tr.round_trip(replies[p]), dev)
+            t["round_trip"] += s
+            s, e = bench.wall_s(lambda: tr.encode(ids, mask), dev)
+            t["encoding"] += s
+            s, v = bench.wall_s(lambda: dv.seed_scores(e[None])[0], dev)
+            t["score"] += s
+            scores.append(v)
+        return sum(scores) / len(scores), t, replies
+    t["round_trip"], (ids, mask) = bench.wall_s(lambda: tr.round_trip(replies), dev)
+    t["encoding"], e = bench.wall_s(lambda: tr.encode(ids, mask).view(cfg.prompts, cfg.replies, -1), dev)
+    t["score"], v = bench.wall_s(lambda: dv.closed_form_score(e).mean().item(), dev)
+    return v, t, replies
+
+
+def cycle(tr: pc.Trainer, way: str) -> dict:
+    """One cycle from the start state: ``every`` trainer steps, the bonus before the last.
+    Returns seconds per phase, the cycle's trainer losses and the bonus's score."""
+    tr.reset()
+    cfg = tr.cfg
+    out = {p: 0.0 for p in pc.PHASES}
+    losses = []
+    score = None
+    for k in range(cfg.every):
+        b = None
+        if k == cfg.every - 1:
+            score, t, _ = bonus(tr, way)
+            for p, s in t.items():
+                out[p] += s
+            b = score
+        s, ce = bench.wall_s(lambda: tr.train_step(k, b), tr.device)
+        out["training"] += s
+        losses.append(ce)
+    return {"seconds": out, "losses": [float(x) for x in torch.stack(losses).tolist()], "score": score}
+
+
+def warm_up(tr: pc.Trainer, way: str, full: bool) -> float:
+    """An untimed first generation: the full shape where it compiles (static cache, own loop), a
+    two-token one elsewhere (library and kernel set-up). Returns its wall seconds."""
+    s, _ = bench.wall_s(lambda: tr.generate(way, new_tokens=None if full else 2), tr.device)
+    return s
+
+
+def kv_bytes_per_step(cfg: pc.PolyConfig, rows: int) -> float:
+    """KV cache bytes a decode step reads, at the mean length L + T/2, for ``rows`` rows."""
+    elem = 2 if cfg.dtype == "bf16" else 4
+    return rows * cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * elem * (cfg.prompt_len + cfg.new_tokens / 2)
+
+
+def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, copy_gbps: float | None = None,
+                 base_losses: list | None = None) -> dict:
+    """``cycles`` cycles of a rung after its warm-up; one row with the median cycle's shares, the
+    generation rate and decode bandwidth, the compile/warm-up time and the loss check against
+    ``base_losses``. A rung that fails (e.g. compilation) returns status 'failed' with the reason."""
+    way, change = RUNGS[step]
+    cfg = tr.cfg
+    row = {"step": step, "way": way, "change": change, "cycles": cycles, "status": "ok", "reason": None}
+    try:
+        row["warmup_s"] = warm_up(tr, way, full=way in ("static_hf", "static_own"))
+        runs = [cycle(tr, way) for _ in range(cycles)]
+    except Exception as e:     # a rung that cannot run here is a row with its reason, not a crash
+        if isinstance(e, (KeyboardInterrupt, ValueError)):
+            raise
+        row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        return row
+    tot = [sum(r["seconds"].values()) for r in runs]
+    med = sorted(range(cycles), key=lambda i: tot[i])[cycles // 2]
+    sec = runs[med]["seconds"]
+    total = tot[med]
+    overhead = total - sec["training"]
+    row.update({"ms_per_cycle": 1e3 * total, "ms_p20": 1e3 * bench.quantile(tot, 0.2),
+                "ms_p80": 1e3 * bench.quantile(tot, 0.8), "ms_per_trainer_step": 1e3 * total / cfg.every,
+                **{f"{p}_ms": 1e3 * sec[p] for p in pc.PHASES},
+                **{f"share_{p}": sec[p] / total for p in pc.PHASES},
+                "share_generation_of_overhead": sec["generation"] / overhead if overhead else None,
+                "share_diversity_of_overhead": (sec["round_trip"] + sec["encoding"] + sec["score"]) / overhead
+                if overhead else None,
+                "score": runs[med]["score"], "losses": runs[med]["losses"]})
+    gen = statistics.median(r["seconds"]["generation"] for r in runs)
+    n_tok = cfg.prompts * cfg.replies * cfg.new_tokens
+    row["gen_tokens_per_s"] = n_tok / gen
+    calls = n_tok if way in PER_PROMPT else cfg.new_tokens   # forward calls, one row each or all rows at once
+    rows_per_call = 1 if way in PER_PROMPT else cfg.prompts * cfg.replies
+    step_s = gen / calls
+    nbytes = weight_bytes(tr.lm) + (kv_bytes_per_step(cfg, rows_per_call) if way != "seed" else 0.0)
+    row.update({"decode_ms_per_step": 1e3 * step_s, "decode_bytes_per_step": nbytes,
+                "decode_gbps": nbytes / step_s / 1e9,
+                "decode_share_of_copy": nbytes / step_s / 1e9 / copy_gbps if copy_gbps else None})
+    ref = base_losses if base_losses is not None else runs[0]["losses"]
+    row["quality_loss_max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for r in runs
+                                           for a, b in zip(r["losses"], ref))
+    return row
+
+
+def attention_rows(tr: pc.Trainer, step: str = "14c_batched", cycles: int = 1) -> list[dict]:
+    """One rung's cycle with eager (matmul + softmax) attention and with SDPA: what the seed's
+    FlashAttention tier could change in this trainer (SDPA runs flash kernels on an H100)."""
+    base = tr.lm.get_base_model()
+    was = base.config._attn_implementation
+    rows = []
+    try:
+        for attn in ("eager", "sdpa"):
+            base.set_attn_implementation(attn)
+            r = measure_rung(tr, step, cycles)
+            rows.append({"attn": attn, **r})
+    finally:
+        base.set_attn_implementation(was)
+    return rows
+
+
+def greedy_rows(tr: pc.Trainer, steps: list[str], new_tokens: int) -> list[dict]:
+    """Greedy replies by each rung's way against the first rung's: the share of positions inside
+    the common prefix (1.0: the same tokens). Per-reply ways run one reply per prompt (greedy
+    replies of a prompt are all the same). Run first, it also times each way's first call: for the
+    static-cache ways that includes compiling and capturing the decode step (``first_call_s``)."""
+    base, base_logits, rows = None, None, []
+    for step in steps:
+        way = RUNGS[step][0]
+        lg: list | None = [] if way != "static_own" else None     # the own loop keeps no logits
+        try:
+            if way in PER_PROMPT:
+                one = dataclasses.replace(tr.cfg, replies=1)
+                secs, g = bench.wall_s(lambda: pc.decode.generate_per_reply(
+                    tr.lm, tr.prompts, one, train=way == "seed", greedy=True, new_tokens=new_tokens, logits=lg),
+                    tr.device)
+                g = g.expand(-1, tr.cfg.replies, -1)
+            elif way == "static_own":   # the compiled ways at their full shape: this first call compiles
+                secs, g = bench.wall_s(lambda: tr.generate(way, greedy=True), tr.device)
+                g = g[..., :new_tokens]
+            else:
+                full = way == "static_hf"
+                secs, g = bench.wall_s(lambda: pc.decode.generate_batched(
+                    tr.lm, tr.prompts, tr.cfg, static=full, greedy=True, new_tokens=None if full else new_tokens,
+                    logits=lg), tr.device)
+                g = g[..., :new_tokens]
+        except Exception as e:
+            if isinstance(e, (KeyboardInterrupt, ValueError)):
+                raise
+            rows.append({"step": step, "agreement": None, "status": "failed", "reason": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        g = g.cpu()
+        logits = torch.stack([x[:new_tokens] for x in lg]) if lg else None     # [P, T, V]
+        if base is None:
+            base, base_logits = g, logits
+        same = (g == base).long().cumprod(-1)          # 1 while every earlier position agreed
+        diff = None
+        if logits is not None and base_logits is not None:
+            # raw logits of each prompt's first reply against the seed's way's, inside the common prefix
+            # (the positions where both decoded the same context), relative to the largest |logit|
+            inside = same[:, 0].bool()
+            d = (logits - base_logits).abs().amax(-1)[inside]
+            diff = float(d.max() / base_logits.abs().max()) if d.numel() else None
+        rows.append({"step": step, "agreement": float(same.float().mean()), "identical": bool(torch.equal(g, base)),
+                     "max_rel_logit_diff": diff, "first_call_s": secs, "status": "ok", "reason": None})
+    return rows
+
+
+def train_mode_context_check(tr: pc.Trainer, new_tokens: int) -> dict:
+    """What Hugging Face's own ``generate`` does in train mode with checkpointing on when
+    ``use_cache`` is left to it: the tokens each decode forward sees (the whole sequence, as the seed
+    expected with the cache off, or one token), and greedy agreement with the true uncached way."""
+    one = dataclasses.replace(tr.cfg, replies=1)
+    seen: list[int] = []
+    hook = tr.lm.get_base_model().model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(int(kw["input_ids"].shape[1])), with_kwargs=True)
+    try:
+        hf = pc.decode.generate_per_reply(tr.lm, tr.prompts, one, train=True, greedy=True, new_tokens=new_tokens,
+                                          hf_default=True)
+        hf_seen = list(seen)
+        seen.clear()
+        true = pc.decode.generate_per_reply(tr.lm, tr.prompts, one, train=True, greedy=True, new_tokens=new_tokens)
+        true_seen = list(seen)
+    finally:
+        hook.remove()
+    decode_steps = lambda xs: [x for i, x in enumerate(xs) if i % new_tokens]   # noqa: E731  (drop each prefill)
+    same = (hf.cpu() == true.cpu()).long().cumprod(-1)
+    return {"hf_tokens_per_decode_forward": statistics.mean(decode_steps(hf_seen)) if new_tokens > 1 else None,
+            "uncached_tokens_per_decode_forward": statistics.mean(decode_steps(true_seen)) if new_tokens > 1 else None,
+            "greedy_agreement_hf_vs_uncached": float(same.float().mean())}
+
+
+def gradient_demo(tr: pc.Trainer, score: float = 0.5) -> dict:
+    """The seed's objective for lam = 0 and lam = 0.3 (and lam = 0 again, for the backward's own
+    reproducibility), under the math SDPA backend (deterministic): are the gradients bit-identical?"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        g0 = pc.seed_objective_grads(tr, 0.0, score)
+        g3 = pc.seed_objective_grads(tr, 0.3, score)
+        g0b = pc.seed_objective_grads(tr, 0.0, score)
+    diff = lambda a, b: max(float((x - y).abs().max()) for x, y in zip(a, b))   # noqa: E731
+    return {"identical": all(torch.equal(a, b) for a, b in zip(g0, g3)), "max_abs_diff": diff(g0, g3),
+            "repeat_identical": all(torch.equal(a, b) for a, b in zip(g0, g0b)), "repeat_max_abs_diff": diff(g0, g0b),
+            "grad_norm": math.sqrt(sum(float((g.float() ** 2).sum()) for g in g0))}
+
+
+def pg_cost(tr: pc.Trainer, way: str = "batched") -> dict:
+    """What the policy-gradient term adds to a bonus step: its forward and backward over the P N
+    sampled replies (wall seconds), and that its gradient is nonzero."""
+    replies = tr.generate(way)
+    ids, mask = tr.round_trip(replies)
+    emb = tr.encode(ids, mask).view(tr.cfg.prompts, tr.cfg.replies, -1)
+    for p in tr.params:
+        p.grad = None
+
+    def term():
+        tr.pg_loss(replies, emb).backward()
+    bench.wall_s(term, tr.device)             # warm-up (allocator, kernels)
+    for p in tr.params:
+        p.grad = None
+    s, _ = bench.wall_s(term, tr.device)
+    norm = math.sqrt(sum(float((p.grad.float() ** 2).sum()) for p in tr.params if p.grad is not None))
+    for p in tr.params:
+        p.grad = None
+    return {"pg_term_ms": 1e3 * s, "pg_grad_norm": norm}
+
+
+def pg_check(device, seed: int = 0, tokenizer=None) -> dict:
+    """The policy-gradient term on a tiny model (smoke sizes, float32) against the float64 per-reply
+    reference: relative error and gradient norm. LoRA's B starts at zero, which would leave A without
+    gradient: B is drawn small first so that every LoRA weight is exercised. ``tokenizer``: one of at
+    most the tiny model's ``tok_vocab`` ids, else a tiny one is trained (cached)."""
+    with tf32_mode(False):   # IEEE float32 matmuls: the comparison is with float64
+        cfg = pc.config("smoke")
+        if tokenizer is not None and tokenizer.get_vocab_size() > cfg.tok_vocab:
+            tokenizer = None
+        tr = pc.Trainer(cfg, device, seed, tokenizer=tokenizer)
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for n, p in tr.lm.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        torch.manual_seed(seed)
+        replies = tr.generate("batched")
+        ids, mask = tr.round_trip(replies)
+        emb = tr.encode(ids, mask).view(tr.cfg.prompts, tr.cfg.replies, -1)
+        for p in tr.params:
+            p.grad = None
+        tr.pg_loss(replies, emb).backward()
+        got = [p.grad.detach().double().cpu() for p in tr.params]
+        ref = [r.cpu() for r in pc.pg_reference_grads(tr, replies, emb)]
+        err = max(float((a - b).abs().max()) for a, b in zip(got, ref)) / max(float(b.abs().max()) for b in ref)
+        return {"rel_err": err, "grad_norm": math.sqrt(sum(float((a ** 2).sum()) for a in got)),
+                "ref_norm": math.sqrt(sum(float((b ** 2).sum()) for b in ref))}
+
+
+# --- the diversity score alone --------------------------------------------------------------------
+
+SCORE_IMPLS = ("seed_loop", "pairwise", "closed", "triton")
+
+
+def _score_fn(impl: str):
+    return {"seed_loop": dv.seed_scores, "pairwise": dv.pairwise_score, "closed": dv.closed_form_score,
+            "triton": dv.triton_score}[impl]
+
+
+def unit_embeddings(P: int, N: int, D: int, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(P, N, D, generator=g), dim=-1).to(device)
+
+
+def score_check_rows(device, impls: list[str], sizes=((1, 2, 384), (4, 3, 384), (5, 7, 33), (3, 8, 129)),
+                     seed: int = 0) -> list[dict]:
+    """Each implementation against the float64 pairwise reference on fresh unit vectors (odd sizes)."""
+    rows = []
+    for k, (P, N, D) in enumerate(sizes):
+        e = unit_embeddings(P, N, D, device, seed + k)
+        ref = dv.reference_score(e)
+        for impl in impls:
+            got = torch.as_tensor(_score_fn(impl)(e), dtype=torch.float64).cpu()
+            rows.append({"impl": impl, "P": P, "N": N, "D": D, "max_abs_err": float((got - ref).abs().max())})
+    return rows
+
+
+def score_speed_rows(device, impls: list[str], points: list[tuple[int, int]], D: int = 384, iters: int = 50) -> list[dict]:
+    """Time per call of each implementation at each (P, N); inputs rotate over sets larger than
+    twice a 50 MB L2 where they are large. The seed's per-prompt loop only where P <= 64 (a host
+    sync per prompt). Every timed implementation was checked first (``score_check_rows``)."""
+    dev = torch.device(device)
+    rows = []
+    for P, N in points:
+        nbytes = P * N * D * 4
+        sets = [unit_embeddings(P, N, D, dev, s) for s in range(max(1, min(8, math.ceil(100e6 / nbytes))))]
+        for impl in impls:
+            if impl == "seed_loop" and P > 64:
+                continue
+            fn = _score_fn(impl)
+            t = bench.time_fn(lambda i: fn(sets[i % len(sets)]), dev, warmup=3, iters=iters if dev.type == "cuda" else 3)
+            rows.append({"impl": impl, "P": P, "N": N, "D": D, "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
+                         "GB/s": nbytes / (t.median_ms / 1e3) / 1e9})
+    return rows
+
+
+# --- records --------------------------------------------------------------------------------------
+
+RUNG_METRICS = {"ms_per_cycle": "ms", "ms_per_trainer_step": "ms", "gen_tokens_per_s": "tokens/s",
+                "share_training": "share", "share_generation": "share", "share_round_trip": "share",
+                "share_encoding": "share", "share_score": "share", "share_generation_of_overhead": "share",
+                "share_diversity_of_overhead": "share", "decode_ms_per_step": "ms", "decode_gbps": "GB/s",
+                "decode_share_of_copy": "share", "quality_loss_max_rel_diff": "relative", "warmup_s": "s"}
+
+
+def rung_records(rows: list[dict], *, profile: str, device: str, params: dict, fields: dict | None = None) -> list[dict]:
+    """One record per metric of each rung (step = the rung); a failed rung records its reason."""
+    out = []
+    for r in rows:
+        f = dict(fields or {})
+        if "attn" in r:
+            f["attn"] = r["attn"]
+        for m, unit in RUNG_METRICS.items():
+            if f and m != "ms_per_cycle":
+                continue              # variant rows (attention) record their cycle time only
+            v = r.get(m)
+            status = r["status"] if r["status"] != "ok" else ("ok" if v is not None else "n/a")
+            why = "no copy ceiling in this run (notebook 00)" if m == "decode_share_of_copy" else "not measured"
+            reason = r["reason"] if r["status"] != "ok" else (None if v is not None else why)
+            extra = {"p20": r.get("ms_p20"), "p80": r.get("ms_p80")} if m == "ms_per_cycle" else {}
+            out.append(make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=r["step"], metric=m, value=v,
+                                   unit=unit, status=status, reason=reason, profile=profile, device=device,
+                                   fields=f, params={**params, "cycles": r.get("cycles")}, **extra))
+    return out
+
+
+def score_records(rows: list[dict], *, profile: str, device: str) -> list[dict]:
+    return [make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=None, metric="score_ms", value=r["ms"],
+                        p20=r["p20"], p80=r["p80"], unit="ms", profile=profile, device=device,
+                        fields={"impl": r["impl"], "N": r["N"], "P": r["P"]}, params={"D": r["D"], "gbps": r["GB/s"]})
+            for r in rows]
+
+
+def check_records(values: dict, *, profile: str, device: str) -> list[dict]:
+    """Scalar checks (greedy agreement per rung, gradient demonstration, policy-gradient cost)."""
+    return [make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=step, metric=m, value=v, unit=unit,
+                        profile=profile, device=device, status="ok" if v is not None else "n/a")
+            for (step, m, unit), v in values.items()]
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's H100 targets, from the rung rows: step d's generated tokens/s >= 50x the seed's
+    way, and step d's decode at >= 50% of the copy ceiling (the better d of the two)."""
+    by = {r["step"]: r for r in rows if r["status"] == "ok"}
+    a = by.get("14a_seed_way")
+    ds = [by[s] for s in ("14d_static_hf", "14d_static_own") if s in by]
+    out = []
+    if a and ds:
+        d = max(ds, key=lambda r: r["gen_tokens_per_s"])
+        x = d["gen_tokens_per_s"] / a["gen_tokens_per_s"]
+        out.append({"target": "step d generated tokens/s >= 50x the seed's way", "value": x, "unit": "x",
+                    "measured": f"{d['step']}: {x:.1f}x", "met": x >= 50})
+    if ds:
+        d = max(ds, key=lambda r: r["decode_gbps"])
+        s = d["decode_share_of_copy"]
+        out.append({"target": "step d decode >= 50% of the copy bandwidth", "value": s, "unit": "share of copy",
+                    "measured": f"{d['step']}: " + (f"{s:.1%}" if s is not None else "n/a (no copy ceiling)"),
+                    "met": None if s is None else s >= 0.5})
+    return out
+
+
+def target_records(tgts: list[dict], *, profile: str, device: str) -> list[dict]:
+    return [make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=None, metric="target", value=t["value"],
+                        unit=t["unit"], profile=profile, device=device, fields={"target": t["target"]},
+                        params={"measured": t["measured"]},
+                        status="n/a" if t["met"] is None else "ok" if t["met"] else "failed",
+                        reason="not measured in this run" if t["met"] is None else None) for t in tgts]
+
+
+def summary_rows(records: list[dict]) -> list[dict]:
+    """summary.json's ``generation`` steps from a run's records (newest per key already chosen)."""
+    by: dict = {}
+    for r in records:
+        if r.get("workload") == WORKLOAD and r.get("step") in RUNGS and not r.get("fields"):
+            by.setdefault(r["step"], {})[r["metric"]] = r
+    out = []
+    for step in RUNGS:
+        m = by.get(step)
+        if not m:
+            continue
+        v = lambda k: (m.get(k) or {}).get("value")   # noqa: E731
+        ms = m.get("ms_per_cycle", {})
+        cyc = v("ms_per_cycle")
+        out.append({"step": step, "status": ms.get("status"), "reason": ms.get("reason"),
+                    "gen_tokens_per_s": v("gen_tokens_per_s"), "ms_per_cycle": cyc,
+                    "ms_per_trainer_step": v("ms_per_trainer_step"), "share_generation": v("share_generation"),
+                    "share_diversity": (sum(v(f"share_{p}") for p in ("round_trip", "encoding", "score"))
+                                        if all(isinstance(v(f"share_{p}"), (int, float)) for p in
+                                               ("round_trip", "encoding", "score")) else None),
+                    "share_generation_of_overhead": v("share_generation_of_overhead"),
+                    "share_diversity_of_overhead": v("share_diversity_of_overhead"),
+                    "decode_gbps": v("decode_gbps"), "decode_share_of_copy": v("decode_share_of_copy")})
+    return out
