@@ -236,3 +236,18 @@ def test_seed_001_claims_read_the_generation_records(tmp_path):
     cuda = rows["Raw CUDA kernels (tier 3): training 12 h -> 3-4 h"]
     assert cuda["measured"] == pytest.approx(20.0) and cuda["to"] == "14d_static_own"
     assert not math.isnan(cuda["measured"])
+
+
+def test_a_divergence_counts_as_a_tie_only_where_the_top_two_logits_are_within_the_noise():
+    from hwlib.studies.generation import divergence_ties
+    same = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])          # reply 0 parts at position 2
+    base = torch.zeros(2, 4, 5)
+    base[0, 2, 1], base[0, 2, 3] = 2.0, 1.99                      # a near-tie at the divergence
+    other = base.clone()
+    other[0, 0, 0] += 0.05                                        # numerics: 0.05 where contexts were shared
+    r = divergence_ties(same, other, base)
+    assert r == {"divergences": 1, "divergences_at_ties": 1, "logit_noise": pytest.approx(0.05)}
+    base[0, 2, 3] = 1.0                                           # a clear margin: a real difference
+    assert divergence_ties(same, other, base)["divergences_at_ties"] == 0
+    assert divergence_ties(same, None, base)["divergences_at_ties"] is None
+    assert divergence_ties(torch.ones(2, 4, dtype=torch.long), other, base)["divergences"] == 0

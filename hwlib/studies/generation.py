@@ -200,7 +200,7 @@ def greedy_rows(tr: pc.Trainer, steps: list[str], new_tokens: int) -> list[dict]
         if base is None:
             base, base_logits = g, logits
         same = (g == base).long().cumprod(-1)          # 1 while every earlier position agreed
-        diff = None
+        diff, ties = None, divergence_ties(same[:, 0], logits, base_logits)
         if logits is not None and base_logits is not None:
             # raw logits of each prompt's first reply against the seed's way's, inside the common prefix
             # (the positions where both decoded the same context), relative to the largest |logit|
@@ -208,8 +208,29 @@ def greedy_rows(tr: pc.Trainer, steps: list[str], new_tokens: int) -> list[dict]
             d = (logits - base_logits).abs().amax(-1)[inside]
             diff = float(d.max() / base_logits.abs().max()) if d.numel() else None
         rows.append({"step": step, "agreement": float(same.float().mean()), "identical": bool(torch.equal(g, base)),
-                     "max_rel_logit_diff": diff, "first_call_s": secs, "status": "ok", "reason": None})
+                     "max_rel_logit_diff": diff, **ties, "first_call_s": secs, "status": "ok", "reason": None})
     return rows
+
+
+def divergence_ties(same: torch.Tensor, logits: torch.Tensor | None, base_logits: torch.Tensor | None) -> dict:
+    """Whether each reply that left the reference's greedy tokens did so at a rounding tie.
+
+    ``same`` [P, T] is 1 while every earlier position agreed. At a reply's first differing position
+    both ways decoded the same context, so their logits there differ by numerics alone. The
+    divergence is a tie when the reference's own top-two logits at that position are closer than
+    ``logit_noise``: the largest logit difference between the two ways over all positions decoded
+    from a common context. In bf16 with random weights (flat logits) such ties are common, and one
+    flipped argmax changes every later token; a divergence at a clear margin is a real difference.
+    Without logits (a way that keeps none) nothing can be said: ``divergences_at_ties`` is None."""
+    diverged = [(p, int((same[p] == 0).nonzero()[0])) for p in range(same.shape[0]) if not bool(same[p].all())]
+    out = {"divergences": len(diverged), "divergences_at_ties": None, "logit_noise": None}
+    if logits is None or base_logits is None:
+        return out
+    shared = torch.cat([torch.ones_like(same[:, :1]), same[:, :-1]], -1).bool()   # same context as the reference
+    noise = float((logits - base_logits).abs().amax(-1)[shared].max())
+    gaps = [float(base_logits[p, t].float().topk(2).values.diff().abs()) for p, t in diverged]
+    out.update(divergences_at_ties=sum(gap <= noise for gap in gaps), logit_noise=noise)
+    return out
 
 
 def train_mode_context_check(tr: pc.Trainer, new_tokens: int) -> dict:
