@@ -250,4 +250,7 @@ def test_a_divergence_counts_as_a_tie_only_where_the_top_two_logits_are_within_t
     base[0, 2, 3] = 1.0                                           # a clear margin: a real difference
     assert divergence_ties(same, other, base)["divergences_at_ties"] == 0
     assert divergence_ties(same, None, base)["divergences_at_ties"] is None
+    base[0, 2, 3] = 1.99
+    assert divergence_ties(same, None, base, noise=0.05)["divergences_at_ties"] == 1   # borrowed noise
+    assert divergence_ties(same, None, base, noise=0.001)["divergences_at_ties"] == 0
     assert divergence_ties(torch.ones(2, 4, dtype=torch.long), other, base)["divergences"] == 0

@@ -144,18 +144,33 @@ def _pump(stream, log_path: Path, echo: bool) -> None:
                 print(line[len("[hwlib] "):], end="", flush=True)
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # a member we may not signal still counts as alive
+        return True
+    return True
+
+
 def _end_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM to the job's process group (torchrun and every rank), SIGKILL after ``grace_s``."""
+    """SIGTERM to the job's process group (torchrun and every rank), SIGKILL to what is left after
+    ``grace_s``: returns when the whole group is gone (or after the SIGKILL's own grace)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(proc.pid):
+                return
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)

@@ -55,10 +55,11 @@ def reference_curves(rows: list[dict]) -> dict:
     return ref
 
 
-def measure(req: Request, ks: list[int], *, strategies_at_one: bool = False, separate_launches: bool = True,
+def measure(req: Request, ks: list[int], *, strategies_at_one=(), separate_launches: bool = True,
             timeout_s: float = 540.0, comm_sizes_mb: tuple = (), echo: bool = True) -> list[dict]:
-    """Launch the job for each K in ``ks``: K = 1 runs ``single`` (and the strategies too when
-    ``strategies_at_one``), each larger K runs the strategies, in one launch per strategy when
+    """Launch the job for each K in ``ks``: K = 1 runs ``single`` (and the strategies listed in
+    ``strategies_at_one`` too: a wrapper's own cost on one GPU, and the K = 1 point of its own
+    scaling), each larger K runs the strategies, in one launch per strategy when
     ``separate_launches`` (a failing strategy then costs only its own rows). The one-process curves
     travel to the later launches for the same-math check. A failed launch is reported in its outcome
     row (its measurements are recorded as failed) and the others go on. Returns one outcome row per
@@ -70,7 +71,7 @@ def measure(req: Request, ks: list[int], *, strategies_at_one: bool = False, sep
         if k == 1:
             # The baseline in a launch of its own (every efficiency needs it); the wrappers on one GPU
             # together in one more (one process cannot fail the way a collective of several can).
-            extra = strats if strategies_at_one else []
+            extra = [s for s in strategies_at_one if s != "single"]
             groups = [["single"], extra] if separate_launches else [["single"] + extra]
         else:
             groups = [[s] for s in strats] if separate_launches else [strats]
@@ -328,7 +329,8 @@ def what_we_saw(rs: list[dict], bw: list[dict] | None = None, skipped: list[dict
                 text.append(f"In the profiled steps, {worst['strategy']} left the most communication exposed: "
                             f"{worst['exposed_comm_ms']:.2f} ms of {worst['comm_ms']:.2f} ms per step "
                             f"({worst['exposed_share']:.1%} of its step).")
-        one = [r for r in mine if r["world_size"] == 1 and r["strategy"] != "single" and r["speedup"]]
+        one = [r for r in mine if r["world_size"] == 1 and r["strategy"] != "single" and r["speedup"]
+               and r["scaling"] == mine[0]["scaling"]]   # at K = 1 one measurement stands for both scalings
         if one:
             text.append("On one GPU the wrappers alone cost: " + "; ".join(
                 f"{r['strategy']} {r['speedup']:.2f}x the single process" for r in one) + ".")

@@ -185,6 +185,9 @@ def _main(argv: list[str] | None = None) -> int:
         # the other ranks when one exits with an error.
         write_error(out, rank, e)
         raise
+    # Every rank done before the group goes: a rank tearing down while a peer still talks to it
+    # can abort in gloo's or NCCL's threads.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
@@ -196,13 +199,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Leave without the interpreter's teardown either way. After an error (on file by now, ours and
+    # torchrun's): a communicator's destructor could wait on peers that are waiting on this rank.
+    # After success (records fsynced, rows written): the teardown of torch's C++ threads was seen to
+    # abort now and then on gloo, which would turn a finished job into a failed one.
     try:
         code = main()
     except BaseException:
-        # Errors are on file by now (ours and torchrun's). Leave without the interpreter's teardown:
-        # a communicator's destructor could wait on peers that are themselves waiting on this rank.
         traceback.print_exc()
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.exit(code)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -208,11 +208,20 @@ def greedy_rows(tr: pc.Trainer, steps: list[str], new_tokens: int) -> list[dict]
             d = (logits - base_logits).abs().amax(-1)[inside]
             diff = float(d.max() / base_logits.abs().max()) if d.numel() else None
         rows.append({"step": step, "agreement": float(same.float().mean()), "identical": bool(torch.equal(g, base)),
-                     "max_rel_logit_diff": diff, **ties, "first_call_s": secs, "status": "ok", "reason": None})
+                     "max_rel_logit_diff": diff, **ties, "first_call_s": secs, "status": "ok", "reason": None,
+                     "_same": same[:, 0]})
+    # A way that keeps no logits (the own loop) is judged at the reference's logits with the largest
+    # noise the other bf16 ways showed: the same model and dtype, other kernels.
+    noise = max((r["logit_noise"] for r in rows if r.get("logit_noise") is not None), default=None)
+    for r in rows:
+        same = r.pop("_same", None)
+        if r.get("divergences") and r["divergences_at_ties"] is None and noise is not None and base_logits is not None:
+            r.update(divergence_ties(same, None, base_logits, noise=noise))
     return rows
 
 
-def divergence_ties(same: torch.Tensor, logits: torch.Tensor | None, base_logits: torch.Tensor | None) -> dict:
+def divergence_ties(same: torch.Tensor, logits: torch.Tensor | None, base_logits: torch.Tensor | None,
+                    noise: float | None = None) -> dict:
     """Whether each reply that left the reference's greedy tokens did so at a rounding tie.
 
     ``same`` [P, T] is 1 while every earlier position agreed. At a reply's first differing position
@@ -221,13 +230,15 @@ def divergence_ties(same: torch.Tensor, logits: torch.Tensor | None, base_logits
     ``logit_noise``: the largest logit difference between the two ways over all positions decoded
     from a common context. In bf16 with random weights (flat logits) such ties are common, and one
     flipped argmax changes every later token; a divergence at a clear margin is a real difference.
-    Without logits (a way that keeps none) nothing can be said: ``divergences_at_ties`` is None."""
+    A way without logits of its own can be judged against a ``noise`` measured elsewhere; with
+    neither, nothing can be said: ``divergences_at_ties`` is None."""
     diverged = [(p, int((same[p] == 0).nonzero()[0])) for p in range(same.shape[0]) if not bool(same[p].all())]
     out = {"divergences": len(diverged), "divergences_at_ties": None, "logit_noise": None}
-    if logits is None or base_logits is None:
+    if base_logits is None or (logits is None and noise is None):
         return out
-    shared = torch.cat([torch.ones_like(same[:, :1]), same[:, :-1]], -1).bool()   # same context as the reference
-    noise = float((logits - base_logits).abs().amax(-1)[shared].max())
+    if logits is not None:
+        shared = torch.cat([torch.ones_like(same[:, :1]), same[:, :-1]], -1).bool()   # same context as the reference
+        noise = float((logits - base_logits).abs().amax(-1)[shared].max())
     gaps = [float(base_logits[p, t].float().topk(2).values.diff().abs()) for p, t in diverged]
     out.update(divergences_at_ties=sum(gap <= noise for gap in gaps), logit_noise=noise)
     return out

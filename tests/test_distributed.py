@@ -1,0 +1,274 @@
+"""Several processes over torchrun, tested on a CPU over gloo: same math as one process at the same
+global batch, a failing rank ends the job with its error, bad input fails before launch, rendezvous
+arguments reach torchrun; plus the pure parts (communication split, efficiency rows, batch plans)."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from hwlib import query
+from hwlib.device import ChoiceError, info
+import hwlib.distributed.launch as launch_mod
+from hwlib.distributed import comm, request, scaling, strategies, train
+from hwlib.distributed.launch import RankFailed, Rendezvous, child_env, launch, torchrun_argv
+from hwlib.distributed.request import Request
+from hwlib.ladder import run_step
+from hwlib.ladder.same_math import compare_curves
+from hwlib.profiles import Plan
+
+# A GPT small enough that two CPU processes run a few steps of each strategy in seconds.
+TINY = {"n_layer": 1, "d_model": 32, "n_head": 2, "context": 32, "vocab": 128, "batch": 8, "data_tokens": 20000}
+STEP = "01_baseline_fp32"   # fp32: the check resolves the order of sums, far finer than a change of data
+PLAN = Plan(check=4, warmup=0, timed=1)
+
+
+def tiny_request(**kw) -> Request:
+    base = dict(workloads=("gpt",), strategies=("ddp",), scalings=("strong",), profile="smoke", device="cpu",
+                step=STEP, config=dict(TINY), plan=PLAN, profile_steps=0, collective_timeout_s=60.0)
+    return Request(**{**base, **kw})
+
+
+def one_process_curve(batch: int) -> list[float]:
+    res = run_step("gpt", STEP, profile="smoke", device="cpu", check_only=True, config={**TINY, "batch": batch},
+                   plan=Plan(check=PLAN.check, warmup=0, timed=0))
+    return res.check_losses
+
+
+# --- across processes ---------------------------------------------------------------------------------
+
+def test_world_size_two_computes_what_one_process_computes_at_the_same_global_batch(isolated_run):
+    one = one_process_curve(TINY["batch"])
+    req = tiny_request(strategies=("ddp", "fsdp2", "ddp_zero1"), reference={"gpt": {TINY["batch"]: one}},
+                       profile_steps=1, comm_sizes_mb=(0.25,), run=str(isolated_run))
+    res = launch(req, 2, timeout_s=180, echo=False)
+    assert [r["strategy"] for r in res.rows] == ["ddp", "fsdp2", "ddp_zero1"]
+    per_rank = one_process_curve(TINY["batch"] // 2)   # what each rank would train without the global batch
+    tol, _ = train.tolerance(STEP)
+    for r in res.rows:
+        assert r["status"] == "ok" and r["world_size"] == 2 and (r["per_gpu_batch"], r["global_batch"]) == (4, 8)
+        d = compare_curves(r["check_losses"], one)
+        assert r["same_math"]["ok"] and r["same_math"]["max_rel"] == pytest.approx(d) and d <= tol, (r["strategy"], d)
+        # The check can fail: the curve of a rank's own rows alone is far outside the tolerance.
+        assert compare_curves(r["check_losses"], per_rank) > 10 * tol
+        assert r["env"] == launch_mod.MULTICAST_OFF   # as the rank saw its environment
+        s = r["split"]
+        assert s["steps"] == 1 and s["comm_ms"] > 0 and 0 <= s["exposed_comm_ms"] <= s["comm_ms"] + 1e-9
+    # Rank 0 recorded each measurement with its x-values as fields, and the bus bandwidth.
+    rows = scaling.rows(query.load(isolated_run))
+    assert {(r["strategy"], r["world_size"], r["scaling"]) for r in rows} == {
+        (s, 2, "strong") for s in ("ddp", "fsdp2", "ddp_zero1")}
+    assert all(r["throughput"] > 0 and r["same_math_max_rel"] is not None and r["status"] == "ok" for r in rows)
+    bw = scaling.bandwidth_rows(query.load(isolated_run))
+    assert len(bw) == 1 and bw[0]["world_size"] == 2 and bw[0]["busbw_gbps"] > 0
+
+
+def test_a_rank_that_raises_ends_the_job_with_its_error(isolated_run, monkeypatch):
+    req = tiny_request(fault=(1, 1), run=str(isolated_run))
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        launch(req, 2, timeout_s=120, echo=False)
+    assert time.monotonic() - t0 < 60   # torchrun stopped rank 0 at once, not at a collective timeout
+    assert e.value.rank == 1 and "injected fault on rank 1 at step 1" in e.value.error
+    assert "InjectedFault" in e.value.detail
+    recs = [r for r in query.load(isolated_run) if r["metric"] == "ms_per_step"]
+    assert len(recs) == 1 and recs[0]["status"] == "failed" and recs[0]["value"] is None
+    assert "rank 1" in recs[0]["reason"] and recs[0]["fields"]["world_size"] == 2
+
+
+def test_a_job_past_its_time_limit_is_ended_with_all_its_processes(isolated_run):
+    t0 = time.monotonic()
+    with pytest.raises(launch_mod.LaunchTimeout, match="timeout_s=2") as e:
+        launch(tiny_request(run=str(isolated_run)), 2, timeout_s=2, echo=False)
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(ProcessLookupError):   # torchrun and its ranks: the whole group is gone
+        os.killpg(e.value.pgid, 0)
+    recs = query.load(isolated_run)
+    assert [r["status"] for r in recs] == ["failed"] and "timeout_s=2" in recs[0]["reason"]
+
+
+def test_a_rank_that_dies_without_a_word_is_named_from_torchrun_s_report(tmp_path):
+    log = tmp_path / "torchrun.log"
+    log.write_text("...\nRoot Cause (first observed failure):\n[0]:\n  time      : 2026-01-01_00:00:00\n"
+                   "  host      : h\n  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 42)\n")
+    (tmp_path / "errors").mkdir()
+    (tmp_path / "errors" / "rank0.json").write_text(json.dumps(
+        {"rank": 0, "time": 1.0, "type": "RuntimeError", "message": "Connection closed by peer", "traceback": ""}))
+    rank, error, _ = launch_mod.first_failure(tmp_path, log)
+    assert rank == 3 and "killed by signal 9" in error   # not rank 0, which only lost its peer
+    log.write_text("no summary")
+    assert launch_mod.first_failure(tmp_path, log)[:2] == (0, "RuntimeError: Connection closed by peer")
+
+
+# --- before launch -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a subprocess was started")
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def test_bad_input_fails_before_anything_starts(no_launch):
+    with pytest.raises(ChoiceError, match="strategy 'zero3'"):
+        launch(tiny_request(strategies=("zero3",)), 2)
+    with pytest.raises(ValueError, match=r"global_batch 9 of gpt .* world size 2"):
+        launch(tiny_request(global_batch={"gpt": 9}), 2)
+    with pytest.raises(ValueError, match="'single' runs one process"):
+        launch(tiny_request(strategies=("single",)), 2)
+    with pytest.raises(ChoiceError, match="scaling 'linear'"):
+        launch(tiny_request(scalings=("linear",)), 2)
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        launch(tiny_request(), 0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch(tiny_request(), 2, timeout_s=0)
+    with pytest.raises(ValueError, match="per_gpu_batch names"):
+        launch(tiny_request(per_gpu_batch={"vit_bdh": 4}), 2)
+
+
+def test_more_processes_than_gpus_is_refused():
+    req = tiny_request(device="cuda")
+    with pytest.raises(ValueError, match=r"nproc_per_node=4 .* only 2 GPU"):
+        request.validate(req, 4, nproc_per_node=4, gpus=2)
+    assert request.validate(req, 2, nproc_per_node=2, gpus=2)
+
+
+def test_rendezvous_arguments_reach_the_torchrun_command(no_launch, capsys):
+    rdzv = Rendezvous(nnodes=2, endpoint="node0:29500", node_rank=1)
+    argv = torchrun_argv(4, ["--workloads", "gpt"], rdzv, python="py")
+    text = " ".join(argv)
+    assert argv[:3] == ["py", "-m", "torch.distributed.run"] and "--standalone" not in argv
+    for part in ("--nnodes 2", "--rdzv-backend c10d", "--rdzv-endpoint node0:29500", "--rdzv-id hwlib",
+                 "--node-rank 1", "--nproc-per-node 4", "--max-restarts 0", "-m hwlib.distributed.worker --workloads gpt"):
+        assert part in text, part
+    assert "--standalone" in torchrun_argv(2, [], None)
+    # The launcher's command line: checks, then prints what it would run on this node.
+    assert launch_mod.main(["--dry-run", "--nproc-per-node", "4", "--nnodes", "2", "--rdzv-endpoint", "node0:29500",
+                            "--device", "cpu", "--profile", "smoke", "--workloads", "gpt", "--strategies", "ddp",
+                            "--scalings", "weak"]) == 0
+    out = capsys.readouterr().out
+    assert "--nnodes 2" in out and "--rdzv-endpoint node0:29500" in out and "--strategies ddp" in out
+    assert "--nproc-per-node 4" in out.split(" -m hwlib")[0]
+    with pytest.raises(ValueError, match="nnodes"):
+        Rendezvous(nnodes="1:2", endpoint="node0:29500")
+    with pytest.raises(ValueError, match="host:port"):
+        Rendezvous(nnodes=2, endpoint="node0")
+
+
+def test_every_process_started_has_multicast_off():
+    env = child_env(2, base={"NCCL_NVLS_ENABLE": "1", "PYTHONPATH": "/elsewhere"})
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["PYTHONPATH"].endswith("/elsewhere")
+
+
+def test_a_request_survives_the_command_line():
+    req = tiny_request(strategies=("ddp", "ddp_zero1"), scalings=("weak", "strong"), per_gpu_batch={"gpt": 4},
+                       options=strategies.Options(bucket_cap_mb=5, static_graph=True, gradient_as_bucket_view=False),
+                       fault=(1, 3), comm_sizes_mb=(1.0, 25.0), run="mine")
+    back, _ = request.from_argv(request.to_argv(req))
+    for f in ("workloads", "strategies", "scalings", "profile", "device", "step", "per_gpu_batch", "config", "plan",
+              "options", "fault", "comm_sizes_mb", "run", "collective_timeout_s"):
+        assert getattr(back, f) == getattr(req, f), f
+
+
+# --- pure parts -------------------------------------------------------------------------------------------------
+
+def test_jobs_share_a_measurement_where_weak_and_strong_coincide():
+    req = tiny_request(strategies=("single",), scalings=("weak", "strong"))
+    one = request.jobs(req, 1)
+    assert len(one) == 1 and one[0].scalings == ("weak", "strong") and one[0].global_batch == 8
+    two = request.jobs(tiny_request(scalings=("weak", "strong")), 2)
+    assert [(j.scalings, j.per_gpu_batch, j.global_batch) for j in two] == [(("weak",), 8, 16), (("strong",), 4, 8)]
+
+
+def test_base_step_and_its_settings():
+    assert strategies.base_step("gpt") == "07_nice_shapes"          # 09's CUDA graphs cannot take collectives
+    assert strategies.base_step("vit_bdh") == "10_channels_last"
+    assert strategies.base_step("encoder_nli") == "08_dataloader"   # 11's packed rows cannot be split by rows
+    cpu = info("cpu")
+    s, notes = strategies.distributed_settings("12_bk_core", cpu)
+    assert not s.cuda_graphs and s.loader == "resident" and s.compile and any("cuda_graphs off" in n for n in notes)
+    s, notes = strategies.distributed_settings("10_channels_last", cpu, "fsdp2")
+    assert not s.channels_last and any("contiguous" in n for n in notes)
+    assert strategies.distributed_settings("10_channels_last", cpu, "ddp")[0].channels_last
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        strategies.Options(bucket_cap_mb=0)
+    assert train.tolerance("01_baseline_fp32")[0] == train.REORDER_TOLERANCE
+    assert train.tolerance("07_nice_shapes")[0] == 1e-2
+
+
+def test_exposed_communication_is_what_no_compute_covers():
+    comm_iv = [(0, 10), (20, 40)]                 # 30 us of communication
+    compute = [(5, 25), (30, 35), (50, 60)]       # covers 5-10, 20-25, 30-35 of it: 15 us
+    s = comm.split(comm_iv, compute, span=60, steps=2)
+    assert s["comm_ms"] == pytest.approx(30e-3 / 2) and s["exposed_comm_ms"] == pytest.approx(15e-3 / 2)
+    assert s["overlapped_comm_ms"] == pytest.approx(15e-3 / 2) and s["compute_ms"] == pytest.approx(35e-3 / 2)
+    assert s["idle_ms"] == pytest.approx(10e-3 / 2)      # 40-50: neither runs
+    assert comm.union([(0, 2), (1, 3), (5, 4)]) == [(0.0, 3.0)]
+    ev = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 0, "dur": 10},
+          {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 5, "dur": 10},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    c, k, span = comm.trace_intervals(ev, "cuda")
+    assert c == [(0, 10)] and k == [(5, 15)] and span == 15
+    ev_cpu = [{"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "ts": 0, "dur": 10, "tid": 2},
+              {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 0, "dur": 1, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 4, "dur": 2, "tid": 1}]
+    c, k, span = comm.trace_intervals(ev_cpu, "cpu")
+    assert c == [(0, 10)] and k == [(4, 6)]
+    assert comm.bus_factor(1) == 0 and comm.bus_factor(2) == 1 and comm.bus_factor(8) == pytest.approx(1.75)
+    assert comm.predicted_allreduce_ms(1e9, 100.0, 2) == pytest.approx(10.0)
+
+
+def _rec(world, strategy, scaling, per, glob, tokens_per_s, ms=10.0, status="ok"):
+    f = {"world_size": world, "strategy": strategy, "scaling": scaling, "per_gpu_batch": per, "global_batch": glob,
+         "variant": True}
+    mid = f"{world}{strategy}{scaling}"
+    common = {"notebook": request.NOTEBOOK, "workload": "gpt", "step": "07_nice_shapes", "fields": f,
+              "measurement": mid, "device": {"name": "Test GPU", "kind": "cuda"}, "profile": "full",
+              "time": f"2026-01-01T00:00:0{world}"}
+    return [{**common, "metric": "ms_per_step", "value": ms if status == "ok" else None, "p20": ms, "p80": ms,
+             "status": status, "reason": None if status == "ok" else "rank 1 failed"},
+            {**common, "metric": "tokens_per_s", "value": tokens_per_s, "unit": "tokens/s"},
+            {**common, "metric": "exposed_comm_ms", "value": 1.0}, {**common, "metric": "comm_ms", "value": 2.0},
+            {**common, "metric": "step_ms", "value": ms}]
+
+
+def test_efficiency_rows_against_one_process():
+    recs = (_rec(1, "single", "weak", 16, 16, 400.0) + _rec(1, "single", "strong", 16, 16, 400.0)
+            + _rec(1, "ddp", "weak", 16, 16, 380.0)
+            + _rec(2, "ddp", "weak", 16, 32, 760.0) + _rec(2, "fsdp2", "weak", 16, 32, 700.0)
+            + _rec(2, "ddp", "strong", 8, 16, 640.0) + _rec(2, "fsdp2", "strong", 8, 16, None, status="failed"))
+    rows = {(r["world_size"], r["strategy"], r["scaling"]): r for r in scaling.rows(recs)}
+    assert rows[(2, "ddp", "weak")]["efficiency"] == pytest.approx(760 / (2 * 400))
+    assert rows[(2, "ddp", "strong")]["efficiency"] == pytest.approx(640 / (2 * 400))
+    assert rows[(1, "ddp", "weak")]["speedup"] == pytest.approx(380 / 400)
+    assert rows[(2, "fsdp2", "strong")]["status"] == "failed" and rows[(2, "fsdp2", "strong")]["efficiency"] is None
+    assert rows[(2, "ddp", "weak")]["exposed_share"] == pytest.approx(0.1)
+    t = {(x["scaling"], x["world_size"]): x for x in scaling.targets(list(rows.values()))}
+    assert t[("weak", 2)]["measured"] == pytest.approx(0.95) and t[("weak", 2)]["strategy"] == "ddp"
+    assert t[("weak", 2)]["met"] and not t[("strong", 2)]["met"] and t[("weak", 8)]["measured"] is None
+    text = scaling.what_we_saw(list(rows.values()))
+    assert "95% efficiency" in text and "is failed: rank 1 failed" in text and "0.95x the single process" in text
+    assert "1.00 ms of 2.00 ms per step (10.0% of its step)" in text
+
+
+def test_the_ddp_claim_and_the_summary_read_the_multi_gpu_records():
+    from hwlib.report.tables import multi_gpu_section
+    from hwlib.seeds import verdicts
+    recs = (_rec(1, "single", "weak", 16, 16, 400.0) + _rec(1, "ddp", "weak", 16, 16, 390.0)
+            + _rec(2, "ddp", "weak", 16, 32, 760.0) + _rec(2, "fsdp2", "weak", 16, 32, 700.0))
+    row = next(r for r in verdicts.evaluate(recs) if r["claim"] == "DDP training scales over 2-4 GPUs")
+    assert row["measured"] == pytest.approx(760 / 390) and row["verdict"] == "holds", row
+    section = multi_gpu_section(recs)["gpt"]
+    ddp2 = next(r for r in section if r["world_size"] == 2 and r["strategy"] == "ddp")
+    assert ddp2["tokens_per_s"] == 760.0 and ddp2["efficiency"] == pytest.approx(0.95) and ddp2["scaling"] == "weak"
+
+
+def test_world_sizes_the_machine_can_run():
+    one = scaling.world_sizes("cuda", 1)
+    assert [w["status"] for w in one] == ["run", "skipped", "skipped", "skipped"]
+    assert one[1]["reason"] == "needs 2 GPUs; 1 present"
+    assert [w["world_size"] for w in scaling.world_sizes("cpu", 0) if w["status"] == "run"] == [1, 2]
+    assert [w["world_size"] for w in scaling.world_sizes("cuda", 8) if w["status"] == "run"] == [1, 2, 4, 8]
