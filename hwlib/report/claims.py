@@ -50,6 +50,7 @@ def markdown(rows: list[dict], level: int = 3) -> str:
     return "\n".join(out)
 
 
-def run_markdown(run, level: int = 3) -> str:
-    """``markdown`` of a run's claims (``run``: a name, folder or list of records)."""
-    return markdown(evaluate(run), level=level)
+def run_markdown(run, level: int = 3, elsewhere: tuple = ()) -> str:
+    """``markdown`` of a run's claims (``run``: a name, folder or list of records); claims the run
+    cannot measure are read from the ``elsewhere`` runs where they can be (``evaluate``)."""
+    return markdown(evaluate(run, elsewhere=elsewhere), level=level)

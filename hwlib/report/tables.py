@@ -290,12 +290,62 @@ def readme_block(run) -> str:
     for w in s["workloads"]:
         rows = ladder_rows(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
+    lines += generation_lines(s["generation"]["steps"])
+    lines += multi_gpu_lines(reference_runs())
     lines += ["### The seeds' claims, measured", "",
               "Each claim of the five seed write-ups beside the ratio this run measured for the same change "
               "(`hwlib/seeds/data.py` says how each is looked up; the verdicts are derived, not typed).", "",
-              claims.run_markdown(run, level=4), ""]
+              claims.run_markdown(run, level=4, elsewhere=tuple(r for r in reference_runs()
+                                                                if run_dir(r, create=False) != run_dir(run, create=False))),
+              ""]
     lines.append(time_table(run))
     return "\n".join(lines)
+
+
+def generation_lines(steps: list[dict]) -> list[str]:
+    """The generation ladder (notebook 14) of a run's summary as README lines; none without rows."""
+    if not steps:
+        return []
+    first = next((r for r in steps if r["status"] == "ok" and r.get("gen_tokens_per_s")), None)
+    out = ["**polychromic** (notebook 14: generation and the diversity bonus, one 5-step trainer cycle per rung)", "",
+           "| rung | status | generated tokens/s | x the seed's way | s per cycle | generation share | "
+           "decode GB/s | of copy ceiling |", "|---|---|---|---|---|---|---|---|"]
+    for r in steps:
+        x = (r["gen_tokens_per_s"] / first["gen_tokens_per_s"]
+             if first and r["status"] == "ok" and r.get("gen_tokens_per_s") else None)
+        cyc = r["ms_per_cycle"] / 1e3 if _num(r.get("ms_per_cycle")) is not None else None
+        out.append(f"| {r['step']} | {r['status']} | {_fmt(r.get('gen_tokens_per_s'), ',.1f')} | {_fmt(x, '.1f')} | "
+                   f"{_fmt(cyc, '.2f')} | {_fmt(r.get('share_generation'), '.0%')} | "
+                   f"{_fmt(r.get('decode_gbps'), ',.0f')} | {_fmt(r.get('decode_share_of_copy'), '.1%')} |")
+    return out + [""]
+
+
+def reference_runs() -> list[str]:
+    """Every committed reference run (``reference/<machine>``), in name order."""
+    base = REPO_ROOT / "outputs" / "reference"
+    return sorted(f"reference/{d.name}" for d in base.iterdir() if (d / query.RESULTS_FILE).exists()) \
+        if base.is_dir() else []
+
+
+def multi_gpu_lines(runs: list[str]) -> list[str]:
+    """Notebook 15's scaling rows of each reference run that has them, side by side in one table."""
+    from ..distributed.scaling import rows as scaling_rows
+    body = []
+    for run in runs:
+        name = run.split("/")[-1]
+        for r in scaling_rows(query.load(run)):
+            body.append(f"| {name} | {r['workload']} | {r['world_size']} | {r['strategy']} | {r['scaling']} | "
+                        f"{r['status']} | {_fmt(r['ms_per_step'], '.2f')} ({_fmt(r['ms_p20'], '.2f')}-"
+                        f"{_fmt(r['ms_p80'], '.2f')}) | {_fmt(r['throughput'], ',.0f')} {r['unit']} | "
+                        f"{_fmt(r['efficiency'], '.0%')} | {_fmt(r['exposed_comm_ms'], '.2f')} | "
+                        f"{_fmt(r['same_math_max_rel'], '.1e')} |")
+    if not body:
+        return []
+    return ["**Several GPUs** (notebook 15; efficiency = throughput at K / (K x one process's); exposed NCCL "
+            "time from a profiler trace; same math: the loss curve against one process at the same global batch)",
+            "", "| reference | workload | K | strategy | scaling | status | ms/step (p20-p80) | throughput | "
+            "efficiency | exposed comm ms | same math |", "|---|---|---|---|---|---|---|---|---|---|---|",
+            *body, ""]
 
 
 def time_table(run) -> str:

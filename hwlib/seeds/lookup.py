@@ -326,7 +326,7 @@ QUANTITY_FORMATS = {
     "slowdown": lambda v: f"{v - 1:+.0%} time",
     "first_failing_n": lambda v: f"misses 1e-4 from N = {v:.0f}",
     "survived": lambda v: f"{v:.0f} OOM event(s) survived",
-    "share": lambda v: f"{v:.1%} of step time",
+    "share": lambda v: f"{v:.1%}",            # of what: the claim's "compares" column says
     "relative": lambda v: f"{v:.1%} off",
 }
 

@@ -100,16 +100,27 @@ def _also(run: RunRecords, c: Claim, m: Measured) -> list[str]:
     return out
 
 
-def evaluate(run=None) -> list[dict]:
+def evaluate(run=None, *, elsewhere: tuple = ()) -> list[dict]:
     """One row per claim: seed, claim, claimed, measured, workload, gpu, verdict, note (and
     compares, from/to, measured_text, quantity). ``run``: a run name or folder as
-    ``query.load`` takes it, or a list of records."""
+    ``query.load`` takes it, or a list of records. ``elsewhere``: runs (names) to read a claim
+    from when ``run`` cannot measure it (a claim about several GPUs, for a one-GPU run); the
+    note then names the run it came from."""
     r = RunRecords(load_records(run))
+    others = [(name, RunRecords(load_records(name))) for name in elsewhere]
     rows = []
     for c in CLAIMS:
         q = quantity_of(c.measure)
         m = measure_one(r, c.measure, SEEDS[c.seed].workloads)
+        came_from = None
+        for name, other in others if m.value is None else ():
+            mo = measure_one(other, c.measure, SEEDS[c.seed].workloads)
+            if mo.value is not None:
+                m, came_from = mo, name
+                break
         v, notes = judge(c, m)
+        if came_from:
+            notes.insert(0, f"measured in {came_from} ({m.gpu}): this run cannot measure it")
         if m.reason:
             notes.append(m.reason)
         notes += m.notes
