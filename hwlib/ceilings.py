@@ -2,7 +2,8 @@
 
 * copy: ``dst.copy_(src)`` of a buffer far larger than L2; bytes = read + write = 2 x size.
 * matmul: ``n x n @ n x n`` on random data (zeros run faster than real data), 2 n^3 FLOPs,
-  fp32 with TF32 off, fp32 with TF32 on, and bf16.
+  fp32 with TF32 off, fp32 with TF32 on, bf16 and fp16 (the ceiling of a GPU without bf16, such
+  as a T4, whose mixed-precision steps run in fp16).
 
 Each run measures its own ceilings once, explicitly (notebook 00, or ``save``) and stores them in
 ``<run>/ceilings.json``; every other notebook reads them from there through ``hwlib.query``. A
@@ -20,6 +21,8 @@ from .device import info, resolve_device, supports_bf16, supports_tf32
 from .precision import tf32_mode
 from .paths import run_dir
 
+MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
 SIZES = {"cuda": {"copy_bytes": 2 << 30, "matmul_n": 8192}, "cpu": {"copy_bytes": 64 << 20, "matmul_n": 512}}
 
 
@@ -34,7 +37,7 @@ def copy_gbps(device: torch.device, nbytes: int | None = None, iters: int = 20) 
 
 def matmul_tflops(device: torch.device, dtype: str, n: int | None = None, iters: int = 20) -> bench.Timing:
     n = n or SIZES[device.type]["matmul_n"]
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    torch_dtype = TORCH_DTYPES[dtype]
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=torch_dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=torch_dtype, generator=g)
@@ -56,7 +59,7 @@ def measure(device: str | torch.device = "auto") -> dict:
            "copy_timing": ct.to_dict(), "copy_bytes": sz["copy_bytes"], "matmul_n": sz["matmul_n"],
            "matmul_tflops": {}, "matmul_timing": {}, "skipped": {}}
     flops = 2.0 * sz["matmul_n"] ** 3
-    for dtype in ("bf16", "tf32", "fp32"):
+    for dtype in MATMUL_DTYPES:
         if dtype == "bf16" and not supports_bf16(di):
             out["skipped"][dtype] = f"{di.name} has no bf16 tensor cores"
             continue

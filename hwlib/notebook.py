@@ -14,7 +14,7 @@ import inspect
 import math
 import warnings
 
-from . import query, results, roofline
+from . import ceilings, query, results, roofline
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
@@ -283,7 +283,7 @@ def record_ceilings(ceil: dict, *, notebook: str, profile: str, run=None) -> lis
     recs = [results.make_record(notebook=notebook, workload=None, step=None, metric="copy_gbps",
                                 value=ceil["copy_gbps"], unit="GB/s", profile=profile, device=dev,
                                 params={"bytes": ceil.get("copy_bytes")})]
-    for dt in ("bf16", "tf32", "fp32"):
+    for dt in ceilings.MATMUL_DTYPES:
         v, why = ceil["matmul_tflops"].get(dt), ceil.get("skipped", {}).get(dt)
         recs.append(results.make_record(notebook=notebook, workload=None, step=None, metric="matmul_tflops",
                                         value=v, unit="TFLOP/s", profile=profile, device=dev,
@@ -299,9 +299,11 @@ def show_ceilings(ceil: dict, device: str = "auto") -> list[dict]:
     sheet = datasheet(di)
     rows = [{"ceiling": "device copy", "measured": ceil["copy_gbps"], "datasheet": sheet and sheet["copy_gbps"],
              "unit": "GB/s"}]
-    for dt in ("bf16", "tf32", "fp32"):
+    for dt in ceilings.MATMUL_DTYPES:
+        if dt not in ceil["matmul_tflops"] and dt not in ceil.get("skipped", {}):
+            continue    # ceilings measured before this dtype was
         rows.append({"ceiling": f"matmul {dt}", "measured": ceil["matmul_tflops"].get(dt),
-                     "datasheet": sheet and sheet["matmul_tflops"][dt], "unit": "TFLOP/s"})
+                     "datasheet": sheet and sheet["matmul_tflops"].get(dt), "unit": "TFLOP/s"})
     for r in rows:
         r["measured / datasheet"] = r["measured"] / r["datasheet"] if (r["measured"] and r["datasheet"]) else None
     table(rows, ["ceiling", "measured", "datasheet", "measured / datasheet", "unit"])

@@ -71,3 +71,15 @@ def test_env_report_on_this_machine():
     assert rep["kind"] in ("cpu", "cuda") and rep["versions"]["torch"] == torch.__version__
     text = D.format_env_report("auto")
     assert "torch " + torch.__version__ in text and "gates" in text
+
+
+def test_ceilings_include_fp16_for_gpus_without_bf16(tmp_path):
+    """fp16 is measured beside bf16: MFU of a step on a GPU without bf16 (T4) needs it."""
+    from hwlib import ceilings, notebook, query
+    c = ceilings.measure("cpu")
+    assert set(c["matmul_tflops"]) | set(c["skipped"]) == set(ceilings.MATMUL_DTYPES)
+    assert c["matmul_tflops"]["fp16"] > 0
+    recs = notebook.record_ceilings(c, notebook="00_environment", profile="smoke", run="ceil")
+    fp16 = [r for r in recs if r["fields"].get("dtype") == "fp16"]
+    assert len(fp16) == 1 and fp16[0]["value"] == c["matmul_tflops"]["fp16"]
+    assert len(query.select(query.load("ceil"), metric="matmul_tflops")) == len(ceilings.MATMUL_DTYPES)
