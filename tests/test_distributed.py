@@ -196,7 +196,10 @@ def test_base_step_and_its_settings():
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         strategies.Options(bucket_cap_mb=0)
     assert train.tolerance("01_baseline_fp32")[0] == train.REORDER_TOLERANCE
-    assert train.tolerance("07_nice_shapes")[0] == 1e-2
+    # Under bf16 the check resolves no finer than bf16's own move of a curve (step 03's tolerance): a
+    # wrapped graph rounds elsewhere even at world size 1 (vit_bdh at step 10 moved 1.5e-2 so on a GPU).
+    assert train.tolerance("07_nice_shapes")[0] == train.tolerance("10_channels_last")[0] == 3e-2
+    assert train.tolerance("02_tf32")[0] == 5e-3   # no autocast: the step's own
 
 
 def test_exposed_communication_is_what_no_compute_covers():
@@ -272,3 +275,29 @@ def test_world_sizes_the_machine_can_run():
     assert one[1]["reason"] == "needs 2 GPUs; 1 present"
     assert [w["world_size"] for w in scaling.world_sizes("cpu", 0) if w["status"] == "run"] == [1, 2]
     assert [w["world_size"] for w in scaling.world_sizes("cuda", 8) if w["status"] == "run"] == [1, 2, 4, 8]
+
+
+def test_zero_broadcasts_one_bucket_per_rank_unless_a_weight_is_channels_last(tmp_path):
+    """Per-parameter broadcasts cost a collective each on the host every step; one flat bucket per
+    rank costs one. A channels_last weight cannot be a view into a flat bucket: it keeps its layout."""
+    import torch
+    import torch.distributed as dist
+    from hwlib.steps import Settings
+    from hwlib.ladder.session import make_optimizer
+    from types import SimpleNamespace
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = SimpleNamespace(lr=1e-3, weight_decay=0.1)
+        flat = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        opt = strategies.zero_redundancy(make_optimizer(flat, cfg, Settings()))
+        assert opt.parameters_as_bucket_view
+        before = [p.detach().clone() for p in flat.parameters()]
+        flat(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        assert all(not torch.equal(a, p) for a, p in zip(before, flat.parameters()))   # stepped through the views
+        conv = torch.nn.Conv2d(3, 4, 2).to(memory_format=torch.channels_last)
+        opt = strategies.zero_redundancy(make_optimizer(conv, cfg, Settings()))
+        assert not opt.parameters_as_bucket_view
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
+    finally:
+        dist.destroy_process_group()

@@ -172,8 +172,11 @@ def apply_ddp(model, cfg, settings: Settings, device: torch.device, options: Opt
     opt = make_optimizer(model, cfg, settings)
     notes = []
     if zero:
+        bucketed = zero_bucketed(opt)
         opt = zero_redundancy(opt)
-        notes.append("AdamW states sharded by ZeroRedundancyOptimizer; updated parameters broadcast by their owner")
+        notes.append("AdamW states sharded by ZeroRedundancyOptimizer; updated parameters broadcast by their owner, "
+                     + ("one flat bucket per rank" if bucketed else
+                        "one parameter at a time (a channels_last weight cannot live in a flat bucket)"))
     if settings.compile:
         notes.append("torch.compile over DDP: DDPOptimizer splits the graph at bucket boundaries")
     # The probe calls the inner module: a forward outside DDP launches no collective.
@@ -182,13 +185,26 @@ def apply_ddp(model, cfg, settings: Settings, device: torch.device, options: Opt
 
 def zero_redundancy(opt: torch.optim.Optimizer):
     """The ladder's optimizer (its class, parameter groups and hyper-parameters, fused or not) with
-    its states sharded over the ranks."""
+    its states sharded over the ranks.
+
+    After its step each rank broadcasts the parameters it updated. Left to its default, ZeRO sends
+    them one broadcast per parameter (about 150 collectives a step for GPT-2 small, each with its
+    launch and wait on the host, even at world size 1); ``parameters_as_bucket_view`` packs each
+    rank's parameters into one flat buffer (``param.data`` becomes a view into it) and sends one
+    broadcast per rank. The buffer is flat: a channels_last weight would turn contiguous under it,
+    so a model that has one keeps the per-parameter broadcasts (``zero_bucketed``)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]
     kw = {k: opt.defaults[k] for k in ("lr", "betas", "eps") if k in opt.defaults}
     if opt.defaults.get("fused"):
         kw["fused"] = True
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(opt), **kw)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(opt),
+                                   parameters_as_bucket_view=zero_bucketed(opt), **kw)
+
+
+def zero_bucketed(opt: torch.optim.Optimizer) -> bool:
+    """Whether ZeRO may pack ``opt``'s parameters into flat buckets: every one contiguous."""
+    return all(p.is_contiguous() for g in opt.param_groups for p in g["params"])
 
 
 def apply_fsdp2(model, cfg, settings: Settings, device: torch.device, world: int, options: Options) -> Applied:
