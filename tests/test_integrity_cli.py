@@ -312,13 +312,13 @@ def test_readme_keeps_its_mode_and_check_never_writes(tmp_path, outputs, capsys)
     run.mkdir(parents=True)
     (run / "results.jsonl").write_text(json.dumps(ladder_record(12.5)) + "\n")
     readme = tmp_path / "README.md"
-    readme.write_text(f"# lab\n{README_START}\nold\n{README_END}\n")
+    readme.write_text(f"# lab\n{README_START}\nSTALE-BLOCK\n{README_END}\n")
     readme.chmod(0o644)
     before = readme.stat()
     assert cli.main(["readme", "--run", "r", "--readme", str(readme), "--check"]) == 1
-    assert readme.read_text().count("old") == 1
+    assert readme.read_text().count("STALE-BLOCK") == 1
     assert (readme.stat().st_ino, readme.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert cli.main(["readme", "--run", "r", "--readme", str(readme)]) == 0
-    assert "old" not in readme.read_text() and stat.S_IMODE(readme.stat().st_mode) == 0o644
+    assert "STALE-BLOCK" not in readme.read_text() and stat.S_IMODE(readme.stat().st_mode) == 0o644
     assert cli.main(["readme", "--run", "r", "--readme", str(readme), "--check"]) == 0
     assert cli.main(["readme", "--run", "../r", "--readme", str(readme)]) == 2
