@@ -26,7 +26,7 @@ class Plan:
     timed: int
 
 
-PLANS = {"full": Plan(check=10, warmup=5, timed=30), "smoke": Plan(check=6, warmup=1, timed=4)}
+PLANS = {"full": Plan(check=10, warmup=5, timed=30), "smoke": Plan(check=4, warmup=1, timed=3)}
 
 
 def resolve_profile(profile: str = "auto", device: str | torch.device = "auto") -> str:
