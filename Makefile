@@ -36,8 +36,10 @@ setup: $(SETUP_STAMP)
 $(VENV)/.hwlib-setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	# --no-compile: byte-compiling every file of torch, transformers and jupyterlab up front costs
+	# a minute on a small machine; Python compiles what it imports, when it imports it.
+	$(VENV)/bin/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(VENV)/bin/python -m pip install -q --no-compile -e ".[test]"
 	touch $@
 
 reproduce: setup

@@ -44,7 +44,7 @@ def series(tmp_path):
 
 def reproduce(series, run, *extra):
     return cli.main(["reproduce", "--notebooks", str(series), "--run", str(run), "--profile", "smoke",
-                     "--device", "cpu", "--timeout", "6", "--quiet", *extra])
+                     "--device", "cpu", "--timeout", "12", "--quiet", *extra])
 
 
 def test_goes_on_past_failures_reports_them_and_resumes(series, outputs, capsys):
