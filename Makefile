@@ -29,27 +29,31 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup reproduce test test-unit test-notebooks test-kernels test-browser lab table readme env clean
+.PHONY: setup reproduce test test-unit test-unit-late test-notebooks test-kernels test-browser lab table readme env clean
 
 setup: $(SETUP_STAMP)
 
 $(VENV)/.hwlib-setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	# --no-compile: byte-compiling every file of torch, transformers and jupyterlab up front costs
-	# a minute on a small machine; Python compiles what it imports, when it imports it.
-	$(VENV)/bin/python -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q --no-compile -e ".[test]"
+	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
 reproduce: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(ARGS)
 
-# Independent parts: `make test -j2` runs them side by side (CI does).
-test: setup test-unit test-kernels test-notebooks test-browser
+# Independent parts: `make test -j2` runs them side by side (CI does). The unit tests come in two
+# parts so that two cores stay busy to the end: the subprocess-heavy runner tests start
+# when the first of the two long suites ends.
+UNIT_LATE := tests/test_integrity_cli.py
+test: setup test-unit test-kernels test-notebooks test-unit-late test-browser
 
 test-unit: setup
-	$(PY) -m pytest -q tests --ignore=tests/test_browser.py
+	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_LATE))
+
+test-unit-late: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_LATE)
 
 # The dashboards in a real browser: JupyterLab, notebook 98 run through Debian's Chromium (Playwright
 # cannot download its own browser here). Screenshots land in outputs/browser/dashboard/screenshots/.
