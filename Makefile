@@ -35,7 +35,6 @@ setup: $(SETUP_STAMP)
 
 $(VENV)/.hwlib-setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@
