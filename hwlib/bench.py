@@ -77,6 +77,11 @@ class StepClock:
         else:
             self._marks.append(time.perf_counter())
 
+    def last_step(self) -> tuple | None:
+        """The two marks around the step just queued (CUDA events or perf_counter times), read
+        without a sync: a live monitor times them once the GPU has passed them. None before two marks."""
+        return tuple(self._marks[-2:]) if len(self._marks) >= 2 else None
+
     def samples_ms(self) -> list[float]:
         if len(self._marks) < 2:
             raise ValueError("StepClock: mark() at least twice (before the first and after the last step)")

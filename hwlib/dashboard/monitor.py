@@ -87,14 +87,6 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
-def _newest_marks(clock):
-    """The last two marks of a ``bench.StepClock`` (the step just queued), read without a sync.
-    StepClock keeps its marks private and offers only a synchronising read; a monitor must not
-    synchronise, so it reads the list as it is (appends happen in the run loop's thread)."""
-    marks = getattr(clock, "_marks", None)
-    return tuple(marks[-2:]) if marks is not None and len(marks) >= 2 else None
-
-
 class Monitor:
     """Telemetry plots plus the current step's time and loss, live in JupyterLab, and a static
     figure of the same series when it stops.
@@ -173,7 +165,7 @@ class Monitor:
     def on_step(self, i: int, loss, clock=None) -> None:
         """Called by the run loop after step ``i`` (``hwlib.ladder.run_step(on_step=...)``): keeps a
         reference to the loss tensor and the step's clock marks; reads nothing now."""
-        self._pending.append((i, loss, _newest_marks(clock) if clock is not None else None))
+        self._pending.append((i, loss, clock.last_step() if clock is not None else None))
 
     # --- reading finished steps, off the loop's thread -------------------------------------------------
 

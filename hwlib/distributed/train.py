@@ -28,7 +28,7 @@ from .. import bench
 from ..device import info
 # The ladder's own plan check, warm-up rule and step loop, not copies: a rank's step is timed by the
 # very code that times the single-GPU ladder.
-from ..ladder.run import StepResult, _check_plan, _timed_window, _train
+from ..ladder.run import StepResult, check_plan, timed_window, train_steps
 from ..ladder.same_math import BF16_STEP, MathCheck, compare_curves
 from ..ladder.session import Session, free
 from ..profiles import Plan, plan as plan_for
@@ -237,7 +237,7 @@ def run_job(job: Job, *, profile: str, device: torch.device, rank: int, world: i
     strategies.check_strategy(job.strategy)
     cfg_global = wl.config(profile, **{**job.config, "batch": job.global_batch})
     cfg_rank = dataclasses.replace(cfg_global, batch=job.per_gpu_batch)
-    pl = _check_plan(plan or plan_for(profile), False)
+    pl = check_plan(plan or plan_for(profile), False)
     res = StepResult(workload=wl.name, step=st.name, profile=profile, device=di.to_dict(), status="ok",
                      config=dataclasses.asdict(cfg_global), seed=seed, check_steps=pl.check, variant=True,
                      items_per_step=wl.items_per_step(cfg_global), unit=wl.unit,
@@ -256,11 +256,11 @@ def run_job(job: Job, *, profile: str, device: torch.device, rank: int, world: i
     res.notes += sess.notes
     out = Outcome(res)
     try:
-        timed_from = _timed_window(res, sess, pl)
+        timed_from = timed_window(res, sess, pl)
         res.warmup_steps = timed_from - pl.check
         total = timed_from + pl.timed
         sess.make_resident(total + profile_steps)
-        local = _train(res, sess, timed_from, pl.timed, progress)
+        local = train_steps(res, sess, timed_from, pl.timed, progress)
         res.losses = mean_over_ranks(local, device, world)
         if res.contended:
             res.contended = [p for p in res.contended if p not in pids]

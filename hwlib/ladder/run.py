@@ -90,7 +90,7 @@ def first_timed_step(shapes: list | None, start: int, timed: int) -> tuple[int, 
         first = new + 1
 
 
-def _check_plan(pl: Plan, check_only: bool) -> Plan:
+def check_plan(pl: Plan, check_only: bool) -> Plan:
     if not isinstance(pl, Plan):
         raise TypeError(f"plan must be a hwlib.profiles.Plan, got {type(pl).__name__}")
     if check_only:
@@ -112,7 +112,7 @@ def _effective_settings(res: StepResult, st: Step, di: DeviceInfo, dev: torch.de
     return eff
 
 
-def _timed_window(res: StepResult, sess: Session, pl: Plan) -> int:
+def timed_window(res: StepResult, sess: Session, pl: Plan) -> int:
     """The first timed step (``first_timed_step`` over the workload's batch shapes); notes an extension."""
     start = pl.check + pl.warmup
     if not pl.timed:
@@ -138,7 +138,7 @@ def _note_contention(res: StepResult, dev: torch.device) -> None:
         res.contended = sorted(set(res.contended) | set(others))
 
 
-def _train(res: StepResult, sess: Session, timed_from: int, timed: int, progress: bool, sample: bool = True,
+def train_steps(res: StepResult, sess: Session, timed_from: int, timed: int, progress: bool, sample: bool = True,
            on_step=None) -> list[float]:
     """Every step's loss; fills the timing, first-step time, peaks, SDPA backend, loader wait and the
     timed window's telemetry (``sample``). ``on_step(i, loss, clock)`` is called after each step with
@@ -206,7 +206,7 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     its curve is not the step's reference). ``micro_batch`` accumulates each batch exactly in
     micro-batches of at most that many samples. ``config`` overrides fields of the workload's
     config (``{"batch": 8, "n_layer": 4}``). ``telemetry`` samples the timed window in a background
-    thread (``hwlib.telemetry``; its summary goes into the records); ``on_step`` is ``_train``'s
+    thread (``hwlib.telemetry``; its summary goes into the records); ``on_step`` is ``train_steps``'s
     per-step hook (a live monitor). A step this device cannot run comes back with
     ``status='skipped'`` and the reason; one that does not apply to the workload, ``'n/a'``.
     """
@@ -220,7 +220,7 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     prof = resolve_profile(profile, dev)
     wl, st, di = get_workload(workload), get_step(step), info(dev)
     cfg = wl.config(prof, **(config or {}))
-    pl = _check_plan(plan or plan_for(prof), check_only)
+    pl = check_plan(plan or plan_for(prof), check_only)
     res = StepResult(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
                      config=dataclasses.asdict(cfg), seed=seed, check_steps=pl.check,
                      variant=settings is not None or micro_batch is not None,
@@ -232,9 +232,9 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     eff = _effective_settings(res, st, di, dev, settings)
     res.settings = dataclasses.asdict(eff)
     sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch)
-    timed_from = _timed_window(res, sess, pl)
+    timed_from = timed_window(res, sess, pl)
     res.warmup_steps = timed_from - pl.check
-    res.losses = _train(res, sess, timed_from, pl.timed, progress, telemetry, on_step)
+    res.losses = train_steps(res, sess, timed_from, pl.timed, progress, telemetry, on_step)
     bad = next((i for i, v in enumerate(res.losses) if not math.isfinite(v)), None)
     if bad is not None:
         res.status = "nonfinite"
