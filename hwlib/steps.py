@@ -30,6 +30,8 @@ class Settings:
     channels_last: bool = False      # NHWC memory format for convolutions and their inputs
     packing: bool = False            # sequences packed without padding, attention kept within each sequence
     bk_backend: str = "torch"        # BK-Core backend of the resnet_bk workload (hwlib.ops)
+    fused_head: bool = False         # LM head + cross-entropy in one chunked op (hwlib.ops.linear_ce): no [tokens, V] logits
+    fp8: bool = False                # FP8 matmuls (e4m3 forward, e5m2 gradients) in the MLP (hwlib.ops.fp8)
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
@@ -51,6 +53,7 @@ class Step:
     workloads: tuple[str, ...] | None = None   # None: every workload; else the ones it applies to
     why_na: dict = field(default_factory=dict)  # workload -> why the step does not apply to it
     same_arithmetic: bool = False   # the change leaves every operation as it was (only data delivery differs)
+    beyond_recipe: bool = False     # past the standard recipe the seeds describe (notebooks 17+)
 
 
 LADDER: tuple[Step, ...] = (
@@ -98,7 +101,21 @@ LADDER: tuple[Step, ...] = (
     Step("12_bk_core", "BK-Core through the fastest custom kernel", {"bk_backend": "auto"}, 1e-2,
          why_tolerance="same recursions in fp32 in one kernel, other rounding, under bf16 elsewhere",
          workloads=("resnet_bk",)),
+    # Past the standard recipe: the lab's own steps, measured against step 09 in the same run.
+    Step("17_fused_lm_head", "LM head + cross-entropy fused, logits never materialised", {"fused_head": True}, 1e-2,
+         why_tolerance="same function; the log-sum-exp accumulates over vocabulary chunks in fp32, another "
+                       "summation order under bf16",
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the fused head is measured on GPT-2",
+                 **{w: "its head has no large vocabulary: the logits are a few classes wide"
+                    for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}}),
+    Step("18_fp8", "FP8 matmuls in the MLP (e4m3 forward, e5m2 gradients)", {"fp8": True}, 5e-2, gpu_only=True,
+         why_tolerance="e4m3 keeps 3 mantissa bits (e5m2 2) with per-tensor scales: a bound measured in notebook 18",
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={w: "the FP8 step is built and measured for GPT-2's MLP only"
+                 for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear", "resnet_bk")}),
 )
+RECIPE_NAMES = tuple(s.name for s in LADDER if not s.beyond_recipe)
 
 STEP_NAMES = tuple(s.name for s in LADDER)
 

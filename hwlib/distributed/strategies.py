@@ -92,11 +92,12 @@ class Options:
 # --- which ladder step the strategies go on top of --------------------------------------------------
 
 def base_step(workload: str) -> str:
-    """The workload's best single-GPU step that the strategies can run: the last ladder step that
-    applies to it whose own change is not one of ``NOT_DISTRIBUTED`` (its cumulative settings are
-    then made distributable by ``distributed_settings``)."""
+    """The workload's best single-GPU step of the standard recipe that the strategies can run: the
+    last recipe step that applies to it whose own change is not one of ``NOT_DISTRIBUTED`` (its
+    cumulative settings are then made distributable by ``distributed_settings``). The steps past the
+    recipe are single-GPU studies; the scaling is measured on the recipe the seeds describe."""
     wl = get_workload(workload)
-    for st in reversed(LADDER):
+    for st in reversed([s for s in LADDER if not s.beyond_recipe]):
         if not_applicable(st, wl.name) is None and not set(st.change) & set(NOT_DISTRIBUTED):
             return st.name
     return LADDER[0].name
