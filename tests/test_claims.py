@@ -77,7 +77,7 @@ def test_verdicts_on_synthetic_results(synthetic):
     assert "bf16" in tf32["note"]
     workers = by_claim(rows, "003", "Persistent workers")            # encoder_nli's step 08 is not in the run
     assert workers["verdict"] == "not measured" and workers["measured"] is None
-    assert "encoder_nli" in workers["note"]
+    assert "persistent_workers" in workers["note"]                  # read from notebook 19's ablation
     mem = by_claim(rows, "003", "bf16 autocast halves memory")      # 10 -> 4 GiB: -60% against -50%
     assert mem["measured"] == pytest.approx(0.6) and mem["verdict"] == "holds"
     slow = by_claim(rows, "002", "Gradient checkpointing costs time")  # +40% against ~30%
@@ -190,7 +190,9 @@ def test_every_seed_has_a_table_with_all_its_claims(synthetic):
         assert table.startswith("| claim | claimed | measured here |")
     md = claim_tables.markdown(rows)
     for s in data.SEEDS.values():
-        assert f"{s.id} · {s.title}" in md and s.file in md
+        # Cited by its public source (repository and file), never by a local seeds/ path.
+        assert f"{s.id} · {s.title}" in md and s.source and s.source in md and s.file not in md
+    assert "seeds/" not in md
     assert "| Fused AdamW | 1.05-1.10x | 1.20x |" in tabs["003"]
     assert claim_tables.run_markdown(synthetic) == md
 
@@ -274,3 +276,38 @@ def test_a_missing_run_has_nothing_measured_and_is_not_created(tmp_path):
     assert not missing.exists()
     assert {r["verdict"] for r in rows} == {"not measured", "premise fails"}
     assert all(r["measured"] is None for r in rows)
+
+
+def put_ablation(run, workload, toggle, ratio, lo, hi, device=GPU):
+    results.append(results.make_record(
+        notebook="19_ablations", workload=workload, step="10_channels_last", metric="speedup", value=ratio,
+        p20=lo, p80=hi, unit="x", device=device, fields={"toggle": toggle, "mode": "in_process"},
+        params={"interval": {"lo": lo, "hi": hi, "level": 0.9}}), run)
+
+
+@pytest.mark.parametrize("lo, ratio, hi, expected", [
+    (1.12, 1.15, 1.18, "holds"),          # the whole interval above the claimed 1.10x
+    (0.99, 1.04, 1.12, "within noise"),   # contains 1.10x
+    (1.01, 1.03, 1.05, "partly"),         # a real gain, below the claim
+    (0.97, 1.00, 1.03, "fails"),          # contains 1 but lies below the claim
+])
+def test_an_ablation_verdict_is_judged_on_its_interval(tmp_path, lo, ratio, hi, expected):
+    put_ablation(tmp_path / "r", "vit_bdh", "rope_cached", ratio, lo, hi)
+    row = by_claim(verdicts.evaluate(tmp_path / "r"), "004", "Cached RoPE tables")
+    assert row["measured"] == pytest.approx(ratio) and row["verdict"] == expected
+    assert (row["lo"], row["hi"]) == (pytest.approx(lo), pytest.approx(hi))
+    assert "(90%)" in row["interval_text"]
+
+
+def test_every_measured_speed_row_carries_an_interval(synthetic):
+    for r in verdicts.evaluate(synthetic):
+        if r["measured"] is not None and r["quantity"] == "speed":
+            assert r["lo"] <= r["measured"] <= r["hi"] and r["interval_text"] != "-", r["claim"]
+
+
+@pytest.mark.parametrize("interval, expected", [
+    ((0.65, 0.75), "holds"), ((0.35, 0.45), "fails"), ((0.55, 0.65), "within noise"), ((0.62, 0.90), "within noise"),
+])
+def test_a_share_with_an_interval_holds_only_inside_the_tolerance_band(interval, expected):
+    mid = sum(interval) / 2
+    assert verdicts.verdict("share", mid, 0.7, interval=interval) == expected

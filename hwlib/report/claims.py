@@ -10,7 +10,7 @@ from ..seeds.verdicts import VERDICTS, evaluate
 # evaluate, SEEDS and VERDICTS are here too, so that a reader of the tables (notebook 99) needs one import.
 __all__ = ["COLUMNS", "SEEDS", "VERDICTS", "evaluate", "markdown", "run_markdown", "summary_line", "tables"]
 
-COLUMNS = (("claim", "claim"), ("claimed", "claimed"), ("measured here", "measured_text"),
+COLUMNS = (("claim", "claim"), ("claimed", "claimed"), ("measured here", "measured_text"), ("interval", "interval_text"),
            ("compares", "compares"), ("workload", "workload"), ("verdict", "verdict"), ("note", "note"))
 
 
@@ -46,7 +46,7 @@ def markdown(rows: list[dict], level: int = 3) -> str:
     for sid, table in tables(rows).items():
         s = SEEDS[sid]
         mine = [r for r in rows if r["seed"] == sid]
-        out += [f"{h} {sid} · {s.title}", "", f"Claims of `seeds/{s.file}`. " + summary_line(mine), "", table]
+        out += [f"{h} {sid} · {s.title}", "", f"Claims of the write-up {s.source}. " + summary_line(mine), "", table]
     return "\n".join(out)
 
 

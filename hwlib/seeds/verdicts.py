@@ -4,8 +4,9 @@
 ``holds``          the measured gain reaches the claim's lower bound, beyond the timings' spread
                    (or the cost stays within the claimed cost)
 ``partly``         a real gain (beyond the p20-p80 spread of the two timings), below the claim
-``within noise``   the measured ratio lies inside the p20-p80 spread of the two timings: no
-                   difference this run can resolve, whatever the claim
+``within noise``   the ratio's interval contains the claim (or, without one, no gain): the
+                   bootstrap interval of interleaved A/B windows where an ablation measured it
+                   (``hwlib.noise``), else the p20-p80 spread of the two timings
 ``fails``          no gain, or a loss, or a cost above the one claimed
 ``premise fails``  the claimed change did not run, or does not do what the claim says; the
                    measured column then shows what the change does when it does run
@@ -28,7 +29,8 @@ VERDICTS = ("holds", "partly", "within noise", "fails", "premise fails", "not me
 SHARE_TOLERANCE = 0.10      # a claimed share holds within 10 percentage points
 
 
-def verdict(quantity: str, measured: float | None, bound: float | None, noise: float = 0.0) -> str:
+def verdict(quantity: str, measured: float | None, bound: float | None, noise: float = 0.0,
+            interval: tuple[float, float] | None = None) -> str:
     """The verdict of a measured value against a claim (premise checks aside).
 
     ``speed``: the ratio's interval is ``measured`` -/+ ``noise`` (the wider relative p20-p80
@@ -39,11 +41,20 @@ def verdict(quantity: str, measured: float | None, bound: float | None, noise: f
     ``slowdown`` (a claimed cost): holds at or below ``bound``, else fails. ``survived``: holds
     from one event on. ``share`` (a claimed share of time): holds within ``SHARE_TOLERANCE`` of
     ``bound``, else fails; a share with no claimed figure has no verdict. Without a bound, any real
-    gain holds."""
+    gain holds.
+
+    ``interval`` (lo, hi): a measured interval of the value (an ablation's bootstrap interval,
+    ``hwlib.noise``) used instead of ``measured`` -/+ ``noise``. A ``share`` with an interval holds
+    when the whole interval lies within ``SHARE_TOLERANCE`` of ``bound``, fails when it lies wholly
+    outside that band, and is within noise otherwise."""
     if measured is None:
         return "not measured"
+    if interval is not None:
+        # A percentile interval of a few resampled windows can miss its own point estimate: widen it to it.
+        lo, hi = min(interval[0], measured), max(interval[1], measured)
     if quantity == "speed":
-        lo, hi = measured * (1.0 - noise), measured * (1.0 + noise)
+        if interval is None:
+            lo, hi = measured * (1.0 - noise), measured * (1.0 + noise)
         target = 1.0 if bound is None else bound
         if lo >= target and (bound is not None or lo > 1.0):
             return "holds"
@@ -58,6 +69,11 @@ def verdict(quantity: str, measured: float | None, bound: float | None, noise: f
         return "holds" if bound is None or measured <= bound else "fails"
     if quantity == "survived":
         return "holds" if measured >= 1 else "fails"
+    if quantity == "share" and bound is not None and interval is not None:
+        band_lo, band_hi = bound - SHARE_TOLERANCE, bound + SHARE_TOLERANCE
+        if band_lo <= lo and hi <= band_hi:
+            return "holds"
+        return "fails" if hi < band_lo or lo > band_hi else "within noise"
     if quantity == "share" and bound is not None:
         # A claimed share is an "about" figure ("~70%"): read as that share +/- SHARE_TOLERANCE;
         # more than that either way and the write-up's account of where the time goes is wrong.
@@ -83,10 +99,33 @@ def judge(c: Claim, m: Measured) -> tuple[str, list[str]]:
         return "not measured", notes + [f"measured on {m.kind} (smoke check): no verdict on a GPU claim"]
     if q == "survived" and m.extra.get("real_oom") is False:
         return "not measured", notes + ["the OOM was simulated, not a real CUDA out-of-memory error"]
-    v = verdict(q, m.value, c.bound, m.noise)
-    if v == "within noise":
+    iv = measured_interval(m)
+    v = verdict(q, m.value, c.bound, m.noise, interval=iv if (iv and "interval" in m.extra) else None)
+    if v == "within noise" and "interval" in m.extra:
+        notes.append(f"the {m.extra['interval'].get('level', 0):.0%} interval of the interleaved A/B windows contains "
+                     f"{'the claim' if c.bound is not None else 'no gain'}")
+    elif v == "within noise":
         notes.append(f"within the timings' p20-p80 spread (+/-{m.noise:.0%})")
     return v, notes
+
+
+def measured_interval(m: Measured) -> tuple[float, float] | None:
+    """The interval a verdict is judged on: an ablation's bootstrap interval where the record has
+    one (``hwlib.noise``), else a speed's value -/+ the p20-p80 half-spread; None for a single value."""
+    iv = m.extra.get("interval") if isinstance(m.extra, dict) else None
+    if isinstance(iv, dict) and isinstance(iv.get("lo"), (int, float)) and isinstance(iv.get("hi"), (int, float)):
+        return float(iv["lo"]), float(iv["hi"])
+    if m.value is not None and m.noise:
+        return m.value * (1.0 - m.noise), m.value * (1.0 + m.noise)
+    return None
+
+
+def interval_text(quantity: str, iv: tuple[float, float] | None, level: float | None = None) -> str:
+    """An interval as the claims tables show it ('1.02-1.09x (90%)'); '-' without one."""
+    if iv is None:
+        return "-"
+    lo, hi = (fmt_measured(quantity, v) for v in iv)
+    return f"{lo.rstrip('x')}-{hi}" + (f" ({level:.0%})" if level else " (p20-p80)")
 
 
 def _also(run: RunRecords, c: Claim, m: Measured) -> list[str]:
@@ -127,8 +166,12 @@ def evaluate(run=None, *, elsewhere: tuple = ()) -> list[dict]:
         if c.note:
             notes.append(c.note)
         notes += _also(r, c, m)
+        iv = measured_interval(m) if m.value is not None else None
+        level = (m.extra.get("interval") or {}).get("level") if isinstance(m.extra, dict) else None
         rows.append({"seed": c.seed, "claim": c.claim, "claimed": c.claimed, "compares": c.compares,
                      "measured": m.value, "measured_text": fmt_measured(q, m.value), "quantity": q,
+                     "lo": iv[0] if iv else None, "hi": iv[1] if iv else None,
+                     "interval_text": interval_text(q, iv, level),
                      "workload": m.workload, "gpu": m.gpu if m.value is not None else None,
                      "from": m.frm, "to": m.to, "verdict": v, "note": "; ".join(n for n in notes if n)})
     return rows

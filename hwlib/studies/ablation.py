@@ -1,0 +1,701 @@
+"""Ablations: one setting toggled at a time on a workload's ladder step, with a noise bound.
+
+Each toggle has two arms, *without* the change and *with* it; the ratio reported is the time per
+step without over the time with (above 1: the change helps), with a bootstrap interval
+(``hwlib.noise``). Two ways to measure it:
+
+- ``measure``, in one process: both arms are built and warmed up once, then their timed windows
+  alternate (``noise.interleaved_order``: A B B A A B ...), each window a few untimed settling
+  steps and then ``steps`` steps timed by ``bench.StepClock``. A *switch* toggle (cudnn.benchmark,
+  zero_grad, the optimizer, the loader's options) flips the change on one live session between
+  windows; a *rebuild* toggle (a ladder step removed, the SDPA backend, a model variant) keeps two
+  sessions alive, each model of its own class so that the compiler never hands one arm the graph
+  it compiled for the other (its cache is keyed by code, and both arms run the same code).
+- ``measure_in_processes``: every window in a fresh Python process (``python -m
+  hwlib.studies.ablation SPEC OUT``), in the same interleaved order, results through files; the
+  interval then includes what changes from process to process (allocator layout, autotuning, clocks).
+
+The ladder's ``run.train_steps`` owns a session's whole life (it closes it at the end), so the
+windows here drive ``Session.step`` themselves, timed by the same ``bench.StepClock``; the plan is
+checked by ``run.check_plan``. Records are written after a toggle's last window, never before: an
+interrupted ablation records nothing for the toggle it was measuring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import bench, noise, results
+from ..data.loader import LoaderBatches, default_workers
+from ..device import ChoiceError, info, other_gpu_processes, resolve_device
+from ..ladder.run import check_plan
+from ..ladder.session import Session, detect_sdpa_backend, make_optimizer
+from ..profiles import Plan, resolve_profile
+from ..steps import LADDER, STEP_NAMES, Settings, get_step, not_applicable, resolve_autocast, settings_for, unavailable
+from ..workloads import get_workload
+
+NOTEBOOK = "19_ablations"
+ARMS = ("without", "with")
+GB_PER_WORKER = 3.0          # the seed guide's sizing rule: one loader worker per 3 GB of GPU memory
+
+
+# --- what a toggle changes ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arm:
+    """One side of a toggle: ``settings`` changed from the step's, a ``model`` patch applied to the
+    built model before its first call, and a ``context(session, store)`` entered around every step
+    of this arm (``store``: a dict kept for the arm's lifetime, for objects made once)."""
+    settings: dict = field(default_factory=dict)
+    model: Callable | None = None
+    context: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Toggle:
+    name: str
+    title: str                       # the change, as the "with" arm has it
+    without: Arm
+    with_: Arm
+    rebuild: bool                    # a session per arm (else one session, the change flipped per window)
+    applies: Callable | None = None  # (workload, settings, device info) -> why it does not apply, or None
+    stat: str = "median"             # per-step statistic the ratio is taken of
+    epoch_windows: bool = False      # each window spans a whole epoch of the loader (its per-epoch costs)
+
+
+# --- switches on one live session -----------------------------------------------------------------
+
+@contextlib.contextmanager
+def _cudnn_benchmark(sess, store):
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = old
+
+
+def _zero_grad(mode: bool):
+    @contextlib.contextmanager
+    def ctx(sess, store):
+        opt = sess.opt
+        # The session calls opt.zero_grad(set_to_none=...): this arm's mode wins over the step's.
+        opt.zero_grad = lambda set_to_none=None, _o=opt, _mode=mode: type(_o).zero_grad(_o, set_to_none=_mode)
+        try:
+            yield
+        finally:
+            del opt.zero_grad   # back to the class's method
+    return ctx
+
+
+@contextlib.contextmanager
+def _foreach_adamw(sess, store):
+    """A second AdamW over the same parameters with the multi-tensor (foreach) kernels, swapped in
+    for this arm's windows; its moments are its own, built at its first step."""
+    if "opt" not in store:
+        store["opt"] = make_optimizer(sess.model, sess.cfg, dataclasses.replace(sess.settings, fused_adamw=False))
+        for g in store["opt"].param_groups:
+            g["foreach"] = True
+    kept, sess.opt = sess.opt, store["opt"]
+    try:
+        yield
+    finally:
+        sess.opt = kept
+
+
+class _LoaderVariant(LoaderBatches):
+    """The session's tuned loader with one option changed: pinned memory, non_blocking copies,
+    persistent workers (off: the workers are started again every epoch, as a DataLoader without
+    them does for each new iterator) or the worker count."""
+
+    def __init__(self, like: LoaderBatches, *, pin: bool = True, non_blocking: bool = True,
+                 persistent: bool = True, workers: int | None = None):
+        super().__init__(like.dataset, like.batch, like.device, like.seed, "tuned",
+                         workers=like.workers if workers is None else workers, prefetch=like.prefetch,
+                         collate=like.collate)
+        self.pin, self.persistent = pin, persistent
+        self.per_epoch = len(like.dataset) // like.batch
+        self.to_device = lambda b, d, nb: like.to_device(b, d, non_blocking and nb)
+
+    def _stream(self, start: int):
+        from ..data.loader import StepSampler, _Indexed, _quiet_worker
+        sampler = StepSampler(len(self.dataset), self.batch, self.seed, start)
+        self._loader = torch.utils.data.DataLoader(
+            _Indexed(self.dataset), batch_sampler=sampler, num_workers=self.workers, collate_fn=self.collate,
+            pin_memory=self.pin and self.device.type == "cuda", persistent_workers=self.workers > 0,
+            prefetch_factor=self.prefetch if self.workers > 0 else None, worker_init_fn=_quiet_worker)
+        return iter(self._loader)
+
+    def _host_batch(self, i: int):
+        if not self.persistent and self._it is not None and i == self._next and i % self.per_epoch == 0:
+            self.close()   # a new epoch: a non-persistent loader starts its workers again
+        return super()._host_batch(i)
+
+
+def _loader(**options):
+    @contextlib.contextmanager
+    def ctx(sess, store):
+        if "batches" not in store:
+            store["batches"] = _LoaderVariant(sess.batches, **options)
+            store.setdefault("close", []).append(store["batches"].close)
+        kept, sess.batches = sess.batches, store["batches"]
+        try:
+            yield
+        finally:
+            sess.batches = kept
+    return ctx
+
+
+def workers_by_rule(total_mem_gib: float | None) -> int | None:
+    """Loader workers by the "one per 3 GB of GPU memory" rule (None without a GPU)."""
+    if not total_mem_gib:
+        return None
+    return max(1, int(total_mem_gib // GB_PER_WORKER))
+
+
+def _rule_workers(sess, store):
+    n = workers_by_rule(info(sess.device).total_mem_gib)
+    return _loader(workers=n)(sess, store)
+
+
+def _sdpa(backend: str):
+    def ctx(sess, store):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([getattr(SDPBackend, backend)])
+    return ctx
+
+
+# --- model variants (Vision-BDH) ------------------------------------------------------------------
+
+def _rope_live(model):
+    """RoPE's cos/sin computed on the device in every application of the layer (the seed's
+    uncached form) instead of read from the tables made at build time."""
+    from ..workloads.vit_bdh import ROPE_THETA, TOKENS
+
+    class RopeEveryCall(type(model)):
+        def _phases(self):
+            n = self.cfg.n_neuron
+            dev = self.encoder.device
+            pair = torch.div(torch.arange(n, device=dev), 2, rounding_mode="floor").float() * 2
+            freqs = 1.0 / ROPE_THETA ** (pair / n) / (2 * math.pi)
+            return (torch.arange(TOKENS, device=dev, dtype=torch.float32)[:, None] * freqs) % 1.0 * (2 * math.pi)
+
+        rope_cos = property(lambda self: self._phases().cos())
+        rope_sin = property(lambda self: self._phases().sin())
+
+    for name in ("rope_cos", "rope_sin"):
+        model._buffers.pop(name, None)
+    model.__class__ = RopeEveryCall
+
+
+def _broadcast_layout(model):
+    """The per-head weights applied by broadcasting matmuls over [B, H, T, ...] (the seed's layout
+    before its change) instead of one batched matmul over the head axis: same parameters, same math."""
+    import torch.nn.functional as F
+
+    from ..workloads.vit_bdh import rope
+
+    class BroadcastHeads(type(model)):
+        def layer(self, x):
+            B, T, D = x.shape
+            x = F.layer_norm(x, (D,))
+            s = F.relu(x.unsqueeze(1) @ self.encoder)                                   # [B, H, T, N]
+            q = rope(s, self.rope_cos[:T], self.rope_sin[:T])
+            a = F.layer_norm(self._attend(q.transpose(0, 1), x), (D,)).transpose(0, 1)  # [B, H, T, D]
+            u = F.relu(a @ self.encoder_v)                                              # [B, H, T, N]
+            y = ((s * u) @ self.decoder).sum(1)                                         # [B, T, D]
+            return F.layer_norm(x + F.layer_norm(y, (D,)), (D,))
+
+    model.__class__ = BroadcastHeads
+
+
+def _own_class(model, tag: str) -> None:
+    """Give ``model`` a class of its own: compiled code is cached per code object and guarded on
+    the module's type, so two arms that run the same code still get a graph each."""
+    cls = type(model)
+    model.__class__ = type(f"{cls.__name__}_{tag}", (cls,), {})
+
+
+# --- when a toggle applies ------------------------------------------------------------------------
+
+def _needs_loader(workload, st: Settings, di):
+    why = not_applicable(get_step("08_dataloader"), workload)
+    if why:
+        return f"no loader to tune: {why}"
+    if st.loader != "tuned":
+        return "the step's loader is not the tuned one (step 08 comes later)"
+    return None
+
+
+def _needs_gpu_memory(workload, st, di):
+    return _needs_loader(workload, st, di) or (None if di.total_mem_gib else "the rule sizes by GPU memory; this device has none")
+
+
+def _eager_grads(workload, st, di):
+    if st.cuda_graphs and di.kind == "cuda":
+        return ("under CUDA graphs the gradients live in the graphs' memory pool: they must be set to None, not "
+                "zeroed in place; measured at a step without CUDA graphs")
+    return None
+
+
+def _needs_fused(workload, st, di):
+    return None if st.fused_adamw else "the step's optimizer is not fused yet (step 05 comes later)"
+
+
+def _needs_sdpa(workload, st, di):
+    if st.attention != "sdpa":
+        return "the step's attention is not SDPA (step 04 comes later)"
+    if workload not in ("gpt", "encoder_nli", "vit_bdh"):
+        return f"{workload} has no softmax attention for SDPA to run"
+    return None
+
+
+def _vit_only(workload, st, di):
+    return None if workload == "vit_bdh" else "a change inside the Vision-BDH model"
+
+
+def _sdpa_toggle(backend: str, label: str) -> Toggle:
+    return Toggle(f"sdpa_{backend.lower()}", f"SDPA forced to its {label} kernel (vs its math kernel)",
+                  without=Arm(context=_sdpa("MATH")), with_=Arm(context=_sdpa(backend)), rebuild=True,
+                  applies=_needs_sdpa)
+
+
+TOGGLES: dict[str, Toggle] = {t.name: t for t in (
+    Toggle("cudnn_benchmark", "torch.backends.cudnn.benchmark on", Arm(), Arm(context=_cudnn_benchmark), rebuild=False),
+    Toggle("zero_grad_set_to_none", "zero_grad(set_to_none=True) instead of zeroing the gradients",
+           Arm(context=_zero_grad(False)), Arm(context=_zero_grad(True)), rebuild=False, applies=_eager_grads),
+    Toggle("fused_adamw", "AdamW(fused=True) instead of the multi-tensor (foreach) kernels",
+           Arm(context=_foreach_adamw), Arm(), rebuild=False, applies=_needs_fused),
+    Toggle("pinned_memory", "pinned host memory for batches", Arm(context=_loader(pin=False)), Arm(), rebuild=False,
+           applies=_needs_loader),
+    Toggle("non_blocking", "non_blocking host-to-device copies", Arm(context=_loader(non_blocking=False)), Arm(),
+           rebuild=False, applies=_needs_loader),
+    Toggle("persistent_workers", "persistent loader workers (not started again every epoch)",
+           Arm(context=_loader(persistent=False)), Arm(), rebuild=False, applies=_needs_loader, stat="mean",
+           epoch_windows=True),
+    Toggle("workers_per_3gb", "loader workers by the one-per-3-GB-of-VRAM rule (vs one per spare core, at most 8)",
+           Arm(), Arm(context=_rule_workers), rebuild=False, applies=_needs_gpu_memory),
+    Toggle("rope_cached", "RoPE tables made once at build time (vs computed in every layer application)",
+           Arm(model=_rope_live), Arm(), rebuild=True, applies=_vit_only),
+    Toggle("head_layout", "per-head weights as one batched matmul over the head axis (vs broadcasting matmuls)",
+           Arm(model=_broadcast_layout), Arm(), rebuild=True, applies=_vit_only),
+    _sdpa_toggle("FLASH_ATTENTION", "flash"),
+    _sdpa_toggle("EFFICIENT_ATTENTION", "memory-efficient"),
+    _sdpa_toggle("CUDNN_ATTENTION", "cuDNN"),
+)}
+
+# Fields a ladder step's removal resets; torch.compile takes CUDA graphs with it (they come through it here).
+_REMOVAL_ALSO = {"06_torch_compile": {"cuda_graphs": False}}
+
+
+def removal(step: str) -> Toggle:
+    """The toggle that removes ladder step ``step`` (its change reset to the default) from a later step."""
+    st = get_step(step)
+    if not st.change:
+        raise ValueError(f"{st.name} changes nothing: there is nothing to remove")
+    defaults = Settings()
+    reset = {k: getattr(defaults, k) for k in st.change}
+    reset.update(_REMOVAL_ALSO.get(st.name, {}))
+
+    def applies(workload, s: Settings, di, _st=st):
+        if not_applicable(_st, workload):
+            return not_applicable(_st, workload)
+        if all(getattr(s, k) == v for k, v in reset.items()):
+            return f"the step does not include {_st.name}"
+        return None
+
+    return Toggle(f"without_{st.name}", f"{st.title} (step {st.name[:2]}), removed from the step",
+                  Arm(settings=reset), Arm(), rebuild=True, applies=applies)
+
+
+def get_toggle(name: str) -> Toggle:
+    if name in TOGGLES:
+        return TOGGLES[name]
+    if isinstance(name, str) and name.startswith("without_"):
+        try:
+            return removal(name[len("without_"):])
+        except ChoiceError:
+            pass
+    raise ChoiceError("toggle", name, tuple(TOGGLES) + tuple(f"without_{s}" for s in STEP_NAMES))
+
+
+def removals_for(step: str, workload: str) -> list[str]:
+    """The removal toggles of every step up to ``step`` that applies to ``workload`` (02 onwards)."""
+    names = STEP_NAMES[: STEP_NAMES.index(get_step(step).name) + 1]
+    return [f"without_{s.name}" for s in LADDER if s.name in names and s.change and not not_applicable(s, workload)]
+
+
+# --- one arm, alive for a toggle's windows --------------------------------------------------------
+
+class _Arm:
+    """An arm's session (shared with the other arm for a switch toggle), its context and its own
+    batch counter per loader, so that each loader reads a contiguous stream."""
+
+    def __init__(self, name: str, arm: Arm, sess: Session, counters: dict):
+        self.name, self.arm, self.sess, self.store, self.counters = name, arm, sess, {}, counters
+
+    @contextlib.contextmanager
+    def active(self):
+        with self.sess.precision(), (self.arm.context(self.sess, self.store) if self.arm.context
+                                     else contextlib.nullcontext()):
+            yield
+
+    def step(self) -> torch.Tensor:
+        key = id(self.sess.batches)
+        i = self.counters.get(key, 0)
+        self.counters[key] = i + 1
+        return self.sess.step(i)
+
+    def run(self, n: int, clock: bench.StepClock | None = None) -> list[torch.Tensor]:
+        """``n`` steps under this arm's context; marks ``clock`` around each one."""
+        out = []
+        with self.active():
+            if clock is not None:
+                clock.mark()
+            for _ in range(n):
+                out.append(self.step())
+                if clock is not None:
+                    clock.mark()
+            if clock is not None:
+                clock.samples_ms()   # synchronise inside the context: the window's work ends under it
+        return out
+
+    def sdpa_backend(self) -> str | None:
+        if self.sess.settings.attention != "sdpa":
+            return None
+        with self.active(), torch.no_grad(), self.sess.autocast():
+            batch = self.sess.batches(self.counters.get(id(self.sess.batches), 0))
+            return detect_sdpa_backend(lambda: self.sess.wl.loss(self.sess.model, batch))
+
+    def close(self):
+        for fn in self.store.get("close", []):
+            fn()
+
+
+def _settings(base: Settings, changes: dict, di) -> Settings:
+    return resolve_autocast(dataclasses.replace(base, **changes), di)
+
+
+def _build(workload: str, cfg, toggle: Toggle, base: Settings, dev, di, seed: int) -> dict[str, _Arm]:
+    counters: dict = {}
+    if not toggle.rebuild:
+        sess = Session(workload, cfg, _settings(base, {}, di), dev, seed)
+        return {"without": _Arm("without", toggle.without, sess, counters),
+                "with": _Arm("with", toggle.with_, sess, counters)}
+    arms = {}
+    for name, arm in (("without", toggle.without), ("with", toggle.with_)):
+        sess = Session(workload, cfg, _settings(base, arm.settings, di), dev, seed)
+        _own_class(sess.model, name)
+        if arm.model is not None:
+            arm.model(sess.model)
+        arms[name] = _Arm(name, arm, sess, {})
+    return arms
+
+
+def _close(arms: dict[str, _Arm]) -> None:
+    sessions = []
+    for a in arms.values():
+        a.close()
+        if all(a.sess is not s for s in sessions):
+            sessions.append(a.sess)
+    for s in sessions:
+        s.close()
+
+
+def _finite(losses: list[torch.Tensor]) -> bool:
+    return bool(losses) and all(math.isfinite(v) for v in torch.stack(losses).float().cpu().tolist())
+
+
+# --- the study ------------------------------------------------------------------------------------
+
+def _positive_int(name: str, v, minimum: int = 1) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Window:
+    """How each arm is measured: ``warmup`` untimed steps once (compilation, CUDA-graph recording,
+    autotuning), then ``repeats`` timed windows per arm, each ``settle`` untimed steps (the other
+    arm just ran) and ``steps`` timed ones."""
+    repeats: int = 4
+    steps: int = 10
+    settle: int = 3
+    warmup: int = 5
+
+    def __post_init__(self):
+        for name, minimum in (("repeats", 1), ("steps", 2), ("settle", 0), ("warmup", 1)):
+            _positive_int(f"Window.{name}", getattr(self, name), minimum)
+        check_plan(Plan(check=self.warmup, warmup=self.settle, timed=self.steps), False)
+
+
+WINDOWS = {"full": Window(repeats=4, steps=10, settle=3, warmup=5), "smoke": Window(repeats=2, steps=2, settle=1, warmup=2)}
+
+
+def _check(workload: str, step: str, toggles, window, level, budget_s):
+    wl, st = get_workload(workload), get_step(step)
+    if isinstance(toggles, str) or not toggles:
+        raise ValueError(f"toggles must be a non-empty list of toggle names, got {toggles!r}")
+    ts = [get_toggle(t) for t in toggles]
+    if window is not None and not isinstance(window, Window):
+        raise TypeError(f"window must be a hwlib.studies.ablation.Window, got {type(window).__name__}")
+    if not (isinstance(level, float) and 0 < level < 1):
+        raise ValueError(f"level must be a float in (0, 1), got {level!r}")
+    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s <= 0):
+        raise ValueError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
+    return wl, st, ts
+
+
+def _row(workload, step, t: Toggle, mode, **kw) -> dict:
+    base = {"workload": workload, "step": step, "toggle": t.name, "title": t.title, "mode": mode, "status": "ok",
+            "reason": None, "ms_without": None, "ms_with": None, "speedup": None, "lo": None, "hi": None,
+            "level": None, "effect": None, "p20": None, "p80": None, "order": None}
+    base.update(kw)
+    return base
+
+
+def _summarise(row: dict, t: Toggle, a_windows, b_windows, level: float, seed: int) -> dict:
+    iv = noise.ratio_interval(a_windows, b_windows, level=level, seed=seed, stat=t.stat)
+    per = noise.window_ratios(a_windows, b_windows, stat=t.stat)
+    f = noise._stat(t.stat)
+    row.update(ms_without=f([x for w in a_windows for x in w]), ms_with=f([x for w in b_windows for x in w]),
+               speedup=iv.ratio, lo=iv.lo, hi=iv.hi, level=level, effect=noise.effect(iv),
+               p20=noise.quantile(per, 0.2), p80=noise.quantile(per, 0.8), interval=iv.to_dict(),
+               windows={"without": a_windows, "with": b_windows})
+    return row
+
+
+def _records(rows: list[dict], *, profile, device, notebook, params: dict) -> list[dict]:
+    recs = []
+    for r in rows:
+        fields = {"toggle": r["toggle"], "mode": r["mode"]}
+        common = dict(notebook=notebook, workload=r["workload"], step=r["step"], profile=profile, device=device)
+        p = {**params, "what": r["title"], "order": r["order"], "settings": r.get("settings"),
+             "sdpa_backend": r.get("sdpa_backend")}
+        if r["status"] != "ok":
+            recs.append(results.make_record(metric="speedup", value=None, unit="x", status=r["status"],
+                                            reason=r["reason"], fields=fields, params=p, **common))
+            continue
+        p["interval"] = r["interval"]
+        recs.append(results.make_record(metric="speedup", value=r["speedup"], p20=r["p20"], p80=r["p80"],
+                                        unit="x (time without / time with)", fields=fields, params=p,
+                                        reason=r.get("contended"), **common))
+        for arm in ARMS:
+            xs = [x for w in r["windows"][arm] for x in w]
+            recs.append(results.make_record(metric="ms_per_step", value=r[f"ms_{arm}"], p20=noise.quantile(xs, 0.2),
+                                            p80=noise.quantile(xs, 0.8), unit="ms", fields={**fields, "arm": arm},
+                                            params={k: p[k] for k in ("what", "order")}, **common))
+    return recs
+
+
+def measure(workload: str, step: str, toggles: list[str], *, profile: str = "auto", device: str = "auto",
+            window: Window | None = None, level: float = noise.DEFAULT_LEVEL, seed: int = 0, config: dict | None = None,
+            budget_s: float | None = None, notebook: str = NOTEBOOK, run=None, progress: bool = False) -> list[dict]:
+    """Each toggle on ``workload``'s ``step``, its arms interleaved in this process (module doc).
+
+    Returns one row per toggle: the median ms/step of each arm, the speed-up (without / with), its
+    interval at ``level``, its ``effect`` (faster, slower, within noise), the p20/p80 of the
+    per-window ratios, and the order the windows ran in. A toggle that does not apply is an ``n/a``
+    row; one whose arm cannot run here (a forced SDPA kernel the shapes do not allow) is ``skipped``
+    with the error; past ``budget_s`` seconds the remaining toggles are ``skipped`` and not recorded.
+    Every argument is checked before the first session is built."""
+    wl, st, ts = _check(workload, step, toggles, window, level, budget_s)
+    dev = resolve_device(device)
+    prof = resolve_profile(profile, dev)
+    win = window or WINDOWS[prof]
+    di = info(dev)
+    cfg = wl.config(prof, **(config or {}))
+    base = settings_for(st.name)
+    t0 = time.perf_counter()
+    rows, to_record = [], []
+    why_step = not_applicable(st, wl.name) or unavailable(st, di)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(ts), desc=f"{wl.name} {st.name} ablations", leave=False)
+    for t in ts:
+        if bar is not None:
+            bar.set_postfix_str(t.name)
+        why = why_step or (t.applies(wl.name, base, di) if t.applies else None)
+        if why:
+            rows.append(_row(wl.name, st.name, t, "in_process", status="n/a", reason=why))
+            to_record.append(rows[-1])
+        elif budget_s is not None and time.perf_counter() - t0 > budget_s:
+            rows.append(_row(wl.name, st.name, t, "in_process", status="skipped",
+                             reason=f"the time budget ({budget_s:g} s) was spent before this toggle"))
+        else:
+            rows.append(_one(wl.name, st.name, t, cfg, base, dev, di, win, level, seed))
+            if rows[-1]["status"] != "skipped" or rows[-1].get("arm_failed"):
+                to_record.append(rows[-1])
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    params = {"config": dataclasses.asdict(cfg), "seed": seed, "window": dataclasses.asdict(win), "level": level}
+    results.append(_records(to_record, profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
+    return rows
+
+
+def _one(workload, step, t: Toggle, cfg, base, dev, di, win: Window, level, seed) -> dict:
+    row = _row(workload, step, t, "in_process")
+    steps = win.steps
+    arms = {}
+    try:
+        arms = _build(workload, cfg, t, base, dev, di, seed)
+        ds = getattr(arms["with"].sess.batches, "dataset", None)
+        if t.epoch_windows and ds is not None:   # every window holds one epoch boundary
+            steps = max(steps, len(ds) // cfg.batch)
+        row["settings"] = {k: dataclasses.asdict(a.sess.settings) for k, a in arms.items()}
+        row["sdpa_backend"] = {}
+        for a in arms.values():   # warm both arms up: compilation, graphs, autotuning, workers
+            if not _finite(a.run(win.warmup)):
+                return {**row, "status": "nonfinite", "reason": f"arm {a.name}: the loss is not finite in warm-up"}
+            row["sdpa_backend"][a.name] = a.sdpa_backend()
+        order = noise.interleaved_order(win.repeats)
+        row["order"] = "".join(order)
+        others_before = other_gpu_processes(dev) if dev.type == "cuda" else []
+        timed: dict[str, list] = {"A": [], "B": []}
+        for letter in order:
+            a = arms["without" if letter == "A" else "with"]
+            a.run(win.settle)
+            clock = bench.StepClock(dev)
+            losses = a.run(steps, clock)
+            if not _finite(losses):
+                return {**row, "status": "nonfinite", "reason": f"arm {a.name}: the loss is not finite; time not reported"}
+            timed[letter].append(clock.samples_ms())
+        others = sorted(set(others_before or []) | set((other_gpu_processes(dev) if dev.type == "cuda" else []) or []))
+        if others:
+            row["contended"] = f"timed beside other processes on the GPU (pids {', '.join(map(str, others))})"
+        row["ran"] = order
+        return _summarise(row, t, timed["A"], timed["B"], level, seed)
+    except RuntimeError as e:
+        # Only a forced SDPA kernel may refuse the shapes ("No available kernel"); anything else is a bug.
+        if not t.name.startswith("sdpa_") or isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return {**row, "status": "skipped", "reason": f"an arm cannot run here: {first[:300]}", "arm_failed": True}
+    finally:
+        _close(arms)
+
+
+# --- across processes -----------------------------------------------------------------------------
+
+def _worker(spec: dict) -> dict:
+    """One arm's window in this process: build, warm up, settle, time (``measure_in_processes``)."""
+    t = get_toggle(spec["toggle"])
+    dev = resolve_device(spec["device"])
+    di = info(dev)
+    wl = get_workload(spec["workload"])
+    cfg = wl.config(spec["profile"], **(spec.get("config") or {}))
+    base = settings_for(spec["step"])
+    arm = t.without if spec["arm"] == "without" else t.with_
+    sess = Session(wl.name, cfg, _settings(base, arm.settings, di), dev, spec["seed"])
+    if arm.model is not None:
+        arm.model(sess.model)
+    a = _Arm(spec["arm"], arm, sess, {})
+    try:
+        if not _finite(a.run(spec["warmup"] + spec["settle"])):
+            return {"status": "nonfinite", "reason": "the loss is not finite in warm-up"}
+        clock = bench.StepClock(dev)
+        if not _finite(a.run(spec["steps"], clock)):
+            return {"status": "nonfinite", "reason": "the loss is not finite; time not reported"}
+        return {"status": "ok", "samples_ms": clock.samples_ms()}
+    finally:
+        a.close()
+        sess.close()
+
+
+def _worker_command(spec_path: Path, out_path: Path) -> list[str]:
+    return [sys.executable, "-m", "hwlib.studies.ablation", str(spec_path), str(out_path)]
+
+
+def measure_in_processes(workload: str, step: str, toggle: str, *, profile: str = "auto", device: str = "auto",
+                         window: Window | None = None, level: float = noise.DEFAULT_LEVEL, seed: int = 0,
+                         config: dict | None = None, timeout_s: float = 300.0, notebook: str = NOTEBOOK, run=None,
+                         command: Callable[[Path, Path], list[str]] | None = None, progress: bool = False) -> dict:
+    """One toggle with every window in a fresh process, in the interleaved order; each process
+    warms its arm up and times one window, and writes its per-step times to a file. Returns the row
+    (as ``measure``'s, ``mode`` 'processes') and records it. ``command(spec, out)`` builds a
+    worker's command line (tests replace the worker)."""
+    wl, st, (t,) = _check(workload, step, [toggle], window, level, None)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    dev = resolve_device(device)
+    prof = resolve_profile(profile, dev)
+    win = window or WINDOWS[prof]
+    di = info(dev)
+    base = settings_for(st.name)
+    cfg = wl.config(prof, **(config or {}))
+    why = not_applicable(st, wl.name) or unavailable(st, di) or (t.applies(wl.name, base, di) if t.applies else None)
+    params = {"config": dataclasses.asdict(cfg), "seed": seed, "window": dataclasses.asdict(win), "level": level}
+    if why:
+        row = _row(wl.name, st.name, t, "processes", status="n/a", reason=why)
+        results.append(_records([row], profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
+        return row
+    order = noise.interleaved_order(win.repeats)
+    row = _row(wl.name, st.name, t, "processes", order="".join(order))
+    timed: dict[str, list] = {"A": [], "B": []}
+    make = command or _worker_command
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(order), desc=f"{wl.name} {t.name} in processes", leave=False)
+    with tempfile.TemporaryDirectory(prefix="hwlib-ablation-") as tmp:
+        for k, letter in enumerate(order):
+            spec = {"workload": wl.name, "step": st.name, "toggle": t.name, "arm": "without" if letter == "A" else "with",
+                    "profile": prof, "device": dev.type, "seed": seed, "config": config or {},
+                    "warmup": win.warmup, "settle": win.settle, "steps": win.steps}
+            spec_path, out_path = Path(tmp) / f"spec{k}.json", Path(tmp) / f"out{k}.json"
+            spec_path.write_text(json.dumps(spec))
+            try:
+                done = subprocess.run(make(spec_path, out_path), capture_output=True, text=True, timeout=timeout_s,
+                                      env={**os.environ, "HWLIB_PROFILE": prof})
+            except subprocess.TimeoutExpired:
+                done = None
+            res = json.loads(out_path.read_text()) if done is not None and done.returncode == 0 and out_path.exists() else None
+            if res is None or res.get("status") != "ok":
+                tail = (done.stderr.strip().splitlines()[-1:] if done is not None and done.stderr else [])
+                why = (res or {}).get("reason") or (tail[0] if tail else f"no result within {timeout_s:g} s")
+                if bar is not None:
+                    bar.close()
+                row.update(status=(res or {}).get("status", "failed") if res else "failed",
+                           reason=f"window {k + 1} ({spec['arm']}): {why}"[:400])
+                results.append(_records([row], profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
+                return row
+            timed[letter].append(res["samples_ms"])
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    row["ran"] = order
+    _summarise(row, t, timed["A"], timed["B"], level, seed)
+    results.append(_records([row], profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
+    return row
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m hwlib.studies.ablation SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    out = _worker(spec)
+    results.write_json(argv[1], out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
