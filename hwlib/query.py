@@ -166,6 +166,9 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         for k in ("model_tflops", "mfu", "peak_mem_gib", "final_loss", "compile_s"):
             row[k] = _num(m.get(k, {}).get("value"))
         row["mfu_reason"] = m.get("mfu", {}).get("reason")
+        # "fraction of measured fp32 matmul" -> "fp32": the ceiling the step's MFU was taken against
+        row["mfu_ceiling"] = (m.get("mfu", {}).get("unit") or "").replace("fraction of measured ", "").replace(
+            " matmul", "") or None
         thr = next((v for k, v in m.items() if k.endswith("_per_s")), {})
         row["unit"] = (thr.get("unit") or "items/s")
         row["throughput"] = _num(thr.get("value"))

@@ -93,13 +93,31 @@ def test_record_writes_every_metric_and_mfu_only_against_a_ceiling(isolated_run)
     assert metrics["mfu"]["value"] is None and "no ceilings" in metrics["mfu"]["reason"]
     assert not (isolated_run / "ceilings.json").exists()
     peak = 2 * res.model_tflops
-    record_mod.record(res, notebook="01", ceilings={"matmul_tflops": {"bf16": peak}})
+    # step 01 runs fp32 matmuls: its MFU is against the fp32 ceiling, never the bf16 one
+    record_mod.record(res, notebook="01", ceilings={"matmul_tflops": {"bf16": 10 * peak}})
     mfu = next(r for r in query.load() if r["metric"] == "mfu")
-    assert mfu["value"] == pytest.approx(0.5) and mfu["status"] == "ok"
+    assert mfu["value"] is None and "no fp32 matmul ceiling" in mfu["reason"]
+    record_mod.record(res, notebook="01", ceilings={"matmul_tflops": {"bf16": 10 * peak, "fp32": peak}})
+    mfu = next(r for r in query.load() if r["metric"] == "mfu")
+    assert mfu["value"] == pytest.approx(0.5) and mfu["status"] == "ok" and "fp32" in mfu["unit"]
     # a ceiling below the measured rate is a bad ceiling: flagged, not printed
-    record_mod.record(res, notebook="01", ceilings={"matmul_tflops": {"bf16": res.model_tflops / 3}})
+    record_mod.record(res, notebook="01", ceilings={"matmul_tflops": {"fp32": res.model_tflops / 3}})
     mfu = next(r for r in query.load() if r["metric"] == "mfu")
     assert mfu["value"] is None and "bad ceiling" in mfu["reason"]
+
+
+def test_mfu_takes_the_ceiling_of_the_precision_the_step_runs_in():
+    prec = record_mod.step_precision
+    assert prec(settings_for("01_baseline_fp32").__dict__) == "fp32"
+    assert prec(settings_for("02_tf32").__dict__) == "tf32"
+    assert prec(settings_for("06_torch_compile").__dict__) == "bf16"
+    assert prec({"autocast": "fp16", "tf32": True}) == "fp16"
+    both = {"matmul_tflops": {"bf16": 800.0, "fp16": 790.0, "tf32": 400.0, "fp32": 50.0}}
+    assert record_mod.mfu_ceiling(both, "fp16") == ("fp16", 790.0)
+    assert record_mod.mfu_ceiling(both, "tf32") == ("tf32", 400.0)
+    # a GPU without bf16 (a T4): bf16 steps run as fp16 and take its ceiling
+    assert record_mod.mfu_ceiling({"matmul_tflops": {"fp16": 65.0}}, "bf16") == ("fp16", 65.0)
+    assert record_mod.mfu_ceiling({"matmul_tflops": {"fp16": 65.0}}, "tf32") == ("tf32", None)
 
 
 def test_a_variant_is_recorded_apart_from_the_ladder_row(isolated_run):

@@ -1,10 +1,12 @@
 """What a ladder measurement writes: its records in ``results.jsonl`` and its check curve.
 
 Every record goes through ``results.make_record``, the one place that stamps device, versions,
-commit, code digest and time. MFU is the model's TFLOP/s over the measured 16-bit matmul ceiling of
-the device (bf16; fp16 where bf16 is missing), whatever precision the step runs in, so that MFUs
-compare across steps; without a measured ceiling it is n/a, and above 100% it is flagged as a
-bad ceiling (measured under contention, or on another device), never printed as a number.
+commit, code digest and time. MFU is the model's TFLOP/s over the measured matmul ceiling of the
+precision the step runs in (fp32, TF32, bf16, or fp16 where bf16 is missing): a fp32 step is judged
+against what fp32 can do, not against tensor cores it does not use (the speed-of-light floor of the
+ladder figure stays the 16-bit one: the device's limit). Without a measured ceiling it is n/a, and
+above 100% it is flagged as a bad ceiling (measured under contention, or on another device), never
+printed as a number.
 """
 
 from __future__ import annotations
@@ -34,22 +36,35 @@ def save_curve(res: StepResult, run=None) -> None:
                        {**curve_key(res), "losses": res.check_losses, "settings": res.settings})
 
 
-def mfu_ceiling(ceilings: dict | None) -> tuple[str, float | None]:
-    """(precision, TFLOP/s) of the ceiling MFU is taken against: bf16, else fp16."""
+def step_precision(settings: dict | None) -> str:
+    """The matmul precision a step's settings run its GEMMs in: the autocast dtype, else TF32 when it
+    is on, else fp32 (an FP8 step's other matmuls stay in its autocast dtype, whose ceiling it keeps)."""
+    s = settings or {}
+    if s.get("autocast") in ("bf16", "fp16"):
+        return s["autocast"]
+    return "tf32" if s.get("tf32") else "fp32"
+
+
+def mfu_ceiling(ceilings: dict | None, precision: str = "bf16") -> tuple[str, float | None]:
+    """(precision, TFLOP/s) of the ceiling MFU is taken against: the measured ceiling of the step's own
+    ``precision``; a 16-bit step falls back to the other 16-bit ceiling where its own was not measured
+    (bf16 autocast runs as fp16 on a GPU without bf16)."""
     mm = (ceilings or {}).get("matmul_tflops") or {}
-    for prec in ("bf16", "fp16"):
+    order = {"bf16": ("bf16", "fp16"), "fp16": ("fp16", "bf16")}.get(precision, (precision,))
+    for prec in order:
         if mm.get(prec):
             return prec, mm[prec]
-    return "bf16", None
+    return precision, None
 
 
 def mfu(res: StepResult, ceilings: dict | None) -> tuple[float | None, str | None]:
-    """(MFU, why it is n/a). Above 1.0 the ceiling is wrong: the value is withheld."""
+    """(MFU, why it is n/a): model TFLOP/s over the measured matmul ceiling of the precision the step
+    runs in (``step_precision``). Above 1.0 the ceiling is wrong: the value is withheld."""
     if not ceilings:
         return None, "no ceilings measured in this run (notebook 00 measures them)"
-    prec, peak = mfu_ceiling(ceilings)
+    prec, peak = mfu_ceiling(ceilings, step_precision(res.settings))
     if not peak:
-        return None, "no 16-bit matmul ceiling measured on this device"
+        return None, f"no {prec} matmul ceiling measured on this device"
     value = res.model_tflops / peak
     if value > 1.0:
         return None, (f"bad ceiling: {res.model_tflops:.1f} TFLOP/s is above the measured {prec} ceiling "
@@ -87,7 +102,7 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
                         p20=res.items_per_step / (t.p80_ms / 1e3), p80=res.items_per_step / (t.p20_ms / 1e3)))
         recs.append(rec("model_tflops", res.model_tflops, "TFLOP/s"))
         value, why = mfu(res, ceilings)
-        recs.append(rec("mfu", value, f"fraction of measured {mfu_ceiling(ceilings)[0]} matmul",
+        recs.append(rec("mfu", value, f"fraction of measured {mfu_ceiling(ceilings, step_precision(res.settings))[0]} matmul",
                         status="ok" if value is not None else "n/a", reason=why))
         optional = (("peak_mem_gib", res.peak_mem_gib, "GiB"), ("first_step_s", res.first_step_s, "s"),
                     ("compile_s", res.compile_s, "s"), ("final_loss", res.final_loss, "nats"),

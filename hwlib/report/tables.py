@@ -152,7 +152,7 @@ def step_prose(rows: list[dict], workload: str, step: str) -> str:
                      + (", within the p20-p80 spread of the two: no difference this run can resolve."
                         if overlap else ", outside the p20-p80 spread of both."))
     if row.get("mfu") is not None:
-        parts.append(f"It uses {row['mfu']:.1%} of the measured 16-bit matmul ceiling.")
+        parts.append(f"It uses {row['mfu']:.1%} of the measured {row.get('mfu_ceiling') or '16-bit'} matmul ceiling.")
     elif row.get("mfu_reason"):
         parts.append(f"MFU n/a: {row['mfu_reason']}.")
     if row.get("sdpa_backend"):
