@@ -19,49 +19,17 @@ code path works; its times are a CPU's.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 
 from .. import bench
-
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-# --- interval arithmetic (pure) -----------------------------------------------------------------------
-
-def union(intervals) -> list[tuple[float, float]]:
-    """Disjoint, sorted cover of ``(start, end)`` intervals (empty ones dropped)."""
-    out: list[list[float]] = []
-    for s, e in sorted((float(s), float(e)) for s, e in intervals if e > s):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
+# The interval arithmetic and the trace's recording and reading are shared with every profiled study.
+from ..trace import GPU_CATEGORIES, complete_events, intersection_length, length, read_trace, union  # noqa: F401
+from ..trace import record as record_trace
 
 
-def length(intervals) -> float:
-    return sum(e - s for s, e in union(intervals))
-
-
-def intersection_length(a, b) -> float:
-    """Total length covered by both interval sets."""
-    ua, ub = union(a), union(b)
-    i = j = 0
-    total = 0.0
-    while i < len(ua) and j < len(ub):
-        lo, hi = max(ua[i][0], ub[j][0]), min(ua[i][1], ub[j][1])
-        if hi > lo:
-            total += hi - lo
-        if ua[i][1] < ub[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
+# --- splitting a window's time --------------------------------------------------------------------------
 
 def split(comm, compute, span: float, steps: int) -> dict:
     """Per-step milliseconds of a profiled window of ``steps`` steps, from interval lists in
@@ -86,8 +54,7 @@ def is_comm_kernel(name: str) -> bool:
 def trace_intervals(events: list[dict], kind: str) -> tuple[list, list, float]:
     """(communication, compute, span) of a Chrome trace's complete events (``ph == 'X'``, times in
     microseconds), for a device of ``kind`` ('cuda' or 'cpu'); see the module doc."""
-    xs = [e for e in events if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
-          and isinstance(e.get("dur"), (int, float))]
+    xs = complete_events(events)
     comm, compute = [], []
     if kind == "cuda":
         for e in xs:
@@ -108,41 +75,16 @@ def trace_intervals(events: list[dict], kind: str) -> tuple[list, list, float]:
     return comm, compute, span
 
 
-def read_trace(path: str | os.PathLike) -> list[dict]:
-    data = json.loads(Path(path).read_text())
-    return data.get("traceEvents", []) if isinstance(data, dict) else data
-
-
 def profile_split(run_steps, steps: int, device: torch.device, trace_path: str | os.PathLike,
                   keep_trace: bool = False) -> tuple[dict | None, str | None]:
     """Profile ``run_steps()`` (which runs ``steps`` training steps) and split its time (``split``).
     Returns (split, None), or (None, why) when the profiler could not record or read the steps:
     ``run_steps`` runs exactly once either way, since the other ranks run the same steps and wait in
     their collectives for this one."""
-    from torch.profiler import ProfilerActivity, profile
-    # On a GPU only the device's kernels are read: the host's operators would multiply the trace.
-    acts = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    bench.synchronize(device)
-    try:
-        prof = profile(activities=acts)
-        prof.__enter__()
-    except Exception as e:   # no profiler here: the steps still run, unprofiled
-        prof, why = None, f"the profiler did not start: {type(e).__name__}: {e}"
-    run_steps()
-    bench.synchronize(device)
-    if prof is None:
+    events, why = record_trace(run_steps, device, trace_path, keep_trace)
+    if events is None:
         return None, why
-    trace_path = Path(trace_path)
-    try:
-        prof.__exit__(None, None, None)
-        trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace_path))
-        comm, compute, span = trace_intervals(read_trace(trace_path), device.type)
-    except Exception as e:   # a trace that cannot be written or read costs the split, not the measurement
-        return None, f"the profiler's trace could not be read: {type(e).__name__}: {e}"
-    finally:
-        if not keep_trace:
-            trace_path.unlink(missing_ok=True)
+    comm, compute, span = trace_intervals(events, device.type)
     if device.type == "cuda" and not compute:
         return None, "the profiler recorded no GPU kernels (CUPTI unavailable?): no split"
     return split(comm, compute, span, steps), None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..steps import LADDER, STEP_NAMES, Step, get_step, previous
+from ..steps import LADDER, STEP_NAMES, Step, get_step, not_applicable, previous
 from .run import StepResult
 
 BF16_STEP, BF16_BEFORE = "03_bf16_autocast", "02_tf32"
@@ -90,8 +90,9 @@ def same_math(res: StepResult, against: str | None, curve: list[float] | None,
     if against not in earlier_steps(res.step):
         raise ValueError(f"same_math: {against!r} is not a step before {res.step!r}")
     d = compare_curves(res.check_losses, curve)
-    # Tolerances of skipped steps in between add up: their changes are part of this diff.
-    tol = sum(s.tolerance for s in _between(against, res.step))
+    # Tolerances of the steps in between that apply to this workload add up: their changes are part of
+    # this diff. A step n/a for the workload changes nothing in it and adds nothing.
+    tol = sum(s.tolerance for s in _between(against, res.step) if not_applicable(s, res.workload) is None)
     why = st.why_tolerance
     if floor is not None and floor > tol:
         tol = floor

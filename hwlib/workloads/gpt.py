@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from ..ops.linear_ce import fused_linear_cross_entropy
 from ..shapes import padded
 from ..steps import Settings
 from .checkpointing import HEAD_CHUNK, parse_checkpointing
@@ -87,9 +88,11 @@ def gpt_block(cfg: GPTConfig, attention: str) -> PreNormBlock:
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
-                 checkpointing: str = "none"):
+                 checkpointing: str = "none", fused_head: bool = False):
         super().__init__()
         self.cfg = cfg
+        # LM head + cross-entropy as one chunked op (hwlib.ops.linear_ce): no [tokens, V] logits.
+        self.fused_head = fused_head
         # Checkpointed blocks keep only their input; their activations are recomputed in backward.
         self.checkpointed, self.checkpoint_head = parse_checkpointing(checkpointing, cfg.n_layer)
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
@@ -116,6 +119,9 @@ class GPT(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if targets is not None and self.fused_head:
+            # The tied head weight keeps its padded rows; the op masks them out of the softmax.
+            return fused_linear_cross_entropy(self.ln_f(x), self.wte.weight, targets, vocab=self.cfg.vocab)
         if targets is not None and self.checkpoint_head and torch.is_grad_enabled():
             # The [tokens, V] logits are the largest activation: compute loss in chunks whose logits
             # are recomputed in backward, so at most one chunk's logits exist at a time.
@@ -145,8 +151,12 @@ class GPTWorkload(TokenLMWorkload):
     profiles = PROFILES
 
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
-        return GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
-                   checkpointing=settings.checkpointing).init_weights(seed)
+        model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
+                    checkpointing=settings.checkpointing, fused_head=settings.fused_head).init_weights(seed)
+        if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
+            from ..ops.fp8 import swap_mlp_linears
+            swap_mlp_linears(model)
+        return model
 
     def flops_per_step(self, cfg: GPTConfig) -> float:
         L, d, T, V = cfg.n_layer, cfg.d_model, cfg.context, cfg.vocab

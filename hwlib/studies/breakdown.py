@@ -1,0 +1,416 @@
+"""Where a training step's time goes: one ladder step profiled, its GPU time by category, beside
+each category's roofline floor.
+
+The step runs as the ladder runs it (``hwlib.ladder``: same session, settings, seed and data): the
+check and warm-up steps first (compilation, CUDA-graph recording and allocator growth happen
+there), then ``timed`` steps timed by ``bench.StepClock`` without the profiler (the step's wall
+time), then ``profiled`` more steps under torch.profiler (``hwlib.trace``). Every GPU kernel of the
+profiled window is put in one category by its name (``classify``):
+
+* ``gemm``: cuBLAS / CUTLASS / nvjet / inductor template matmuls (bf16, TF32 or FP8);
+* ``attention``: fused attention (cuDNN SDPA, flash, memory-efficient ``fmha``);
+* ``lm_head_ce``: the output projection's three matmuls (``split_head_gemms``) and the
+  cross-entropy's kernels (log-softmax, NLL, a fused linear cross-entropy);
+* ``elementwise``: LayerNorm, GELU, residual adds, casts: Triton kernels of inductor and ATen's
+  elementwise and reduction kernels;
+* ``optimizer``: the (fused) AdamW's multi-tensor kernels;
+* ``other``: copies, memsets, embedding gathers and whatever matched nothing above;
+
+and ``idle``, the step's wall time minus the union of the intervals in which any kernel ran.
+Category times are kernel time per step (durations summed over the window over the number of
+steps). On a CPU the operators stand in for kernels (each counted with its own time, nested
+operators excluded): the code path runs, the times are a CPU's.
+
+The LM head's matmuls carry no name of their own: they are told apart by size. At GPT-2's shapes
+each of the head's three matmuls per step (logits, their gradient into the hidden states, the
+weight gradient) has 2 V / (24 d) ~ 5x the FLOPs of all of one block's matmuls together and well
+over 10x those of its largest, so they are the 3 x steps longest GEMM kernels of the window; the
+rule is applied only when the shortest of them is at least ``HEAD_GAP`` times the next GEMM,
+otherwise the head's matmuls stay among the GEMMs and the result says so.
+
+Floors (``gpt_floors``, GPT only): a compute-bound category's floor is its FLOPs at the measured
+matmul ceiling of the step's precision; a memory-bound one's, its bytes at the measured copy
+bandwidth (``hwlib.ceilings``, read by the caller from the run's results). Bytes are counted as one
+pass per op, each op reading its inputs and writing its outputs once (see ``gpt_floors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import bench, results, roofline, trace
+from ..device import info, resolve_device
+from ..ladder.run import StepResult, check_plan, timed_window
+from ..ladder.session import Session
+from ..paths import run_dir
+from ..profiles import Plan, plan as plan_for, resolve_profile
+from ..steps import get_step, not_applicable, resolve_autocast, settings_for, unavailable
+from ..workloads import get_workload
+
+CATEGORIES = ("gemm", "attention", "lm_head_ce", "elementwise", "optimizer", "other", "idle")
+LABELS = {"gemm": "GEMMs", "attention": "attention", "lm_head_ce": "LM head + cross-entropy",
+          "elementwise": "LayerNorm / elementwise", "optimizer": "optimizer", "other": "other", "idle": "idle"}
+HEAD_MATMULS = 3     # per training step: logits, grad of the hidden states, grad of the (tied) weight
+HEAD_GAP = 3.0       # the head's shortest matmul over the next GEMM, for the size rule to apply
+
+# Kernel (or CPU operator) names, lower-cased, matched in this order: the first rule that matches
+# decides. Order matters: an inductor kernel that fuses the log-softmax is the loss's; inductor names
+# its pointwise and reduction kernels after the ops they fuse ("triton_poi_fused__scaled_dot_product_
+# cudnn_attention_transpose_3" is a layout copy feeding attention): those are elementwise work, and
+# its matmul templates ("triton_tem_fused_mm_...") GEMMs; attention kernels built on CUTLASS
+# ("fmha_cutlassF_...") are attention, not GEMMs.
+RULES: tuple[tuple[str, re.Pattern], ...] = (
+    ("optimizer", re.compile(r"multi_tensor_apply|adam|optimizer\.|foreach")),
+    ("lm_head_ce", re.compile(r"log_softmax|logsoftmax|nll_loss|cross_entropy|logsumexp|linear_ce")),
+    ("gemm", re.compile(r"^triton_tem_")),
+    ("elementwise", re.compile(r"^triton_(poi|red|per)_")),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|_attn|scaled_dot_product")),
+    ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|splitk|gemv|_scaled_mm|"
+                        r"^aten::(mm|addmm|bmm|baddbmm)$")),
+    ("elementwise", re.compile(r"triton|elementwise|layer_norm|layernorm|gelu|reduce_kernel|vectorized|"
+                               r"unrolled|compiledfxgraph|cpp_fused|^aten::(add|mul|sub|div|copy_|_to_copy|"
+                               r"fill_|zero_|native_layer_norm|gelu|tanh)")),
+)
+# On a CPU: operators that only dispatch (their own time is the framework's, not the model's work).
+CPU_CATEGORIES = ("cpu_op", "user_annotation")
+
+
+def classify(name: str) -> str:
+    """The category of a GPU kernel (or CPU operator) named ``name``; 'other' when no rule matches."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a kernel name (str), got {type(name).__name__}")
+    low = name.lower()
+    for cat, pat in RULES:
+        if pat.search(low):
+            return cat
+    return "other"
+
+
+def split_head_gemms(durations: list[float], steps: int, per_step: int = HEAD_MATMULS,
+                     gap: float = HEAD_GAP) -> tuple[set[int], str | None]:
+    """Indices (into ``durations``, the GEMM kernels of a window of ``steps`` steps) of the LM head's
+    matmuls by the size rule of the module doc, and None; or (empty set, why) when the rule does
+    not apply."""
+    if steps < 1 or per_step < 1:
+        raise ValueError(f"steps and per_step must be >= 1, got {steps}, {per_step}")
+    k = per_step * steps
+    if len(durations) <= k:
+        return set(), f"{len(durations)} GEMM kernels in {steps} steps: too few to tell the head's {k} apart"
+    order = sorted(range(len(durations)), key=lambda i: -durations[i])
+    kth, nxt = durations[order[k - 1]], durations[order[k]]
+    if kth < gap * nxt:
+        return set(), (f"the head's matmuls are not the longest GEMMs by {gap:g}x (the {k}th longest takes "
+                       f"{kth / max(nxt, 1e-12):.2f}x the next): counted among the GEMMs")
+    return set(order[:k]), None
+
+
+def categorize(events: list[dict], device_kind: str, steps: int) -> tuple[dict, float, float, list, list[str]]:
+    """Milliseconds per step by category, the busy time (union of the work's intervals) and the span
+    of the window per step, the top kernels by time, and notes; from a trace's events."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if device_kind == "cuda":
+        work = [(e, float(e["dur"])) for e in trace.device_events(events)]
+    else:
+        work = [(e, own) for e, own in trace.exclusive(events) if e.get("cat") in CPU_CATEGORIES]
+    cats = [classify(str(e.get("name", ""))) if e.get("cat") != "gpu_memcpy" and e.get("cat") != "gpu_memset"
+            else "other" for e, _ in work]
+    gemms = [i for i, c in enumerate(cats) if c == "gemm"]
+    head, why = split_head_gemms([work[i][1] for i in gemms], steps)
+    for j in head:
+        cats[gemms[j]] = "lm_head_ce"
+    per = 1e-3 / steps   # microseconds over the window -> milliseconds per step
+    ms = {c: 0.0 for c in CATEGORIES if c != "idle"}
+    by_name: dict = {}
+    for (e, t), c in zip(work, cats):
+        ms[c] += t * per
+        key = (c, str(e.get("name", ""))[:80])
+        by_name[key] = by_name.get(key, 0.0) + t * per
+    ivs = [(e["ts"], e["ts"] + e["dur"]) for e, _ in work]
+    busy = trace.length(ivs) * per
+    span = (max(b for _, b in ivs) - min(a for a, _ in ivs)) * per if ivs else 0.0
+    top = sorted(({"category": c, "kernel": n, "ms_per_step": v} for (c, n), v in by_name.items()),
+                 key=lambda r: -r["ms_per_step"])
+    return ms, busy, span, top, [why] if why else []
+
+
+# --- floors ---------------------------------------------------------------------------------------------
+
+def gpt_floors(cfg, n_params: int, ceilings: dict | None, precision: str = "bf16") -> dict[str, dict]:
+    """Each category's floor for a GPT step of ``cfg`` (``hwlib.workloads.gpt``): {category: {"flops",
+    "bytes", "ms", "basis"}}, ms None without the ceilings. N = batch x context tokens, L layers,
+    width d, vocabulary V (the padding the model may carry is not useful work), training = forward
+    x 3 in FLOPs (backward twice the forward):
+
+    * GEMMs: 3 x N x L x 24 d^2 (QKV, output projection, MLP);
+    * attention: 3 x N x L x 4 T d / 2: the causal half of Q K^T and A V that a causal kernel computes;
+    * LM head + cross-entropy: 3 x 2 N d V, the head's matmuls; a loss that never materialises the
+      logits moves no more bytes than its inputs, so the matmuls are the floor;
+    * LayerNorm / elementwise: bytes, one pass per op under bf16 autocast with an fp32 residual
+      stream, per token and layer in the forward: LayerNorm x 2 (read 4d, write 2d), residual add x
+      2 (read 4d + 2d, write 4d), bias + GELU (read 8d, write 8d) = 48 d bytes; backward counted as
+      twice the forward; plus the final LayerNorm. Fusing GELU into the GEMM's epilogue, or the
+      residual add into the next LayerNorm, would go below this count;
+    * optimizer: fused AdamW on fp32 parameters reads parameter, gradient and both moments and writes
+      parameter and moments: 28 bytes a parameter;
+    * other and idle: no floor (0).
+    """
+    N, L, d, T, V = cfg.batch * cfg.context, cfg.n_layer, cfg.d_model, cfg.context, cfg.vocab
+    parts = {
+        "gemm": (3.0 * N * L * 24 * d * d, 0.0, "3 x N x L x 24 d^2 FLOPs at the matmul ceiling"),
+        "attention": (3.0 * N * L * 4 * T * d / 2, 0.0, "causal half of 3 x N x L x 4 T d FLOPs at the matmul ceiling"),
+        "lm_head_ce": (3.0 * 2 * N * d * V, 0.0, "3 x 2 N d V FLOPs at the matmul ceiling (logits never stored)"),
+        "elementwise": (0.0, 3.0 * N * (L * 48 * d + 6 * d),
+                        "one pass per op: 48 d bytes a token and layer forward, x3 with backward, at the copy bandwidth"),
+        "optimizer": (0.0, 28.0 * n_params, "fused AdamW: 28 bytes a parameter at the copy bandwidth"),
+        "other": (0.0, 0.0, "no floor counted"),
+        "idle": (0.0, 0.0, "no floor: idle time is all overhead"),
+    }
+    out = {}
+    for cat, (flops, nbytes, basis) in parts.items():
+        t_f = roofline.flops_ms(flops, ceilings, precision) if flops else 0.0
+        t_b = roofline.bytes_ms(nbytes, ceilings) if nbytes else 0.0
+        ms = None if (t_f is None or t_b is None) else max(t_f, t_b)
+        out[cat] = {"flops": flops, "bytes": nbytes, "ms": ms, "basis": basis}
+    return out
+
+
+# --- the study ------------------------------------------------------------------------------------------
+
+@dataclass
+class Breakdown:
+    workload: str
+    step: str
+    profile: str
+    device: dict
+    status: str                         # ok, skipped, n/a, failed
+    reason: str | None = None
+    profiled: int = 0                   # steps in the profiled window
+    timing: bench.Timing | None = None  # wall time of unprofiled steps
+    busy_ms: float | None = None        # per step: union of the kernels' intervals
+    span_ms: float | None = None        # per step: first kernel start to last kernel end
+    ms: dict = field(default_factory=dict)       # category -> ms per step (idle included)
+    floors: dict = field(default_factory=dict)   # category -> gpt_floors' entry
+    top: list = field(default_factory=list)      # kernels by time
+    flops_per_step: float = 0.0
+    items_per_step: int = 0             # tokens (or samples) a step
+    sol_ms: float | None = None         # flops_per_step at the matmul ceiling: the speed of light
+    precision: str = "bf16"
+    notes: list = field(default_factory=list)
+
+    @property
+    def step_ms(self) -> float | None:
+        return self.timing.median_ms if self.timing else None
+
+    @property
+    def items_per_s(self) -> float | None:
+        return self.items_per_step / (self.step_ms / 1e3) if self.step_ms else None
+
+    @property
+    def sol_share(self) -> float | None:
+        return self.sol_ms / self.step_ms if (self.sol_ms and self.step_ms) else None
+
+    def rows(self) -> list[dict]:
+        """One row per category: measured ms/step, share of the step, floor, measured over floor."""
+        if self.status != "ok":
+            return [{"step": self.step, "category": None, "ms/step": None, "status": self.status, "why": self.reason}]
+        out = []
+        for c in CATEGORIES:
+            f = self.floors.get(c, {})
+            m, fl = self.ms.get(c), f.get("ms")
+            out.append({"step": self.step, "category": LABELS[c], "ms/step": m,
+                        "share of step": m / self.step_ms if (m is not None and self.step_ms) else None,
+                        "floor (ms)": fl, "measured / floor": m / fl if (m is not None and fl) else None,
+                        "floor basis": f.get("basis")})
+        return out
+
+    def records(self, notebook: str) -> list[dict]:
+        """The study's records (x-values in fields: the category), ready for ``results.append``."""
+        common = dict(notebook=notebook, workload=self.workload, step=self.step, profile=self.profile,
+                      device=self.device)
+        if self.status != "ok":
+            return [results.make_record(metric="category_ms", value=None, unit="ms", status=self.status,
+                                        reason=self.reason, fields={"category": "all"}, **common)]
+        params = {"profiled_steps": self.profiled, "precision": self.precision, "notes": self.notes}
+        t = self.timing
+        recs = [results.make_record(metric="step_ms", value=t.median_ms, p20=t.p20_ms, p80=t.p80_ms, unit="ms",
+                                    fields={"window": "unprofiled"}, params=params, **common),
+                results.make_record(metric="gpu_busy_ms", value=self.busy_ms, unit="ms", fields={"window": "profiled"},
+                                    params=params, **common),
+                results.make_record(metric="sol_share", value=self.sol_share, unit="ratio", params=params,
+                                    status="ok" if self.sol_share is not None else "skipped",
+                                    reason=None if self.sol_share is not None else "no matmul ceiling in this run",
+                                    **common)]
+        for c in CATEGORIES:
+            recs.append(results.make_record(metric="category_ms", value=self.ms.get(c), unit="ms",
+                                            fields={"category": c}, params=params, **common))
+            f = self.floors.get(c)
+            if f is not None:
+                recs.append(results.make_record(
+                    metric="category_floor_ms", value=f["ms"], unit="ms", fields={"category": c},
+                    status="ok" if f["ms"] is not None else "skipped",
+                    reason=None if f["ms"] is not None else "no ceilings in this run (notebook 00 measures them)",
+                    params={"flops": f["flops"], "bytes": f["bytes"], "basis": f["basis"]}, **common))
+        return recs
+
+
+def breakdown(workload: str = "gpt", step: str = "09_cuda_graphs", *, profile: str = "auto",
+              device: str | torch.device = "auto", seed: int = 0, profiled: int = 3, ceilings: dict | None = None,
+              plan: Plan | None = None, config: dict | None = None, keep_trace: bool = False,
+              progress: bool = True, run=None) -> Breakdown:
+    """Profile ``profiled`` steps of ``workload`` under ``step``'s settings after the ladder's warm-up
+    and ``plan.timed`` unprofiled timed steps; returns the ``Breakdown``. ``ceilings`` (the run's,
+    ``hwlib.query.ceilings``) give the floors; without them the floors are None. ``keep_trace``
+    keeps the Chrome trace under ``<run>/traces/``. A step this device cannot run, or that does not
+    apply to the workload, comes back 'skipped' or 'n/a' with the reason, before any work."""
+    if not isinstance(profiled, int) or isinstance(profiled, bool) or profiled < 1:
+        raise ValueError(f"profiled must be a positive int (steps under the profiler), got {profiled!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if ceilings is not None and not isinstance(ceilings, dict):
+        raise TypeError(f"ceilings must be the run's ceilings dict (hwlib.query.ceilings), got {type(ceilings).__name__}")
+    dev = resolve_device(device)
+    prof = resolve_profile(profile, dev)
+    wl, st, di = get_workload(workload), get_step(step), info(dev)
+    cfg = wl.config(prof, **(config or {}))
+    pl = check_plan(plan or plan_for(prof), False)
+    out = Breakdown(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
+                    profiled=profiled, flops_per_step=wl.flops_per_step(cfg),
+                    items_per_step=wl.items_per_step(cfg), precision=roofline.precision_of(st.name))
+    if not_applicable(st, wl.name):
+        out.status, out.reason = "n/a", not_applicable(st, wl.name)
+        return out
+    why = unavailable(st, di)
+    if why and st.gpu_only and dev.type == "cpu":
+        # A CPU profile shows the code path (operators, categories, records), not GPU times: the step
+        # runs with its cumulative settings, its own GPU-only change inert, as later ladder steps do.
+        out.notes.append(f"{why}: profiled on the CPU with that change inert (the code path, not its times)")
+    elif why:
+        out.status, out.reason = "skipped", why
+        return out
+    eff = resolve_autocast(settings_for(st.name), di)
+    res = StepResult(workload=wl.name, step=st.name, profile=prof, device=out.device, status="ok",
+                     config=dataclasses.asdict(cfg), seed=seed, check_steps=pl.check)
+    sess = Session(wl.name, cfg, eff, dev, seed)
+    try:
+        n_params = sum(p.numel() for p in sess.model.parameters())
+        start = timed_window(res, sess, pl)
+        out.notes += res.notes
+        with sess.precision():
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=start + pl.timed + profiled, desc=f"{wl.name} {st.name} breakdown", leave=False)
+            for i in range(start):
+                sess.step(i)
+                bar and bar.update(1)
+            bench.synchronize(dev)
+            clock = bench.StepClock(dev)
+            clock.mark()
+            for i in range(start, start + pl.timed):
+                sess.step(i)
+                clock.mark()
+                bar and bar.update(1)
+            out.timing = clock.timing()
+
+            def window():
+                for i in range(start + pl.timed, start + pl.timed + profiled):
+                    sess.step(i)
+                    bar and bar.update(1)
+            path = run_dir(run) / "traces" / f"{wl.name}_{st.name}_breakdown.json"
+            events, why = trace.record(window, dev, path, keep_trace)
+            bar and bar.close()
+    finally:
+        sess.close()
+    if events is None:
+        out.status, out.reason = "failed", why
+        return out
+    ms, out.busy_ms, out.span_ms, out.top, notes = categorize(events, dev.type, profiled)
+    out.notes += notes
+    ms["idle"] = max(0.0, out.timing.median_ms - out.busy_ms)
+    if out.busy_ms > out.timing.median_ms:
+        out.notes.append("the profiled window was busier than the unprofiled step's wall time: idle read as 0")
+    out.ms = ms
+    if wl.name == "gpt":
+        out.floors = gpt_floors(cfg, n_params, ceilings, out.precision)
+    else:
+        out.notes.append(f"floors are counted for GPT only: none for {wl.name}")
+    peak = roofline.matmul_ceiling(ceilings, out.precision)
+    out.sol_ms = out.flops_per_step / (peak * 1e12) * 1e3 if peak else None
+    return out
+
+
+# --- the figure -----------------------------------------------------------------------------------------
+
+def breakdown_figure(bds: list[Breakdown], path=None):
+    """Stacked bars: each step's measured ms per category beside its floors, stacked the same way."""
+    import matplotlib.pyplot as plt
+    ok = [b for b in bds if b.status == "ok"]
+    fig, ax = plt.subplots(figsize=(2.2 + 2.4 * max(1, len(ok)), 4.2))
+    colors = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors))
+    xs, names = [], []
+    for j, b in enumerate(ok):
+        for k, (kind, vals) in enumerate((("measured", b.ms), ("floor", {c: (b.floors.get(c) or {}).get("ms") or 0.0
+                                                                           for c in CATEGORIES}))):
+            x = 3 * j + k
+            bottom = 0.0
+            for c in CATEGORIES:
+                v = vals.get(c) or 0.0
+                ax.bar(x, v, bottom=bottom, color=colors[c], label=LABELS[c] if (j, k) == (0, 0) else None,
+                       hatch="//" if kind == "floor" else None, edgecolor="white")
+                bottom += v
+            xs.append(x)
+            names.append(f"{b.step.split('_', 1)[0]} {kind}")
+    ax.set_xticks(xs, names, rotation=20)
+    ax.set_ylabel("ms per step")
+    ax.set_title("where the time goes: measured against each category's floor", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+# --- the prose ------------------------------------------------------------------------------------------
+
+def prose(records: list[dict]) -> str:
+    """What the breakdown records of one workload say, per step, in words built from their values."""
+    steps: dict = {}
+    for r in records:
+        if r.get("status") != "ok" or r.get("value") is None:
+            continue
+        s = steps.setdefault(r["step"], {"ms": {}, "floor": {}})
+        cat = (r.get("fields") or {}).get("category")
+        if r["metric"] == "category_ms":
+            s["ms"][cat] = r["value"]
+        elif r["metric"] == "category_floor_ms":
+            s["floor"][cat] = r["value"]
+        elif r["metric"] in ("step_ms", "sol_share"):
+            s[r["metric"]] = r["value"]
+    out = []
+    for step, s in steps.items():
+        if "step_ms" not in s or not s["ms"]:
+            continue
+        t = s["step_ms"]
+        big = max((c for c in s["ms"] if c != "idle"), key=lambda c: s["ms"][c])
+        text = (f"At {step} a step took {t:.3g} ms; the largest share went to {LABELS[big]} "
+                f"({s['ms'][big]:.3g} ms, {s['ms'][big] / t:.0%} of the step), and the device sat idle for "
+                f"{s['ms'].get('idle', 0.0):.3g} ms.")
+        counted = ("gemm", "attention", "lm_head_ce", "elementwise", "optimizer")   # the categories with a floor
+        gaps = {c: s["ms"][c] - s["floor"][c] for c in s["floor"] if c in s["ms"] and c != "idle"}
+        if all(c in s["floor"] for c in counted):
+            g = max(gaps, key=gaps.get)
+            text += (f" Against the floors, the most time above its floor is in {LABELS[g]} ({gaps[g]:.3g} ms above "
+                     f"a floor of {s['floor'][g]:.3g} ms); all categories together sit "
+                     f"{sum(gaps.values()) + s['ms'].get('idle', 0.0):.3g} ms above theirs, idle included.")
+        else:
+            text += " No floors: this run has no measured ceilings (notebook 00 measures them)."
+        if s.get("sol_share") is not None:
+            text += (f" The model's FLOPs at the measured matmul ceiling would take {s['sol_share']:.0%} of the "
+                     f"measured step (its share of the speed of light).")
+        out.append(text)
+    return " ".join(out) if out else "Nothing was profiled in this run."

@@ -1,0 +1,126 @@
+"""The LM head's three matmuls in bf16 and in FP8 (notebook 18): where FP8 pays and what the layouts cost.
+
+At GPT-2 small's head (M = 16,384 tokens, K = 768 wide, N = 50,304 vocabulary) one training step
+runs y = x W^T, dx = dy W and dW = dy^T x: 3 x 2 M N K FLOPs. Variants, each timed as the three
+matmuls of one step from the high-precision x, W and dy (``hwlib.bench.time_fn``):
+
+* ``bf16``: three ``torch.mm``; cuBLAS reads transposed operands in place (no copies);
+* ``fp8, quantize + transposing copies``: each operand quantized (amax, scale, cast), then the
+  backward's operands made K-major with ``.t().contiguous()`` copies of the FP8 tensors, eagerly;
+* ``fp8, quantized into each layout``: ``hwlib.ops.fp8.quantize`` writes each layout from the
+  high-precision tensor, compiled on a GPU so that inductor fuses scale, cast and transposed write;
+* ``fp8, matmuls only``: operands quantized beforehand, in their layouts: the most FP8 can give.
+
+Every tensor here is far larger than L2 except x (M K bf16): the runs measure memory, not cache.
+Accuracy: each variant's three outputs against float64 matmuls of the same x, W, dy (relative
+Frobenius error), FP8 beside bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import bench
+from ..device import info, resolve_device, supports_fp8
+from ..ops.fp8 import E4M3, E5M2, quantize
+
+HEAD_SHAPE = {"full": (16384, 768, 50304), "smoke": (64, 32, 96)}
+VARIANTS = ("bf16", "fp8, quantize + transposing copies", "fp8, quantized into each layout", "fp8, matmuls only")
+
+
+def _smm(a, sa, b_col, sb, out_dtype):
+    return torch._scaled_mm(a, b_col, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+def bf16_step(x, w, dy):
+    return x @ w.t(), dy @ w, dy.t() @ x
+
+
+def fp8_with_copies(x, w, dy):
+    """Quantize once per tensor, then transposing copies of the FP8 tensors for the backward."""
+    x8, xs = quantize(x, E4M3)
+    w8, ws = quantize(w, E4M3)
+    g8, gs = quantize(dy, E5M2)
+    y = _smm(x8, xs, w8.t(), ws, torch.bfloat16)
+    dx = _smm(g8, gs, w8.t().contiguous().t(), ws, torch.bfloat16)      # W^T row-major, passed column-major
+    dw = _smm(g8.t().contiguous(), gs, x8.t().contiguous().t(), xs, torch.float32)
+    return y, dx, dw
+
+
+def fp8_layouts(x, w, dy):
+    """Each operand quantized straight into the layout its matmul needs (``quantize(transposed=True)``)."""
+    x8, xs = quantize(x, E4M3)
+    w8, ws = quantize(w, E4M3)
+    xt8, xts = quantize(x, E4M3, transposed=True)
+    wt8, wts = quantize(w, E4M3, transposed=True)
+    g8, gs = quantize(dy, E5M2)
+    gt8, gts = quantize(dy, E5M2, transposed=True)
+    y = _smm(x8, xs, w8.t(), ws, torch.bfloat16)
+    dx = _smm(g8, gs, wt8.t(), wts, torch.bfloat16)
+    dw = _smm(gt8, gts, xt8.t(), xts, torch.float32)
+    return y, dx, dw
+
+
+def rel_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm().clamp(min=1e-300)).item()
+
+
+def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, shape: tuple | None = None,
+                 iters: int = 10, compile_layouts: bool | None = None, seed: int = 0) -> list[dict]:
+    """Rows (variant, ms, p20/p80, TFLOP/s, relative errors of y, dx, dW, status) for the head's three
+    matmuls at ``shape`` (M, K, N; default ``HEAD_SHAPE[profile]``). On a device without FP8 the FP8
+    rows are 'skipped' with the reason; ``compile_layouts`` (default: on a GPU) compiles the
+    layout variant, else it runs eagerly and says so."""
+    dev = resolve_device(device)
+    di = info(dev)
+    M, K, N = shape or HEAD_SHAPE.get(profile, (0, 0, 0))
+    for name, v in (("M", M), ("K", K), ("N", N)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"shape: {name} must be a positive int, got {v!r}")
+    if dev.type == "cuda" and any(v % 16 for v in (M, K, N)):
+        raise ValueError(f"shape {(M, K, N)}: torch._scaled_mm on CUDA needs multiples of 16")
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be a positive int, got {iters!r}")
+    compile_layouts = dev.type == "cuda" if compile_layouts is None else compile_layouts
+    g = torch.Generator(device=dev).manual_seed(seed)
+    # Activations O(1), weights as GPT-2 initialises them, logits' gradients O(1 / (M V)) as a mean loss gives.
+    x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
+    w = (0.02 * torch.randn(N, K, device=dev, generator=g)).to(torch.bfloat16)
+    dy = (torch.randn(M, N, device=dev, generator=g) / (M * N) ** 0.5).to(torch.bfloat16)
+    ref = (x.double() @ w.double().t(), dy.double() @ w.double(), dy.double().t() @ x.double())
+    flops = 3 * 2.0 * M * N * K
+    fp8_why = None if (dev.type == "cpu" or supports_fp8(di)) else \
+        f"FP8 matmuls need sm_89 or newer; this GPU is sm_{di.capability[0]}{di.capability[1]}"
+    layouts = torch.compile(fp8_layouts) if compile_layouts else fp8_layouts
+    pre = None
+    if fp8_why is None:
+        q = {k: quantize(t, d, transposed=tr) for k, (t, d, tr) in
+             {"x": (x, E4M3, False), "w": (w, E4M3, False), "xt": (x, E4M3, True), "wt": (w, E4M3, True),
+              "g": (dy, E5M2, False), "gt": (dy, E5M2, True)}.items()}
+
+        def pre(x_, w_, dy_):   # the operands above, already quantized into their layouts
+            return (_smm(q["x"][0], q["x"][1], q["w"][0].t(), q["w"][1], torch.bfloat16),
+                    _smm(q["g"][0], q["g"][1], q["wt"][0].t(), q["wt"][1], torch.bfloat16),
+                    _smm(q["gt"][0], q["gt"][1], q["xt"][0].t(), q["xt"][1], torch.float32))
+    fns = {VARIANTS[0]: bf16_step, VARIANTS[1]: fp8_with_copies, VARIANTS[2]: layouts, VARIANTS[3]: pre}
+    rows = []
+    for name, fn in fns.items():
+        row = {"variant": name, "M": M, "K": K, "N": N, "status": "ok", "reason": None,
+               "compiled": name == VARIANTS[2] and compile_layouts}
+        if name != "bf16" and fp8_why:
+            row.update(status="skipped", reason=fp8_why)
+            rows.append(row)
+            continue
+        out = fn(x, w, dy)   # also the compile, outside the timing
+        errs = [rel_error(o, r) for o, r in zip(out, ref)]
+        del out
+        t = bench.time_fn(lambda i: fn(x, w, dy), dev, warmup=3, iters=iters)
+        row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, tflops=flops / (t.median_ms / 1e3) / 1e12,
+                   err_y=errs[0], err_dx=errs[1], err_dw=errs[2])
+        if name == VARIANTS[2] and not compile_layouts:
+            row["reason"] = "run eagerly (not compiled): its transposed casts are copies here"
+        rows.append(row)
+    del x, w, dy, ref
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,128 @@
+"""Where the time goes (hwlib.studies.breakdown): kernel names from real H100 traces put in the right
+category, the LM head's matmuls told apart by size, per-step times and idle from synthetic trace
+events, the floors' counts, and the study end to end on CPU."""
+
+import pytest
+
+from hwlib import trace
+from hwlib.studies import breakdown as bd
+from hwlib.workloads import get_workload
+
+# Kernel names as torch.profiler reports them on an H100 (GPT-2 small, steps 06-09), by category.
+NAMES = {
+    "gemm": ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off",
+             "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT",
+             "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(Params)",
+             "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn",
+             "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>",
+             "triton_tem_fused_mm_0", "sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128"],
+    "attention": ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0",
+                  "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_5_64x64x64_4x1x1_kernel0_0",
+                  "void flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>",
+                  "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)"],
+    "lm_head_ce": ["triton_red_fused__log_softmax_nll_loss_forward_12", "triton_red_fused__log_softmax_backward_data_3",
+                   "triton_per_fused_nll_loss_backward_nll_loss_forward_2", "_linear_ce_fwd_kernel"],
+    "elementwise": ["triton_poi_fused_add_gelu_7", "triton_red_fused_native_layer_norm_native_layer_norm_backward_9",
+                    "triton_per_fused_native_layer_norm_4",
+                    "triton_poi_fused__scaled_dot_product_cudnn_attention_transpose_view_3",
+                    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul>>",
+                    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float>>>"],
+    "optimizer": ["void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+                  "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+                  "(at::native::ADAM_MODE)1, false>, double, double, double, double, double, double, bool>",
+                  "Optimizer.step#AdamW.step", "aten::_fused_adamw_"],
+    "other": ["Memcpy HtoD (Pinned -> Device)", "void at::native::index_elementwise_kernel_gather"],
+}
+
+
+def test_kernel_names_fall_in_their_categories():
+    for cat, names in NAMES.items():
+        for n in names:
+            want = "elementwise" if n == "void at::native::index_elementwise_kernel_gather" else cat
+            assert bd.classify(n) == want, n
+    assert bd.classify("aten::mm") == "gemm" and bd.classify("aten::linear") == "other"
+    assert bd.classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    with pytest.raises(TypeError, match="kernel name"):
+        bd.classify(None)
+
+
+def test_the_head_matmuls_are_the_longest_gemms_by_a_margin_or_none():
+    # Two steps: per step three head matmuls of ~1.7 ms, many block GEMMs of at most 0.12 ms.
+    d = [1.7, 0.1, 0.12, 1.6, 0.05, 1.75, 1.69, 0.11, 1.71, 1.62, 0.1]
+    head, why = bd.split_head_gemms(d, steps=2)
+    assert why is None and head == {0, 3, 5, 6, 8, 9}
+    head, why = bd.split_head_gemms([1.0, 0.9, 0.8, 0.7, 0.6], steps=1)   # no gap: nothing taken
+    assert head == set() and "not the longest" in why
+    assert bd.split_head_gemms([1.0, 2.0], steps=1)[0] == set()
+    with pytest.raises(ValueError):
+        bd.split_head_gemms(d, steps=0)
+
+
+def _k(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+def test_categorize_sums_kernel_time_per_step_and_the_busy_union():
+    ev = []
+    for s in range(2):   # two steps of 1000 us, 100 us idle each
+        t = s * 1000
+        ev += [_k(NAMES["gemm"][0], t, 25), _k(NAMES["gemm"][1], t + 25, 25)]                      # block GEMMs
+        ev += [_k(NAMES["gemm"][2], t + 50 + 100 * i, 100) for i in range(3)]                    # the head's
+        ev += [_k(NAMES["attention"][0], t + 350, 200), _k(NAMES["elementwise"][0], t + 550, 150),
+               _k(NAMES["lm_head_ce"][0], t + 700, 60), _k(NAMES["optimizer"][0], t + 760, 90),
+               _k("Memcpy DtoD", t + 850, 50, "gpu_memcpy"), _k("aten::mm", t, 900, "cpu_op")]  # host: not read
+    ms, busy, span, top, notes = bd.categorize(ev, "cuda", steps=2)
+    assert ms["gemm"] == pytest.approx(0.05) and ms["lm_head_ce"] == pytest.approx(0.3 + 0.06)
+    assert ms["attention"] == pytest.approx(0.2) and ms["elementwise"] == pytest.approx(0.15)
+    assert ms["optimizer"] == pytest.approx(0.09) and ms["other"] == pytest.approx(0.05)
+    assert busy == pytest.approx(0.9) and span == pytest.approx(1.9 / 2) and notes == []
+    assert top[0]["category"] == "lm_head_ce" and top[0]["ms_per_step"] == pytest.approx(0.3)
+    # Without the head's margin its matmuls stay GEMMs, and the result says why.
+    flat = [e for e in ev if not e["name"].startswith("void cutlass")] + [_k(NAMES["gemm"][2], 5000, 30)]
+    ms, _, _, _, notes = bd.categorize(flat, "cuda", steps=2)
+    assert ms["lm_head_ce"] == pytest.approx(0.06) and notes and "GEMM" in notes[0]
+
+
+def test_cpu_operators_count_their_own_time_once():
+    ev = [_k("aten::linear", 0, 100, "cpu_op"), _k("aten::addmm", 10, 80, "cpu_op"),
+          _k("aten::copy_", 20, 10, "cpu_op"), _k("Optimizer.step#AdamW.step", 200, 50, "user_annotation"),
+          _k("aten::_fused_adamw_", 210, 30, "cpu_op"), _k("PyTorch Profiler (0)", 0, 1000, "Trace")]
+    own = {e["name"]: t for e, t in trace.exclusive(ev)}
+    assert own["aten::linear"] == 20 and own["aten::addmm"] == 70 and own["aten::copy_"] == 10
+    ms, busy, span, _, _ = bd.categorize(ev, "cpu", steps=1)
+    assert ms["gemm"] == pytest.approx(0.07) and ms["optimizer"] == pytest.approx(0.05)
+    assert ms["elementwise"] == pytest.approx(0.01) and ms["other"] == pytest.approx(0.02)
+    assert busy == pytest.approx(0.15)
+
+
+def test_gpt_floors_count_the_model_flops_and_the_stated_bytes():
+    wl = get_workload("gpt")
+    cfg = wl.config("full")
+    ceil = {"copy_gbps": 3000.0, "matmul_tflops": {"bf16": 750.0}}
+    f = bd.gpt_floors(cfg, 124_000_000, ceil)
+    # GEMMs + head + the full (non-causal) attention are the model's FLOPs per step.
+    assert f["gemm"]["flops"] + f["lm_head_ce"]["flops"] + 2 * f["attention"]["flops"] == pytest.approx(wl.flops_per_step(cfg))
+    assert f["gemm"]["ms"] == pytest.approx(f["gemm"]["flops"] / 750e12 * 1e3)
+    N, L, d = 16384, 12, 768
+    assert f["elementwise"]["bytes"] == 3 * N * (L * 48 * d + 6 * d)
+    assert f["optimizer"]["ms"] == pytest.approx(28 * 124e6 / 3000e9 * 1e3)
+    assert f["idle"]["ms"] == 0 and bd.gpt_floors(cfg, 1, None)["gemm"]["ms"] is None
+
+
+def test_the_study_runs_on_cpu_and_records_per_category(isolated_run):
+    with pytest.raises(ValueError, match="profiled"):
+        bd.breakdown("gpt", "05_fused_optimizer", profile="smoke", device="cpu", profiled=0)
+    b = bd.breakdown("gpt", "05_fused_optimizer", profile="smoke", device="cpu", profiled=2, progress=False,
+                     ceilings={"copy_gbps": 10.0, "matmul_tflops": {"bf16": 0.2}})
+    assert b.status == "ok" and b.step_ms > 0 and b.busy_ms > 0
+    work = sum(v for c, v in b.ms.items() if c != "idle")
+    assert work == pytest.approx(b.busy_ms, rel=0.05)
+    assert b.ms["gemm"] > 0 and b.ms["optimizer"] > 0 and b.ms["attention"] > 0
+    recs = b.records("16_where_time_goes")
+    cats = {r["fields"]["category"] for r in recs if r["metric"] == "category_ms"}
+    assert cats == set(bd.CATEGORIES)
+    assert len(b.rows()) == len(bd.CATEGORIES)
+    text = bd.prose(recs)
+    assert "05_fused_optimizer" in text and f"{b.step_ms:.3g} ms" in text
+    na = bd.breakdown("encoder_nli", "07_nice_shapes", profile="smoke", device="cpu")
+    assert na.status == "n/a" and na.records("16")[0]["status"] == "n/a"

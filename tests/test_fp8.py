@@ -1,0 +1,130 @@
+"""FP8 linear layers (hwlib.ops.fp8) on CPU: torch._scaled_mm runs there too, so the forward and both
+gradients are checked against float64 matmuls of the same FP8-rounded operands (tight) and of the
+unrounded ones (within FP8's rounding), on fresh random inputs of odd sizes; the capability gate
+and the layer swap of the GPT model."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hwlib.device import DeviceInfo
+from hwlib.ops import fp8
+from hwlib.steps import Settings, get_step, settings_for, unavailable
+from hwlib.workloads import get_workload
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_quantize_scales_amax_to_the_format_maximum_and_rounds_like_float8():
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(13, 7, generator=g) * 5
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        q, inv = fp8.quantize(t, dtype)
+        assert q.dtype == dtype and q.shape == (13, 7) and inv.dim() == 0
+        assert q.float().abs().max().item() == fp8.FMAX[dtype]          # the amax lands on the maximum
+        # Dequantized values are the float64 reference's, element for element.
+        assert torch.allclose(q.double() * inv.double(), fp8.fake_quantize(t, dtype), rtol=1e-6, atol=0)
+        qt, inv_t = fp8.quantize(t, dtype, transposed=True)
+        assert qt.shape == (7, 13) and qt.is_contiguous() and torch.equal(qt.float(), q.float().t())
+    qr, invr = fp8.quantize(t, fp8.E4M3, rowwise=True)
+    assert invr.shape == (13, 1)
+    assert torch.equal(qr.float().abs().amax(dim=1), torch.full((13,), fp8.FMAX[fp8.E4M3]))
+    z, inv_z = fp8.quantize(torch.zeros(4, 4), fp8.E4M3)                # no division by zero
+    assert torch.isfinite(inv_z) and not z.float().any()
+    with pytest.raises(ValueError, match="dtype"):
+        fp8.quantize(t, torch.bfloat16)
+    with pytest.raises(ValueError, match="2-d"):
+        fp8.quantize(t[0], fp8.E4M3)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(37, 29, 53), (5, 3, 11)])
+def test_fp8_linear_forward_and_gradients_against_float64(scaling, shape):
+    M, K, N = shape
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x = torch.randn(M, K, generator=g, dtype=torch.float64) * 3
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * 0.02
+    dy = torch.randn(M, N, generator=g, dtype=torch.float64) * 1e-3
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    y = fp8.fp8_linear(xr, wr, scaling=scaling)
+    y.backward(dy.float())
+    assert y.dtype == torch.float32 and xr.grad.dtype == torch.float32 and wr.grad.dtype == torch.float32
+    # Same rounded operands, exact accumulation: only fp32 accumulation and the inverse scale differ.
+    # Row-wise scaled kernels write bf16 only: the weight's gradient is rounded to bf16 there (2^-9).
+    tols = (1e-5, 1e-5, 2 ** -8 if scaling == "row" else 1e-5)
+    for got, want, tol in zip((y, xr.grad, wr.grad), fp8.fp8_linear_reference(x.float(), w.float(), dy.float(),
+                                                                               scaling == "row"), tols):
+        assert rel(got, want) < tol
+    # Against the unrounded matmuls: within FP8's rounding (e4m3: 2^-4 relative per element at worst,
+    # e5m2: 2^-3), and clearly coarser than bf16's (2^-9): FP8 is really what ran.
+    for got, want in ((y, x @ w.t()), (xr.grad, dy @ w), (wr.grad, dy.t() @ x)):
+        assert 2 ** -8 < rel(got, want) < 2 ** -3
+
+
+def test_fp8_linear_keeps_leading_dims_adds_the_bias_and_refuses_bad_input():
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(24, 40)
+    x = torch.randn(2, 5, 24, generator=g)
+    layer = fp8.FP8Linear.from_linear(lin)
+    assert layer.weight is lin.weight and layer.bias is lin.bias        # the very same parameters
+    y = layer(x)
+    assert y.shape == (2, 5, 40) and rel(y, lin(x)) < 0.1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16                          # follows autocast's dtype
+    with pytest.raises(ValueError, match="scaling"):
+        fp8.fp8_linear(x, lin.weight, scaling="block")
+    with pytest.raises(ValueError, match="in_features"):
+        fp8.fp8_linear(torch.randn(3, 23), lin.weight)
+    with pytest.raises(ValueError, match="weight must be 2-d"):
+        fp8.fp8_linear(x, lin.weight[0])
+    with pytest.raises(TypeError, match="floating point"):
+        fp8.fp8_linear(torch.ones(3, 24, dtype=torch.long), lin.weight)
+    with pytest.raises(ValueError, match="scaling"):
+        fp8.FP8Linear.from_linear(lin, "block")
+
+
+def test_the_gpt_model_swaps_its_mlp_linears_and_keeps_its_parameters():
+    wl = get_workload("gpt")
+    cfg = wl.config("smoke")
+    base = settings_for("17_fused_lm_head")
+    plain = wl.build(cfg, base, 0)
+    f8 = wl.build(cfg, dataclasses.replace(base, fp8=True), 0)
+    swapped = [n for n, m in f8.named_modules() if isinstance(m, fp8.FP8Linear)]
+    assert sorted(swapped) == sorted(f"blocks.{i}.{n}" for i in range(cfg.n_layer) for n in fp8.MLP_LINEARS)
+    a, b = plain.state_dict(), f8.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)   # same names, same init
+    assert fp8.swap_mlp_linears(f8) == 0                                    # already swapped: nothing to do
+    x = torch.randint(0, cfg.vocab, (2, cfg.context), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la, lb = plain(x, x).item(), f8(x, x).item()
+    assert la != lb and abs(la - lb) / la < 2e-2
+
+
+def _gpu(cap):
+    return DeviceInfo(kind="cuda", name="GPU", capability=list(cap), total_mem_gib=80.0, sm_count=132, l2_mib=50.0,
+                      cpu_count=16, host="h", colab=False, versions={"triton": "3.6"})
+
+
+def test_the_fp8_step_is_skipped_with_the_reason_where_fp8_is_missing():
+    st = get_step("18_fp8")
+    why = unavailable(st, _gpu((8, 0)))
+    assert why and "sm_89" in why and "sm_80" in why
+    assert unavailable(st, _gpu((9, 0))) is None and unavailable(st, _gpu((8, 9))) is None
+    assert "GPU-only" in unavailable(st, DeviceInfo(kind="cpu", name="x", capability=None, total_mem_gib=None,
+                                                     sm_count=None, l2_mib=None, cpu_count=2, host="h", colab=False))
+    assert settings_for("18_fp8").fp8 and not Settings().fp8
+
+
+def test_head_matmuls_rows_on_cpu():
+    from hwlib.studies import fp8 as study
+    rows = study.head_matmuls("smoke", "cpu", shape=(48, 32, 80), iters=2)
+    assert [r["variant"] for r in rows] == list(study.VARIANTS) and all(r["status"] == "ok" for r in rows)
+    bf16, fp8_rows = rows[0], rows[1:]
+    assert all(r["err_y"] < 2 ** -7 for r in [bf16])
+    for r in fp8_rows:   # the same quantized operands in every FP8 variant: the same results
+        assert r["err_y"] == pytest.approx(fp8_rows[0]["err_y"], rel=1e-4) and 2 ** -8 < r["err_dw"] < 2 ** -3
+    with pytest.raises(ValueError, match="M must be a positive int"):
+        study.head_matmuls("smoke", "cpu", shape=(0, 32, 80))
