@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -327,37 +326,39 @@ def existing_run(args, default: str = "latest") -> tuple[str, Path]:
 
 
 def table_cmd(args) -> int:
-    from .query import ladder_rows, workloads_in
-    from .report.tables import markdown_table, what_we_saw
+    from .query import workloads_in
+    from .report.tables import ladder_rows_with_noise, markdown_table, what_we_saw
     name, run = existing_run(args)
     recs = query.load(run)
     if not recs:
         raise CliError(f"run {name!r} has no results.jsonl records that can be read ({run / 'results.jsonl'})")
     for w in workloads_in(recs):
-        rows = ladder_rows(recs, w)
+        rows = ladder_rows_with_noise(recs, w)
         print(f"## {w}\n\n{markdown_table(rows)}\n{what_we_saw(rows, w)}\n")
     return 0
 
 
 def readme_cmd(args) -> int:
-    from .report.tables import README_END, README_START, readme_block
+    from .report.tables import README_END, README_START, render_readme
     name, run = existing_run(args, "reference/h100")
     readme = Path(args.readme)
     try:
         text = readme.read_text(encoding="utf-8")
     except OSError as e:
         raise CliError(f"cannot read {readme}: {e.strerror}") from None
-    pat = re.compile(re.escape(README_START) + r".*?" + re.escape(README_END), re.S)
-    if not pat.search(text):
+    if README_START not in text or README_END not in text:
         raise CliError(f"{readme}: markers {README_START} ... {README_END} not found; put them around the "
                        f"reference section")
     # The new text is made in memory: --check compares and never writes.
-    new = pat.sub(lambda _: README_START + "\n" + readme_block(run) + "\n" + README_END, text)
+    try:
+        new = render_readme(text, run)
+    except ValueError as e:
+        raise CliError(f"{readme}: {e}") from None
     if args.check:
         if new != text:
-            print(f"{readme.name}'s reference table is out of date with {run}: run `make readme`", file=sys.stderr)
+            print(f"{readme.name}'s generated tables are out of date with {run}: run `make readme`", file=sys.stderr)
             return 1
-        print(f"{readme.name}'s reference table matches", run)
+        print(f"{readme.name}'s generated tables match", run)
         return 0
     if new != text:
         results.write_atomic(readme, new)   # keeps the file's mode

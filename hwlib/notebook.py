@@ -167,8 +167,8 @@ def assert_same_math(measured: dict[str, tuple[StepResult, MathCheck]]) -> None:
 
 def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
     """The cumulative table (and figure) of ``workload`` from this run's results; returns the rows."""
-    from .report.tables import ladder_figure, markdown_table
-    rows = query.ladder_rows(query.load(run), workload)
+    from .report.tables import ladder_figure, ladder_rows_with_noise, markdown_table
+    rows = ladder_rows_with_noise(query.load(run), workload)
     markdown(f"**{workload}**, run `{run_dir(run).name}`\n\n" + markdown_table(rows))
     if figure and any(r["throughput"] for r in rows):
         import matplotlib.pyplot as plt
@@ -244,8 +244,8 @@ def prediction_prose(p: roofline.Prediction, row: dict | None) -> str:
 def what_we_saw(workload: str, step: str | None = None, run=None, predicted: dict | None = None) -> str:
     """This notebook's own ``step``, in words built from the measured numbers (with the roofline's
     prediction beside it when ``predicted`` is given); the whole ladder when ``step`` is None."""
-    from .report.tables import step_prose, what_we_saw as ladder_prose
-    rows = query.ladder_rows(query.load(run), workload)
+    from .report.tables import ladder_rows_with_noise, step_prose, what_we_saw as ladder_prose
+    rows = ladder_rows_with_noise(query.load(run), workload)
     if step is None:
         text = ladder_prose(rows, workload)
     else:

@@ -19,13 +19,14 @@ import functools
 import json
 import math
 import os
+import re
 import stat
 import subprocess
 import tempfile
 import warnings
 from pathlib import Path
 
-from .paths import PACKAGE_DIR, REPO_ROOT, run_dir
+from .paths import PACKAGE_DIR, run_dir
 
 try:
     import fcntl
@@ -35,20 +36,83 @@ except ImportError:  # Windows: appends are still single writes
 KEY = ("notebook", "workload", "step", "metric")
 
 
-@functools.lru_cache(maxsize=1)
-def git_commit() -> str | None:
+def _git(root: Path, *args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=5)
-        if out.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
+@functools.lru_cache(maxsize=1)
+def _checkout_root() -> Path | None:
+    """The git work tree whose own ``hwlib/`` is the code running here, else None.
+
+    Asked of the package's folder, never of the working folder: an installed copy (Colab, a wheel)
+    run inside some other repository must not record that repository's commit as its own."""
+    root = PACKAGE_DIR.parent
+    if not (root / "pyproject.toml").is_file():
+        return None
+    top = _git(root, "rev-parse", "--show-toplevel")
+    return root if top and Path(top).resolve() == root.resolve() else None
+
+
+def _installed_distribution():
+    """The ``hwlib-*.dist-info`` that pip wrote beside this very package (``--target``, site-packages),
+    else None. Found by place, not by name: another hwlib on ``sys.path`` (an editable install of a
+    clone) would otherwise describe code that is not the code running."""
+    import importlib.metadata as md
+    found = sorted(PACKAGE_DIR.parent.glob("hwlib-*.dist-info"))
+    if not found:
+        return None
+    from . import __version__
+    dists = [md.Distribution.at(p) for p in found]
+    return next((d for d in dists if d.version == __version__), dists[0])
+
+
+@functools.lru_cache(maxsize=1)
+def code_source() -> dict:
+    """Where the running hwlib came from, stamped into every record beside ``git_commit``.
+
+    ``kind``: ``checkout`` (a git clone: ``commit`` is its HEAD, ``dirty`` whether tracked files
+    differ from it); ``git`` (pip installed it from a git URL, as the notebooks' Colab cell does:
+    ``url``, the ``ref`` asked for and the ``commit`` pip built, from PEP 610's ``direct_url.json``);
+    ``archive`` (a wheel or sdist file) or ``directory`` (a local folder), whose commit is unknown
+    (``code_digest`` still names the code); ``unknown`` without any of these facts. ``version`` is
+    the distribution's (or, in a checkout, the package's) version."""
+    from . import __version__
+    root = _checkout_root()
+    if root is not None:
+        head = _git(root, "rev-parse", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+        return {"kind": "checkout", "version": __version__, "url": None, "ref": None, "commit": head,
+                "dirty": bool(dirty) if dirty is not None else None}
+    dist = _installed_distribution()
+    out = {"kind": "unknown", "version": dist.version if dist else __version__, "url": None, "ref": None,
+           "commit": None}
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "null") if dist else None
+    except (OSError, ValueError):   # a damaged file: the version is still known
+        direct = None
+    if isinstance(direct, dict):
+        vcs = direct.get("vcs_info")
+        out["url"] = direct.get("url")
+        if isinstance(vcs, dict):
+            out.update(kind=vcs.get("vcs") or "vcs", ref=vcs.get("requested_revision"), commit=vcs.get("commit_id"))
+        else:
+            out["kind"] = "archive" if "archive_info" in direct else "directory" if "dir_info" in direct else "unknown"
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """The commit of the code that runs (12 hex digits): a checkout's HEAD, with ``-dirty`` when
+    tracked files differ from it; for a copy pip installed from git, the commit it was built from;
+    None where that is unknown (``code_digest`` still names the code)."""
+    src = code_source()
+    if not src.get("commit"):
+        return None
+    return src["commit"][:12] + ("-dirty" if src.get("dirty") else "")
 
 
 def code_digest(root: Path | None = None) -> str | None:
@@ -98,18 +162,51 @@ def _device_stamp(device: str) -> dict:
     return {k: v for k, v in info(device).to_dict().items() if k in DEVICE_FIELDS}
 
 
+def _requirement_names() -> list[str]:
+    """The distributions hwlib asks for (dependencies and extras), from the installed metadata
+    beside the package, else from the checkout's pyproject.toml."""
+    dist = _installed_distribution()
+    if dist is not None:
+        reqs = dist.requires or []
+    else:
+        try:
+            import tomllib
+            project = tomllib.loads((PACKAGE_DIR.parent / "pyproject.toml").read_text())["project"]
+        except (ImportError, OSError, KeyError, ValueError):   # Python 3.10 has no tomllib
+            return []
+        reqs = list(project.get("dependencies", []))
+        for extra in project.get("optional-dependencies", {}).values():
+            reqs += extra
+    names = {re.split(r"[<>=!~ \[;@(]", r.strip(), maxsplit=1)[0].lower() for r in reqs}
+    return sorted(n for n in names if n and n != "hwlib")
+
+
+def package_versions() -> dict:
+    """The installed version of every distribution hwlib asks for (absent ones left out): what a
+    constraints file needs to install the same environment again (``hwlib.release``)."""
+    import importlib.metadata as md
+    out = {}
+    for name in _requirement_names():
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict:
     from .device import versions
-    return versions()
+    return {**versions(), "packages": package_versions()}
 
 
 def make_record(*, notebook: str, workload: str | None, step: str | None, metric: str, value, unit: str,
                 p20=None, p80=None, status: str = "ok", reason: str | None = None, profile: str | None = None,
                 params: dict | None = None, device: str | dict = "auto", fields: dict | None = None,
                 extra: dict | None = None, telemetry: dict | None = None) -> dict:
-    """One measurement's record, stamped here and nowhere else with the device, library versions,
-    git commit, code digest and time.
+    """One measurement's record, stamped here and nowhere else with the device, library versions
+    (``packages``: every distribution hwlib asks for), git commit, code digest, where the code came
+    from (``code_source``: a checkout, or the distribution pip installed and its commit) and time.
 
     ``device`` is the device the measurement ran on ('cuda', 'cpu', 'auto', or the facts as a dict);
     ``fields`` are the measurement's own x-values (batch, N, backend, variant, world_size...): they
@@ -125,7 +222,7 @@ def make_record(*, notebook: str, workload: str | None, step: str | None, metric
     rec = {"notebook": notebook, "workload": workload, "step": step, "metric": metric, "value": value,
            "p20": p20, "p80": p80, "unit": unit, "status": status, "reason": reason, "profile": profile,
            "params": params or {}, "fields": dict(fields or {}), "device": dev, "versions": _versions(),
-           "git_commit": git_commit(), "code_digest": code_digest(),
+           "git_commit": git_commit(), "code_digest": code_digest(), "code_source": code_source(),
            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     if telemetry is not None:
         if not isinstance(telemetry, dict):

@@ -7,14 +7,14 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hwlib.seeds.audit
-from hwlib import query, results
+from hwlib import paths, query, results
 from hwlib.seeds import lookup
 from hwlib.seeds.audit import audit, closest_workload
 from hwlib.steps import Settings
 from hwlib.precision import tf32_mode
 from hwlib.workloads.gpt import GPT, GPTConfig
 
-REF = results.REPO_ROOT / "outputs" / "reference" / "h100"
+REF = paths.REPO_ROOT / "outputs" / "reference" / "h100"
 
 
 class Attention(nn.Module):

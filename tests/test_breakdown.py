@@ -20,7 +20,7 @@ NAMES = {
                   "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_5_64x64x64_4x1x1_kernel0_0",
                   "void flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>",
                   "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)"],
-    "lm_head_ce": ["triton_red_fused__log_softmax_nll_loss_forward_12", "triton_red_fused__log_softmax_backward_data_3",
+    "lm_head_ce": ["_ce_rows_kernel", "triton_red_fused__log_softmax_nll_loss_forward_12", "triton_red_fused__log_softmax_backward_data_3",
                    "triton_per_fused_nll_loss_backward_nll_loss_forward_2", "_linear_ce_fwd_kernel"],
     "elementwise": ["triton_poi_fused_add_gelu_7", "triton_red_fused_native_layer_norm_native_layer_norm_backward_9",
                     "triton_per_fused_native_layer_norm_4",

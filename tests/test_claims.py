@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from hwlib import query, results
+from hwlib import paths, query, results
 from hwlib.report import claims as claim_tables
 from hwlib.seeds import data, lookup, verdicts
 
-REF = results.REPO_ROOT / "outputs" / "reference" / "h100"
+REF = paths.REPO_ROOT / "outputs" / "reference" / "h100"
 GPU = {"kind": "cuda", "name": "Test GPU"}
 BASE = "05_fused_optimizer"
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hwlib import release
 from hwlib.steps import STEP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +21,7 @@ def _name(req: str) -> str:
 
 def test_environment_yml_lists_the_pyproject_dependencies():
     py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    want = set(py["dependencies"]) | set(py["optional-dependencies"]["test"])
+    want = set(py["dependencies"]).union(*py["optional-dependencies"].values())   # every extra
     lines = (ROOT / "environment.yml").read_text().splitlines()
     start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
     indent = len(lines[start + 1]) - len(lines[start + 1].lstrip())
@@ -109,6 +110,8 @@ def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
             out.append("the parameters cell does not read HWLIB_PROFILE and HWLIB_RUN (nbval cannot inject)")
     if not code or not _is_setup("".join(code[0]["source"])):
         out.append("no setup cell first (imports hwlib; installs only under google.colab; never torch)")
+    else:   # the one template (hwlib.release.setup_cell at hwlib.source's ref) and Colab's GPU metadata
+        out += release.problems(nb, name)
     trees = []
     for c in code:
         try:
@@ -162,6 +165,10 @@ def _broken(how: str) -> tuple[dict, str]:
             if c["cell_type"] == "code":
                 c["source"] = ["".join(c["source"]).replace("nb.assert_same_math(measured)",
                                                            "print('assert nothing')")]
+    elif how == "cpu runtime":
+        del nb["metadata"]["accelerator"]
+    elif how == "old install":
+        cells[1]["source"] = ["".join(cells[1]["source"]).replace("-c /tmp/", "--no-deps -c /tmp/")]
     elif how == "typed number":
         cells[0]["source"].append("\nTF32 made this step 1.8x faster.")
     return nb, readme
@@ -170,6 +177,7 @@ def _broken(how: str) -> tuple[dict, str]:
 @pytest.mark.parametrize("how, says", [
     ("badge", "Colab badge"), ("outputs", "outputs committed"), ("two parameters", "cells tagged 'parameters'"),
     ("no setup", "no setup cell"), ("no assert", "asserts on what it measured"), ("typed number", "typed into prose"),
+    ("cpu runtime", "no GPU metadata for Colab"), ("old install", "differs from hwlib.release.setup_cell"),
 ])
 def test_each_skeleton_check_fails_on_a_notebook_broken_that_way(how, says):
     nb, readme = _broken(how)

@@ -90,6 +90,33 @@ def test_committed_readme_matches_reference_run(monkeypatch):
         "README's reference table is stale: run `make readme`"
 
 
+def test_committed_readme_explains_the_seeds_before_their_claims_tables(monkeypatch):
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
+    ref = "reference/h100"
+    if not (paths.run_dir(ref, create=False) / "results.jsonl").exists():
+        pytest.skip("no reference run committed")
+    text = (paths.REPO_ROOT / "README.md").read_text()
+    guide, section = text.index("## The notebooks"), text.index("## The seeds' claims")
+    start, end = text.index(report.CLAIMS_START), text.index(report.CLAIMS_END)
+    assert guide < section < start and "A *seed* is" in text[section:start]
+    assert "###" not in text[text.index(report.README_START):text.index(report.README_END)].replace("####", "")
+    block = text[start + len(report.CLAIMS_START):end].strip()
+    assert block == report.claims_block(ref).strip(), "README's claims tables are stale: run `make readme`"
+    assert "[neko-jpg/Project-ResNet-BK-An-O-N-Language-Model-Architecture](https://github.com/" in block
+
+
+def test_readme_claims_markers_are_optional_but_paired(ladder):
+    base = f"intro\n{report.README_START}\nold\n{report.README_END}\n"
+    assert report.CLAIMS_START not in report.render_readme(base, ladder)
+    both = report.render_readme(base + f"{report.CLAIMS_START}\nstale\n{report.CLAIMS_END}\n", ladder)
+    assert "stale" not in both and "| 000 |" in both and "#### 004" in both
+    with pytest.raises(ValueError, match="one is missing"):
+        report.render_readme(base + report.CLAIMS_START, ladder)
+    assert report.source_markdown("a/b, docs/x.md (commit 1234567)") == \
+        "[a/b](https://github.com/a/b), `docs/x.md` (commit 1234567)"
+    assert report.source_markdown("a/b (a fork of c/d), X.md") == "[a/b](https://github.com/a/b) (a fork of c/d), `X.md`"
+
+
 def test_a_rerun_with_fewer_metrics_does_not_mix_with_stale_ones(isolated_run):
     from hwlib.ladder import run as train
     from hwlib.profiles import Plan

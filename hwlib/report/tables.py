@@ -2,7 +2,9 @@
 
 ``hwlib.query.ladder_rows`` turns the records of one workload into the cumulative rows (one per
 step, speed-ups against step 01 and against the step before); this module formats them. ``write_all`` rebuilds every table and
-figure of a run plus ``summary.json``; ``update_readme`` puts the reference table between markers.
+figure of a run plus ``summary.json``; ``update_readme`` puts the reference tables and the seeds'
+claims tables between their markers. A ladder step that differs from the step before by less than
+the spread measured across fresh processes (notebook 19, ``studies.process_noise``) reads "within noise".
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from . import claims
 STEP_METRICS = ("ms_per_step", "tokens_per_s", "model_tflops", "mfu", "peak_mem_gib", "final_loss",
                 "compile_s", "first_step_s", "same_math_max_rel", "sdpa_backend")
 README_START, README_END = "<!-- reference-table:start -->", "<!-- reference-table:end -->"
+# The seeds' claims stand in a section of their own, after the notebooks' guide (optional in a README).
+CLAIMS_START, CLAIMS_END = "<!-- claims-table:start -->", "<!-- claims-table:end -->"
 
 
 def _fmt(v, spec: str) -> str:
@@ -57,10 +61,68 @@ def markdown_table(rows: list[dict]) -> str:
                              if r["same_math_max_rel"] is not None else "-")
             elif key == "status" and r["status"] != "ok" and r.get("reason"):
                 cells.append(f"{r['status']}: {r['reason']}")
+            elif key == "speedup_vs_prev" and r.get("within_noise"):
+                cells.append(f"{_fmt(r.get(key), spec)} (within noise)")
             else:
                 cells.append(_fmt(r.get(key), spec))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + noise_note(rows)
+
+
+# --- noise across processes (notebook 19's process_spread records) --------------------------------
+
+def process_spreads(recs: list[dict], workload: str) -> dict[str, dict]:
+    """``workload``'s measured spread across fresh processes per ladder step, the newest of each
+    (``studies.process_noise``): {step: {"spread", "processes", "lo", "hi"}}; only what ran ok."""
+    out: dict[str, dict] = {}
+    found = [r for r in recs if r.get("metric") == "process_spread" and r.get("workload") == workload
+             and r.get("status", "ok") == "ok" and _num(r.get("value")) is not None]
+    for r in sorted(found, key=lambda r: str(r.get("time") or "")):
+        iv = (r.get("params") or {}).get("interval") or {}
+        out[r["step"]] = {"spread": _num(r["value"]), "processes": (r.get("fields") or {}).get("processes"),
+                          "lo": _num(iv.get("lo")), "hi": _num(iv.get("hi"))}
+    return out
+
+
+def mark_within_noise(rows: list[dict], spreads: dict[str, dict]) -> list[dict]:
+    """Copies of ladder ``rows`` with ``process_spread`` (the step's own, None when not measured),
+    ``noise_spread`` (the larger spread measured for the step or the timed step before it) and
+    ``within_noise``: True when the step's speed-up over the step before, either way, is smaller
+    than that spread; False when larger; None when neither step's spread was measured (nothing
+    is said where nothing was measured)."""
+    out, prev = [], None
+    for r in rows:
+        r = dict(r)
+        own = spreads.get(r["step"])
+        r["process_spread"] = own["spread"] if own else None
+        r["noise_spread"] = r["within_noise"] = None
+        x = r.get("speedup_vs_prev")
+        if r.get("throughput") and prev is not None and x:
+            known = [s["spread"] for s in (spreads.get(prev["step"]), own) if s]
+            if known:
+                r["noise_spread"] = max(known)
+                r["within_noise"] = max(x, 1.0 / x) < r["noise_spread"]
+        if r.get("throughput"):
+            prev = r
+        out.append(r)
+    return out
+
+
+def ladder_rows_with_noise(recs: list[dict], workload: str) -> list[dict]:
+    """``query.ladder_rows`` marked by the run's measured spread across processes (``mark_within_noise``)."""
+    return mark_within_noise(ladder_rows(recs, workload), process_spreads(recs, workload))
+
+
+def noise_note(rows: list[dict]) -> str:
+    """The line under a ladder table that says which steps' spread across processes was measured
+    and what "within noise" means; empty when none was."""
+    measured = [r for r in rows if r.get("process_spread") is not None]
+    if not measured:
+        return ""
+    return ("\nSpread of the median ms/step across fresh processes (notebook 19, slowest over fastest): "
+            + ", ".join(f"{r['step']} {r['process_spread']:.3f}x" for r in measured)
+            + ". \"within noise\": the step differs from the step before by less than the spread measured "
+              "for either of the two.\n")
 
 
 def csv_table(rows: list[dict]) -> str:
@@ -151,6 +213,11 @@ def step_prose(rows: list[dict], workload: str, step: str) -> str:
         parts.append(f"Against {prev['step']} ({prev['ms_per_step']:.2f} ms/step) that is {ratio:.2f}x"
                      + (", within the p20-p80 spread of the two: no difference this run can resolve."
                         if overlap else ", outside the p20-p80 spread of both."))
+        if row.get("within_noise") is not None:
+            parts.append(f"Timed again in fresh processes, the two steps' medians spread by up to "
+                         f"{row['noise_spread']:.3f}x from process to process: "
+                         + ("the difference is within that noise." if row["within_noise"]
+                            else "the difference is larger than that."))
     if row.get("mfu") is not None:
         parts.append(f"It uses {row['mfu']:.1%} of the measured {row.get('mfu_ceiling') or '16-bit'} matmul ceiling.")
     elif row.get("mfu_reason"):
@@ -236,7 +303,7 @@ def summary(run=None) -> dict:
            "ceilings": {"copy_gbps": ceil.get("copy_gbps"), "matmul_tflops": ceil.get("matmul_tflops", {})},
            "workloads": {}, "kernels": {}}
     for w in workloads_in(recs):
-        rows = ladder_rows(recs, w)
+        rows = ladder_rows_with_noise(recs, w)
         cfg = next((r["params"].get("config") for r in recs if r.get("workload") == w and r.get("params")), {})
         out["workloads"][w] = {"config": cfg, "steps": [
             {"step": r["step"], "status": r["status"], "reason": r["reason"], "ms_per_step": r["ms_per_step"],
@@ -245,7 +312,8 @@ def summary(run=None) -> dict:
              "model_tflops": r["model_tflops"], "mfu": r["mfu"], "peak_mem_gib": r["peak_mem_gib"],
              "speedup_vs_baseline": r["speedup_vs_baseline"], "final_loss": r["final_loss"],
              "compile_s": r["compile_s"], "same_math_max_rel": r["same_math_max_rel"],
-             "sdpa_backend": r["sdpa_backend"]} for r in rows]}
+             "sdpa_backend": r["sdpa_backend"], "process_spread": r["process_spread"],
+             "within_noise": r["within_noise"]} for r in rows]}
     out["generation"] = generation_section(recs)
     out["multi_gpu"] = multi_gpu_section(recs)
     return out
@@ -258,7 +326,7 @@ def write_all(run=None) -> dict:
     ceil = query.ceilings(d)
     written = {}
     for w in workloads_in(recs):
-        rows = ladder_rows(recs, w)
+        rows = ladder_rows_with_noise(recs, w)
         written[f"{w}.md"] = results.write_atomic(d / "tables" / f"{w}_ladder.md",
                                                   f"# {w}: cumulative ladder\n\n" + markdown_table(rows)
                                                   + "\n" + what_we_saw(rows, w) + "\n")
@@ -288,16 +356,10 @@ def readme_block(run) -> str:
              f"{_fmt(s['ceilings']['copy_gbps'], ',.0f')} GB/s, matmul bf16 {_fmt(mm.get('bf16'), ',.0f')}, "
              f"tf32 {_fmt(mm.get('tf32'), ',.0f')}, fp32 {_fmt(mm.get('fp32'), ',.0f')} TFLOP/s.", ""]
     for w in s["workloads"]:
-        rows = ladder_rows(recs, w)
+        rows = ladder_rows_with_noise(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
     lines += generation_lines(s["generation"]["steps"])
     lines += multi_gpu_lines(reference_runs())
-    lines += ["### The seeds' claims, measured", "",
-              "Each claim of the five seed write-ups beside the ratio this run measured for the same change "
-              "(`hwlib/seeds/data.py` says how each is looked up; the verdicts are derived, not typed).", "",
-              claims.run_markdown(run, level=4, elsewhere=tuple(r for r in reference_runs()
-                                                                if run_dir(r, create=False) != run_dir(run, create=False))),
-              ""]
     lines.append(time_table(run))
     return "\n".join(lines)
 
@@ -379,15 +441,60 @@ def time_table(run) -> str:
     return "\n".join(lines) + "\n"
 
 
+def source_markdown(source: str) -> str:
+    """A seed's public source (``Seed.source``: 'owner/repo, path (commit abc)' or 'owner/repo (a fork
+    of ...), path') with its repository linked and its file in code type."""
+    m = re.match(r"\s*([\w.-]+/[\w.-]+)(\s*\([^)]*\))?\s*,\s*(\S+)(.*)$", source or "")
+    if not m:
+        return source or "-"
+    repo, aside, path, rest = m.groups()
+    return f"[{repo}](https://github.com/{repo}){aside or ''}, `{path}`{rest}"
+
+
+def claims_block(run) -> str:
+    """The README's claims tables: the seed write-ups with their public sources and how their
+    claims fared, then each seed's claims beside what ``run`` measured (claims it cannot measure
+    are read from the other reference runs, and say so)."""
+    others = tuple(r for r in reference_runs() if run_dir(r, create=False) != run_dir(run, create=False))
+    rows = claims.evaluate(run, elsewhere=others)
+    lines = ["| seed | the write-up | public source (repository, file) | lab workloads | claims | verdicts |",
+             "|---|---|---|---|---|---|"]
+    for sid, seed in claims.SEEDS.items():
+        mine = [r for r in rows if r["seed"] == sid]
+        tally = ", ".join(f"{n} {v}" for v in claims.VERDICTS if (n := sum(r["verdict"] == v for r in mine)))
+        lines.append(f"| {sid} | {seed.title} | {source_markdown(seed.source)} | {', '.join(seed.workloads)} | "
+                     f"{len(mine)} | {tally or '-'} |")
+    return "\n".join(lines) + "\n\n" + claims.markdown(rows, level=4)
+
+
+def _between(text: str, start: str, end: str, body: str) -> str:
+    pat = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    return pat.sub(lambda _: start + "\n" + body + "\n" + end, text)
+
+
+def render_readme(text: str, run) -> str:
+    """``text`` (a README) with its generated parts rebuilt from ``run``: the reference tables between
+    ``README_START`` and ``README_END`` (required), the claims tables between ``CLAIMS_START`` and
+    ``CLAIMS_END`` (where the README has them). A ValueError names missing or unpaired markers."""
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"markers {README_START} ... {README_END} not found")
+    if (CLAIMS_START in text) != (CLAIMS_END in text):
+        raise ValueError(f"markers {CLAIMS_START} ... {CLAIMS_END}: one is missing")
+    new = _between(text, README_START, README_END, readme_block(run))
+    if CLAIMS_START in text:
+        new = _between(new, CLAIMS_START, CLAIMS_END, claims_block(run))
+    return new
+
+
 def update_readme(readme: str | Path, run) -> bool:
-    """Replace what stands between the README's markers with ``readme_block(run)``.
+    """Rebuild the README's generated parts from ``run`` (``render_readme``).
     Returns True when the file changed."""
     p = Path(readme)
     text = p.read_text(encoding="utf-8")
-    pat = re.compile(re.escape(README_START) + r".*?" + re.escape(README_END), re.S)
-    if not pat.search(text):
-        raise ValueError(f"{p}: markers {README_START} ... {README_END} not found")
-    new = pat.sub(lambda _: README_START + "\n" + readme_block(run) + "\n" + README_END, text)
+    try:
+        new = render_readme(text, run)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
     if new != text:
         results.write_atomic(p, new)
         return True

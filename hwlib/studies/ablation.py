@@ -619,8 +619,38 @@ def _worker(spec: dict) -> dict:
         sess.close()
 
 
-def _worker_command(spec_path: Path, out_path: Path) -> list[str]:
-    return [sys.executable, "-m", "hwlib.studies.ablation", str(spec_path), str(out_path)]
+def worker_command(module: str) -> Callable[[Path, Path], list[str]]:
+    """The command line of a worker: ``python -m MODULE SPEC OUT`` with this interpreter."""
+    return lambda spec_path, out_path: [sys.executable, "-m", module, str(spec_path), str(out_path)]
+
+
+_worker_command = worker_command("hwlib.studies.ablation")
+
+
+def in_fresh_process(command: Callable[[Path, Path], list[str]], spec: dict, stem: Path, timeout_s: float,
+                     profile: str) -> dict:
+    """Run one worker in a fresh process: ``spec`` goes in as ``STEM.spec.json``, the worker writes
+    its result to ``STEM.out.json``. Returns the worker's result when its status is 'ok'; else a
+    dict with the status ('failed' when it wrote nothing: a crash, a timeout) and the reason (the
+    worker's own, else the last line of its stderr, else the timeout). Nothing is read from a
+    worker that exited non-zero, so a half-written result is never taken for a measurement."""
+    spec_path, out_path = Path(f"{stem}.spec.json"), Path(f"{stem}.out.json")
+    spec_path.write_text(json.dumps(spec))
+    # The worker imports the hwlib this process runs, also where it is a clone put on sys.path by a
+    # notebook's setup cell (sys.path is not inherited; PYTHONPATH is).
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "HWLIB_PROFILE": profile,
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(command(spec_path, out_path), capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        done = None
+    res = json.loads(out_path.read_text()) if done is not None and done.returncode == 0 and out_path.exists() else None
+    if res is not None and res.get("status") == "ok":
+        return res
+    tail = done.stderr.strip().splitlines()[-1:] if done is not None and done.stderr else []
+    why = (res or {}).get("reason") or (tail[0] if tail else f"no result within {timeout_s:g} s")
+    return {"status": (res or {}).get("status") or "failed", "reason": why}
 
 
 def measure_in_processes(workload: str, step: str, toggle: str, *, profile: str = "auto", device: str = "auto",
@@ -659,21 +689,11 @@ def measure_in_processes(workload: str, step: str, toggle: str, *, profile: str 
             spec = {"workload": wl.name, "step": st.name, "toggle": t.name, "arm": "without" if letter == "A" else "with",
                     "profile": prof, "device": dev.type, "seed": seed, "config": config or {},
                     "warmup": win.warmup, "settle": win.settle, "steps": win.steps}
-            spec_path, out_path = Path(tmp) / f"spec{k}.json", Path(tmp) / f"out{k}.json"
-            spec_path.write_text(json.dumps(spec))
-            try:
-                done = subprocess.run(make(spec_path, out_path), capture_output=True, text=True, timeout=timeout_s,
-                                      env={**os.environ, "HWLIB_PROFILE": prof})
-            except subprocess.TimeoutExpired:
-                done = None
-            res = json.loads(out_path.read_text()) if done is not None and done.returncode == 0 and out_path.exists() else None
-            if res is None or res.get("status") != "ok":
-                tail = (done.stderr.strip().splitlines()[-1:] if done is not None and done.stderr else [])
-                why = (res or {}).get("reason") or (tail[0] if tail else f"no result within {timeout_s:g} s")
+            res = in_fresh_process(make, spec, Path(tmp) / f"w{k}", timeout_s, prof)
+            if res["status"] != "ok":
                 if bar is not None:
                     bar.close()
-                row.update(status=(res or {}).get("status", "failed") if res else "failed",
-                           reason=f"window {k + 1} ({spec['arm']}): {why}"[:400])
+                row.update(status=res["status"], reason=f"window {k + 1} ({spec['arm']}): {res['reason']}"[:400])
                 results.append(_records([row], profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
                 return row
             timed[letter].append(res["samples_ms"])

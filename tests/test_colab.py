@@ -1,0 +1,331 @@
+"""Colab as a new user meets it, and a release's pins: the notebooks' setup cell installs hwlib from
+its repository at one ref with its dependencies (never another torch); an installed copy, run outside
+the clone, imports itself, finds its kernel sources and records where its code came from; the
+constraints file and the README's memory table are generated from the reference runs' records.
+
+The install test does what the Colab cell does, offline: pip installs ``hwlib @ git+<repo>@<tag>``
+from a throwaway git repository made of this tree's package files, without dependencies (the test's
+environment has them) and without build isolation (no index)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hwlib import release, results, source
+
+ROOT = Path(__file__).resolve().parent.parent
+TAG = "v0.0.0-colab-test"
+
+
+def _pip(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=300)
+
+
+def _git(*args, cwd: Path) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.org", "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(cwd)}
+    r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+# --- the setup cell -------------------------------------------------------------------------------
+
+def _pip_line(cell: str) -> list[str]:
+    (line,) = [l.strip() for l in cell.splitlines() if "%pip" in l]
+    return shlex.split(line)
+
+
+@pytest.mark.parametrize("triton_on_cpu", [False, True])
+def test_the_setup_cell_installs_the_ref_with_dependencies_and_keeps_colabs_torch(triton_on_cpu, tmp_path):
+    cell = release.setup_cell("v1.2.3", triton_on_cpu=triton_on_cpu)
+    args = _pip_line(cell)
+    assert args[:2] == ["%pip", "install"] and "--no-deps" not in args          # hwlib's dependencies come along
+    assert args[-1] == f"hwlib @ git+{source.REPOSITORY}@v1.2.3"
+    assert args[args.index("-c") + 1] == release.COLAB_CONSTRAINTS
+    assert ("TRITON_INTERPRET" in cell) is triton_on_cpu
+    # The lines before it write the constraints that keep torch and the kernel's packages as they
+    # are: run them here, where the environment has them too.
+    lines = cell.splitlines()
+    block = lines[lines.index('if "google.colab" in sys.modules:') + 1: next(i for i, l in enumerate(lines) if "%pip" in l)]
+    target = tmp_path / "c.txt"
+    exec("\n".join(l.strip() for l in block).replace(release.COLAB_CONSTRAINTS, str(target)), {"Path": Path})
+    pins = dict(l.split("==") for l in target.read_text().splitlines())
+    assert pins["torch"] == importlib.metadata.version("torch")
+    assert pins["ipykernel"] == importlib.metadata.version("ipykernel")
+    assert set(pins) <= set(release.COLAB_KEEP) and "hwlib" not in pins
+
+
+@pytest.mark.parametrize("ref", ["main", "v0.2.0", "release/2026-11", "0123456789abcdef0123456789abcdef01234567"])
+def test_a_ref_is_checked_before_anything_is_written(ref):
+    assert release.check_ref(ref) == ref
+    for bad in ("", "v1 && rm -rf ~", "../x", "a..b", 'v1"', "-v", "x.lock", "x/"):
+        with pytest.raises(release.ReleaseError, match="--ref"):
+            release.check_ref(bad)
+
+
+def test_the_notebooks_install_the_ref_that_source_names():
+    assert release.check_ref(source.NOTEBOOK_REF) == source.NOTEBOOK_REF
+    assert source.REPOSITORY.startswith("https://github.com/")
+
+
+# --- the tool that pins them ----------------------------------------------------------------------
+
+@pytest.fixture
+def scratch(tmp_path):
+    """Copies of two notebooks (one with the Triton variant) and of hwlib/source.py."""
+    for n in ("00_environment.ipynb", "12_bk_core.ipynb"):
+        shutil.copy(ROOT / "notebooks" / n, tmp_path / n)
+    shutil.copy(ROOT / "hwlib" / "source.py", tmp_path / "source.py")
+    return tmp_path
+
+
+def test_pin_notebooks_writes_the_cell_the_metadata_and_the_source(scratch):
+    nb00, nb12, src = scratch / "00_environment.ipynb", scratch / "12_bk_core.ipynb", scratch / "source.py"
+    # 00 as it was before: the old cell, no GPU metadata
+    nb = json.loads(nb00.read_text())
+    nb["cells"][1]["source"] = ["import sys\n", "if \"google.colab\" in sys.modules:\n",
+                                "    %pip install -q --no-deps \"hwlib @ git+https://github.com/hwlib/hwlib\"\n",
+                                "import hwlib\n"]
+    nb["metadata"] = {"kernelspec": nb["metadata"]["kernelspec"]}
+    nb00.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    assert release.problems(json.loads(nb00.read_text()), nb00.name)
+
+    changed = release.pin_notebooks("v0.2.0", [nb00, nb12], source_file=src)
+    assert set(changed) == {nb00, nb12, src}
+    for p, triton in ((nb00, False), (nb12, True)):
+        got = json.loads(p.read_text())
+        assert "".join(got["cells"][1]["source"]) == release.setup_cell("v0.2.0", triton_on_cpu=triton)
+        assert got["metadata"]["accelerator"] == "GPU" and got["metadata"]["colab"]["gpuType"] == "T4"
+        assert got["metadata"]["kernelspec"]["name"] == "python3"          # the rest is kept
+        assert release.problems(got, p.name, "v0.2.0") == []
+        assert release.problems(got, p.name, "main") != []
+    assert 'NOTEBOOK_REF = "v0.2.0"' in src.read_text()
+    assert release.pin_notebooks("v0.2.0", [nb00, nb12], source_file=src) == []   # idempotent
+
+    # Back to the committed ref: byte for byte the committed notebook (formatting kept).
+    release.pin_notebooks(source.NOTEBOOK_REF, [nb12], source_file=src)
+    assert nb12.read_bytes() == (ROOT / "notebooks" / "12_bk_core.ipynb").read_bytes()
+    assert src.read_bytes() == (ROOT / "hwlib" / "source.py").read_bytes()
+
+
+def test_pin_notebooks_refuses_bad_input_before_writing_anything(scratch, capsys):
+    nb00, nb12, src = scratch / "00_environment.ipynb", scratch / "12_bk_core.ipynb", scratch / "source.py"
+    before = {p: p.read_bytes() for p in (nb00, nb12, src)}
+    with pytest.raises(release.ReleaseError, match="--ref"):
+        release.pin_notebooks("v1; rm", [nb00], source_file=src)
+    nb = json.loads(nb12.read_text())
+    nb["cells"][1]["source"] = ["print('not a setup cell')\n"]
+    nb12.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    before[nb12] = nb12.read_bytes()
+    with pytest.raises(release.ReleaseError, match="12_bk_core.ipynb: its first code cell does not import hwlib"):
+        release.pin_notebooks("v9", [nb00, nb12], source_file=src)
+    with pytest.raises(release.ReleaseError, match="no such file"):
+        release.pin_notebooks("v9", [nb00, scratch / "nope.ipynb"], source_file=src)
+    assert {p: p.read_bytes() for p in before} == before
+    assert release.main(["pin-notebooks", "--ref", "a..b", str(nb00)]) == 2
+    assert "--ref 'a..b'" in capsys.readouterr().err
+
+
+# --- provenance -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_provenance():
+    cached = (results.code_source, results.git_commit, results._checkout_root, results._versions)
+
+    def clear():   # the functions themselves: a test may have patched the module's names
+        for f in cached:
+            f.cache_clear()
+    clear()
+    yield
+    clear()
+
+
+class FakeDist:
+    def __init__(self, direct: str | None, version="9.9.9"):
+        self.direct, self.version, self.requires = direct, version, []
+
+    def read_text(self, name):
+        assert name == "direct_url.json"
+        return self.direct
+
+
+@pytest.mark.parametrize("direct, kind, commit, ref", [
+    ('{"url": "https://github.com/hwlib/hwlib", "vcs_info": {"vcs": "git", "commit_id": "' + "ab" * 20
+     + '", "requested_revision": "v0.2.0"}}', "git", "ab" * 20, "v0.2.0"),
+    ('{"url": "file:///tmp/hwlib-0.1.0-py3-none-any.whl", "archive_info": {}}', "archive", None, None),
+    ('{"url": "file:///src/hwlib", "dir_info": {}}', "directory", None, None),
+    ("{not json", "unknown", None, None),
+    (None, "unknown", None, None),
+])
+def test_an_installed_copy_records_its_version_and_commit(monkeypatch, fresh_provenance, direct, kind, commit, ref):
+    monkeypatch.setattr(results, "_checkout_root", lambda: None)
+    monkeypatch.setattr(results, "_installed_distribution", lambda: FakeDist(direct))
+    src = results.code_source()
+    assert (src["kind"], src["commit"], src["ref"], src["version"]) == (kind, commit, ref, "9.9.9")
+    assert results.git_commit() == (commit[:12] if commit else None)
+    r = results.make_record(notebook="nb", workload=None, step=None, metric="m", value=1.0, unit="u", device="cpu")
+    assert r["code_source"] == src and r["git_commit"] == results.git_commit()
+
+
+def test_a_checkout_records_its_head(fresh_provenance):
+    head = _git("rev-parse", "HEAD", cwd=ROOT)
+    src = results.code_source()
+    assert src["kind"] == "checkout" and src["commit"] == head
+    assert results.git_commit().split("-")[0] == head[:12]
+    assert set(results.package_versions()) >= {"torch", "numpy", "papermill"}
+    assert results.package_versions()["torch"] == importlib.metadata.version("torch")
+
+
+# --- installed from git, run outside the clone ----------------------------------------------------
+
+CHECK = r"""
+import json, sys
+import hwlib
+from hwlib.ops import sources
+from hwlib.paths import KERNELS_DIR
+names = json.loads(sys.argv[1])
+print(json.dumps({"hwlib": hwlib.__file__, "kernels": {n: str(sources.kernel_path(n)) for n in names}}))
+"""
+
+
+def _missing_tools() -> list[str]:
+    missing = [] if shutil.which("git") else ["git"]
+    for dist in ("pip", "setuptools", "papermill"):
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
+    return missing
+
+
+def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
+    """What the Colab cell does, then notebook 00 (smoke) from a folder that is another git repository."""
+    if _missing_tools():
+        pytest.skip(f"{', '.join(_missing_tools())} not installed here: cannot install from git offline")
+    repo, site, elsewhere, out = tmp_path / "repo", tmp_path / "site", tmp_path / "elsewhere", tmp_path / "out"
+    shutil.copytree(ROOT / "hwlib", repo / "hwlib",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, repo / f)
+    _git("init", "-q", cwd=repo)
+    _git("add", "-A", cwd=repo)
+    _git("commit", "-qm", "release", cwd=repo)
+    _git("tag", TAG, cwd=repo)
+    commit = _git("rev-parse", "HEAD", cwd=repo)
+    r = _pip("install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site),
+             f"hwlib @ git+{repo.as_uri()}@{TAG}", cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    elsewhere.mkdir()
+    _git("init", "-q", cwd=elsewhere)                 # a user's own repository: not hwlib's commit
+    _git("commit", "-q", "--allow-empty", "-m", "theirs", cwd=elsewhere)
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "HWLIB_KERNELS", "HWLIB_RUN", "TORCH_EXTENSIONS_DIR")}
+    env.update(PYTHONPATH=str(site), HWLIB_OUTPUTS=str(out), HWLIB_RUN="colab", HWLIB_PROFILE="smoke",
+               HWLIB_DATA=str(tmp_path / "data"))
+    r = subprocess.run([sys.executable, "-m", "papermill", "-k", "python3", "--cwd", str(elsewhere),
+                        str(ROOT / "notebooks" / "00_environment.ipynb"), str(tmp_path / "00.ipynb")],
+                       capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+    recs = [json.loads(l) for l in (out / "colab" / "results.jsonl").read_text().splitlines() if l.strip()]
+    assert recs and all(x["notebook"] == "00_environment" and x["profile"] == "smoke" for x in recs)
+    want = {"kind": "git", "version": importlib.metadata.version("hwlib"), "url": repo.as_uri(), "ref": TAG,
+            "commit": commit}
+    for x in recs:
+        assert x["code_source"] == want, x["code_source"]
+        assert x["git_commit"] == commit[:12]            # the installed code's, not the working folder's
+        assert x["code_digest"] == results.code_digest(repo)   # the wheel shipped every file of hwlib/
+        assert x["versions"]["packages"]["torch"] == importlib.metadata.version("torch")
+
+    kernels = sorted(p.name for p in (repo / "hwlib" / "kernels").iterdir() if p.is_file())
+    r = subprocess.run([sys.executable, "-c", CHECK, json.dumps(kernels)], capture_output=True, text=True,
+                       cwd=elsewhere, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    inside = (site / "hwlib").resolve()
+    assert Path(got["hwlib"]).resolve() == inside / "__init__.py"
+    assert set(got["kernels"]) == set(kernels) and kernels
+    for name, path in got["kernels"].items():
+        assert Path(path).resolve().parent == inside / "kernels", path
+        assert Path(path).read_bytes() == (repo / "hwlib" / "kernels" / name).read_bytes(), name
+
+
+# --- versions and memory, generated from the reference runs ---------------------------------------
+
+def test_the_committed_constraints_are_generated_from_the_reference_run():
+    path = release.constraints_path(release.REFERENCE_RUN)
+    assert path == ROOT / "constraints" / "h100.txt"
+    assert path.read_text() == release.constraints_text(release.REFERENCE_RUN), \
+        "constraints/h100.txt is stale: run `make constraints`"
+    assert "torch==2" in path.read_text() and "+cu" not in path.read_text().split("\n# torch ran as")[0]
+
+
+def _records(step="01_baseline_fp32", **versions):
+    r = results.make_record(notebook="nb", workload="gpt", step=step, metric="ms_per_step",
+                            value=1.0, unit="ms", device={"name": "GPU X"})
+    r["versions"] = {**r["versions"], **versions}
+    return r
+
+
+def test_constraints_pin_every_package_a_record_names(tmp_path):
+    results.append([_records(), _records("02_tf32")], "mine")
+    text = release.constraints_text("mine")
+    pins = dict(l.split("==") for l in text.splitlines() if l and not l.startswith("#"))
+    assert set(pins) == set(results.package_versions())
+    assert pins["torch"] == importlib.metadata.version("torch").split("+")[0]
+    assert "GPU X" in text
+    assert release.main(["constraints", "--run", "mine", "--out", str(tmp_path / "c.txt")]) == 0
+    assert (tmp_path / "c.txt").read_text() == text
+    assert release.main(["constraints", "--run", "mine", "--out", str(tmp_path / "c.txt"), "--check"]) == 0
+
+    r = _records()
+    r["versions"]["packages"] = {**r["versions"]["packages"], "numpy": "0.0.1"}
+    results.append(r, "mixed")
+    results.append(_records("02_tf32"), "mixed")   # another measurement: a re-measure would supersede
+    with pytest.raises(release.ReleaseError, match=r"mixes versions \(numpy differ"):
+        release.constraints_text("mixed")
+    with pytest.raises(release.ReleaseError, match="--run 'empty'"):
+        release.constraints_text("empty")
+
+
+def test_the_readme_states_the_memory_each_profile_needs(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    assert release.update_marked(text, release.memory_block()) == text, "README's GPU memory table is stale: make readme"
+
+    def peak(run, profile, value, status="ok", step="01_baseline_fp32"):
+        r = results.make_record(notebook="nb", workload="gpt", step=step, metric="peak_mem_gib", value=value,
+                                unit="GiB", status=status, profile=profile, device={"name": "GPU X"})
+        results.append(r, run)
+    peak("a", "full", 20.0)
+    peak("b", "full", 30.0, step="02_tf32")
+    peak("b", "full", 99.0, status="failed", step="03_bf16_autocast")   # not a measured peak
+    peak("a", "mid", 12.0, step="05_fused_optimizer")
+    rows = release.memory_rows(["a", "b"])
+    assert [(r["profile"], r["peak_gib"], r["run"], r["step"]) for r in rows] == \
+        [("full", 30.0, "b", "02_tf32"), ("mid", 12.0, "a", "05_fused_optimizer")]
+    with pytest.raises(release.ReleaseError, match="markers"):
+        release.update_marked("no markers", "x")
+
+
+def test_make_setup_pin_installs_with_the_constraints():
+    def dry(*extra):
+        r = subprocess.run(["make", "-n", "setup", "PYTHON=false", "VENV=/nonexistent-venv", *extra], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return [l for l in r.stdout.splitlines() if "pip install" in l]
+    pinned, plain = dry("PIN=1"), dry()
+    assert len(pinned) == 2 and all("-c constraints/h100.txt" in l for l in pinned), pinned
+    assert len(plain) == 2 and not any("-c " in l for l in plain), plain
