@@ -224,8 +224,10 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
     _git("commit", "-qm", "release", cwd=repo)
     _git("tag", TAG, cwd=repo)
     commit = _git("rev-parse", "HEAD", cwd=repo)
+    # file://localhost/...: pip before 23.3 rejects a URL requirement whose host is empty (file:///...)
+    url = repo.as_uri().replace("file:///", "file://localhost/", 1)
     r = _pip("install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site),
-             f"hwlib @ git+{repo.as_uri()}@{TAG}", cwd=tmp_path)
+             f"hwlib @ git+{url}@{TAG}", cwd=tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     elsewhere.mkdir()
     _git("init", "-q", cwd=elsewhere)                 # a user's own repository: not hwlib's commit
@@ -242,7 +244,7 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
 
     recs = [json.loads(l) for l in (out / "colab" / "results.jsonl").read_text().splitlines() if l.strip()]
     assert recs and all(x["notebook"] == "00_environment" and x["profile"] == "smoke" for x in recs)
-    want = {"kind": "git", "version": importlib.metadata.version("hwlib"), "url": repo.as_uri(), "ref": TAG,
+    want = {"kind": "git", "version": importlib.metadata.version("hwlib"), "url": url, "ref": TAG,
             "commit": commit}
     for x in recs:
         assert x["code_source"] == want, x["code_source"]
