@@ -301,3 +301,14 @@ def test_zero_broadcasts_one_bucket_per_rank_unless_a_weight_is_channels_last(tm
         assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     finally:
         dist.destroy_process_group()
+
+
+def test_separate_launches_give_every_strategy_and_workload_fresh_processes():
+    req = request.Request(workloads=("gpt", "vit_bdh"), strategies=("ddp", "fsdp2"), profile="smoke", device="cpu")
+    plan = scaling.launch_plan(req, [1, 2], strategies_at_one=["ddp"], separate_launches=True)
+    assert plan == [(1, ["single"], ["gpt"]), (1, ["single"], ["vit_bdh"]), (1, ["ddp"], ["gpt"]),
+                    (1, ["ddp"], ["vit_bdh"]), (2, ["ddp"], ["gpt"]), (2, ["ddp"], ["vit_bdh"]),
+                    (2, ["fsdp2"], ["gpt"]), (2, ["fsdp2"], ["vit_bdh"])]
+    assert scaling.plan_first(plan, 2) == (["ddp"], ["gpt"])   # it also measures the bus bandwidth
+    together = scaling.launch_plan(req, [1, 2], strategies_at_one=["ddp"], separate_launches=False)
+    assert together == [(1, ["single", "ddp"], ["gpt", "vit_bdh"]), (2, ["ddp", "fsdp2"], ["gpt", "vit_bdh"])]

@@ -59,29 +59,25 @@ def measure(req: Request, ks: list[int], *, strategies_at_one=(), separate_launc
             timeout_s: float = 540.0, comm_sizes_mb: tuple = (), echo: bool = True) -> list[dict]:
     """Launch the job for each K in ``ks``: K = 1 runs ``single`` (and the strategies listed in
     ``strategies_at_one`` too: a wrapper's own cost on one GPU, and the K = 1 point of its own
-    scaling), each larger K runs the strategies, in one launch per strategy when
-    ``separate_launches`` (a failing strategy then costs only its own rows). The one-process curves
-    travel to the later launches for the same-math check. A failed launch is reported in its outcome
-    row (its measurements are recorded as failed) and the others go on. Returns one outcome row per
-    launch: K, strategies, status, seconds, error and the launch's rows (``launch.LaunchResult.rows``)."""
+    scaling), each larger K runs the strategies. With ``separate_launches`` every (strategy,
+    workload) gets a torchrun launch, a fresh set of processes, of its own: a failing job then costs
+    only its own rows, and no job starts in a process that earlier jobs compiled, allocated and
+    profiled in (Vision-BDH jobs that ran after others in one process turned their loss to NaN at
+    step 2 twice, under DDP at K = 2 and under ZeRO at K = 1; the DDP job alone in its process did
+    not). Otherwise one launch per K runs them all.
+    The one-process curves travel to the later launches for the same-math check. A failed launch is
+    reported in its outcome row (its measurements are recorded as failed) and the others go on.
+    Returns one outcome row per launch: K, strategies, workloads, status, seconds, error and the
+    launch's rows (``launch.LaunchResult.rows``)."""
     from tqdm.auto import tqdm
-    plan = []
-    for k in ks:
-        strats = [s for s in req.strategies if s != "single"]
-        if k == 1:
-            # The baseline in a launch of its own (every efficiency needs it); the wrappers on one GPU
-            # together in one more (one process cannot fail the way a collective of several can).
-            extra = [s for s in strategies_at_one if s != "single"]
-            groups = [["single"], extra] if separate_launches else [["single"] + extra]
-        else:
-            groups = [[s] for s in strats] if separate_launches else [strats]
-        plan += [(k, g) for g in groups if g]
+    plan = launch_plan(req, ks, strategies_at_one, separate_launches)
     outcomes, ref = [], {w: dict(d) for w, d in req.reference.items()}
-    for k, strats in tqdm(plan, desc="torchrun launches", unit="launch"):
-        r = replace(req, strategies=tuple(strats), reference=ref,
-                    comm_sizes_mb=comm_sizes_mb if (k > 1 and strats == plan_first(plan, k)) else ())
-        row = {"world_size": k, "strategies": ",".join(strats), "status": "ok", "seconds": None, "error": None,
-               "rows": []}
+    for k, strats, wls in tqdm(plan, desc="torchrun launches", unit="launch"):
+        first = plan_first(plan, k)
+        r = replace(req, strategies=tuple(strats), workloads=tuple(wls), reference=ref,
+                    comm_sizes_mb=comm_sizes_mb if (k > 1 and (strats, wls) == first) else ())
+        row = {"world_size": k, "strategies": ",".join(strats), "workloads": ",".join(wls), "status": "ok",
+               "seconds": None, "error": None, "rows": []}
         try:
             res = launch(r, k, timeout_s=timeout_s, echo=echo)
             row.update(seconds=res.seconds, rows=res.rows)
@@ -95,9 +91,27 @@ def measure(req: Request, ks: list[int], *, strategies_at_one=(), separate_launc
     return outcomes
 
 
-def plan_first(plan: list, k: int) -> list:
-    """The first launch group at world size ``k`` (it also measures the all-reduce bandwidth)."""
-    return next(g for kk, g in plan if kk == k)
+def launch_plan(req: Request, ks: list[int], strategies_at_one=(), separate_launches: bool = True) -> list[tuple]:
+    """The launches ``measure`` makes, in order: (K, strategies, workloads) each."""
+    plan = []
+    for k in ks:
+        strats = [s for s in req.strategies if s != "single"]
+        if k == 1:
+            # The baseline first (every efficiency needs it), then the wrappers on one GPU.
+            groups = [["single"], *[[s] for s in strategies_at_one if s != "single"]] if separate_launches else \
+                [["single"] + [s for s in strategies_at_one if s != "single"]]
+        else:
+            groups = [[s] for s in strats] if separate_launches else [strats]
+        for g in groups:
+            if g:
+                plan += [(k, g, [w]) for w in req.workloads] if separate_launches else [(k, g, list(req.workloads))]
+    return plan
+
+
+def plan_first(plan: list, k: int) -> tuple:
+    """(strategies, workloads) of the first launch at world size ``k`` (it also measures the
+    all-reduce bandwidth)."""
+    return next((g, w) for kk, g, w in plan if kk == k)
 
 
 # --- rows from records ----------------------------------------------------------------------------------
@@ -110,6 +124,15 @@ def _key(r: dict) -> tuple:
     f = r.get("fields") or {}
     return (r.get("workload"), f.get("world_size"), f.get("strategy"), f.get("scaling"), f.get("per_gpu_batch"),
             f.get("global_batch"), f.get("options"), r.get("step"))
+
+
+def label(r: dict) -> str:
+    """A scaling row's strategy with the options it changed from torch's defaults (two DDP rows of
+    one K may differ only there)."""
+    opts = r.get("options") or {}
+    if isinstance(opts, str):
+        return f"{r['strategy']} ({opts})"
+    return r["strategy"] + (f" ({', '.join(f'{k}={v}' for k, v in sorted(opts.items()))})" if opts else "")
 
 
 def rows(records: list[dict], notebook: str = NOTEBOOK) -> list[dict]:
@@ -273,7 +296,7 @@ def comm_figure(rs: list[dict], workload: str):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, sc in zip(axes, SCALINGS):
         mine = [r for r in rs if r["workload"] == workload and r["scaling"] == sc and r["compute_ms"] is not None]
-        labels = [f"K={r['world_size']}\n{r['strategy']}" for r in mine]
+        labels = [f"K={r['world_size']}\n{label(r)}" for r in mine]
         x = range(len(mine))
         comp = [r["compute_ms"] for r in mine]
         exp = [r["exposed_comm_ms"] for r in mine]
@@ -318,8 +341,8 @@ def what_we_saw(rs: list[dict], bw: list[dict] | None = None, skipped: list[dict
                 best = max(ok, key=lambda r: r["efficiency"])
                 text.append(f"{sc.capitalize()} scaling at {kmax} processes ({best['per_gpu_batch']} per GPU, "
                             f"{best['global_batch']} in all): " + "; ".join(
-                                f"{r['strategy']} {r['throughput']:,.0f} {unit}/s, {r['efficiency']:.0%} efficiency"
-                                for r in ok) + f" (best: {best['strategy']}).")
+                                f"{label(r)} {r['throughput']:,.0f} {unit}/s, {r['efficiency']:.0%} efficiency"
+                                for r in ok) + f" (best: {label(best)}).")
             bad = [r for r in at if r["status"] not in ("ok", "contended")]
             for r in bad:
                 text.append(f"{r['strategy']} at K={kmax} ({sc}) is {r['status']}: {r['reason']}.")

@@ -389,23 +389,14 @@ def reference_runs() -> list[str]:
         if base.is_dir() else []
 
 
-def strategy_label(r: dict) -> str:
-    """A scaling row's strategy with the options it changed from torch's defaults (two DDP rows of
-    one K differ only there)."""
-    opts = r.get("options") or {}
-    if isinstance(opts, str):
-        return f"{r['strategy']} ({opts})"
-    return r["strategy"] + (f" ({', '.join(f'{k}={v}' for k, v in sorted(opts.items()))})" if opts else "")
-
-
 def multi_gpu_lines(runs: list[str]) -> list[str]:
     """Notebook 15's scaling rows of each reference run that has them, side by side in one table."""
-    from ..distributed.scaling import rows as scaling_rows
+    from ..distributed.scaling import label as scaling_label, rows as scaling_rows
     body = []
     for run in runs:
         name = run.split("/")[-1]
         for r in scaling_rows(query.load(run)):
-            body.append(f"| {name} | {r['workload']} | {r['world_size']} | {strategy_label(r)} | {r['scaling']} | "
+            body.append(f"| {name} | {r['workload']} | {r['world_size']} | {scaling_label(r)} | {r['scaling']} | "
                         f"{r['status']} | {_fmt(r['ms_per_step'], '.2f')} ({_fmt(r['ms_p20'], '.2f')}-"
                         f"{_fmt(r['ms_p80'], '.2f')}) | {_fmt(r['throughput'], ',.0f')} {r['unit']} | "
                         f"{_fmt(r['efficiency'], '.0%')} | {_fmt(r['exposed_comm_ms'], '.2f')} | "
