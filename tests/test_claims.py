@@ -216,7 +216,7 @@ def test_reference_records_follow_the_conventions():
     assert all(isinstance(r.get("fields"), dict) for r in recs)
     assert not [r for r in recs if str(r.get("step")).startswith("memory:") or r.get("step") == "targets"]
     assert not [r for r in recs if "_B8192" in r["metric"] or r["metric"].startswith("matmul_tflops_")]
-    assert {r["fields"]["dtype"] for r in query.select(recs, metric="matmul_tflops")} == {"bf16", "tf32", "fp32"}
+    assert {r["fields"]["dtype"] for r in query.select(recs, metric="matmul_tflops")} >= {"bf16", "tf32", "fp32"}   # fp16 too from the runs that measure it
 
 
 def test_reference_h100_gives_the_ladder_ratios_of_the_nearest_workload():
@@ -303,6 +303,20 @@ def test_every_measured_speed_row_carries_an_interval(synthetic):
     for r in verdicts.evaluate(synthetic):
         if r["measured"] is not None and r["quantity"] == "speed":
             assert r["lo"] <= r["measured"] <= r["hi"] and r["interval_text"] != "-", r["claim"]
+
+
+def test_every_verdict_states_its_interval_or_why_it_has_none():
+    for r in verdicts.evaluate(REF):
+        if r["measured"] is None:
+            assert r["interval_text"] == "-", r["claim"]
+        elif r["lo"] is None:
+            assert r["interval_text"].startswith("none: "), (r["claim"], r["interval_text"])
+        else:
+            assert r["lo"] <= r["hi"] and r["interval_text"] not in ("-", "") and not r["interval_text"].startswith(
+                "none"), (r["claim"], r["interval_text"])
+    assert verdicts.interval_text("memory_cut", None).startswith("none: peak memory")
+    assert verdicts.interval_text("speed", None) == "none: one measurement, no spread recorded"
+    assert verdicts.interval_text("speed", None, measured=False) == "-"
 
 
 @pytest.mark.parametrize("interval, expected", [

@@ -120,10 +120,24 @@ def measured_interval(m: Measured) -> tuple[float, float] | None:
     return None
 
 
-def interval_text(quantity: str, iv: tuple[float, float] | None, level: float | None = None) -> str:
-    """An interval as the claims tables show it ('1.02-1.09x (90%)'); '-' without one."""
+# Why a measured figure has no interval, by quantity: said in the interval's place, never left blank.
+NO_INTERVAL = {
+    "memory_cut": "none: peak memory, one reading (the allocations repeat; no timing noise)",
+    "first_failing_n": "none: an exact count against a float64 reference",
+    "survived": "none: a count of events",
+    "relative": "none: one measurement against a reference",
+}
+
+
+def interval_text(quantity: str, iv: tuple[float, float] | None, level: float | None = None,
+                  measured: bool = True) -> str:
+    """An interval as the claims tables show it ('1.02-1.09x (90%)'); without one, why not
+    (``NO_INTERVAL``; a timing without a recorded spread: 'none: one measurement, no spread recorded');
+    '-' only where nothing was measured."""
     if iv is None:
-        return "-"
+        if not measured:
+            return "-"
+        return NO_INTERVAL.get(quantity, "none: one measurement, no spread recorded")
     lo, hi = (fmt_measured(quantity, v) for v in iv)
     return f"{lo.rstrip('x')}-{hi}" + (f" ({level:.0%})" if level else " (p20-p80)")
 
@@ -171,7 +185,7 @@ def evaluate(run=None, *, elsewhere: tuple = ()) -> list[dict]:
         rows.append({"seed": c.seed, "claim": c.claim, "claimed": c.claimed, "compares": c.compares,
                      "measured": m.value, "measured_text": fmt_measured(q, m.value), "quantity": q,
                      "lo": iv[0] if iv else None, "hi": iv[1] if iv else None,
-                     "interval_text": interval_text(q, iv, level),
+                     "interval_text": interval_text(q, iv, level, measured=m.value is not None),
                      "workload": m.workload, "gpu": m.gpu if m.value is not None else None,
                      "from": m.frm, "to": m.to, "verdict": v, "note": "; ".join(n for n in notes if n)})
     return rows
