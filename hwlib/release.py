@@ -193,19 +193,31 @@ def pin_notebooks(ref: str, notebooks: list[Path] | None = None, source_file: Pa
 # --- the reference run's versions as constraints -------------------------------------------------
 
 def run_versions(records: list[dict], run: str = "") -> dict:
-    """The one ``versions`` stamp of a run's records (records without one are left out); an error
-    when the run mixes versions, since no single environment then produced it."""
-    seen = Counter(json.dumps(r["versions"], sort_keys=True) for r in records
-                   if isinstance(r.get("versions"), dict) and r["versions"])
-    if not seen:
+    """The one ``versions`` stamp of a run's records (records without one are left out), merged over
+    its records: a record stamped before ``packages`` existed names fewer libraries and agrees with
+    the rest on those it names. An error when two records name different versions of one library,
+    since no single environment then produced the run."""
+    stamps = [r["versions"] for r in records if isinstance(r.get("versions"), dict) and r["versions"]]
+    if not stamps:
         raise ReleaseError(f"run {run!r}: no record carries library versions")
-    if len(seen) > 1:
-        stamps = [json.loads(s) for s in seen]
-        flat = [{**{k: v for k, v in s.items() if k != "packages"}, **(s.get("packages") or {})} for s in stamps]
-        differ = sorted(k for k in set().union(*flat) if len({str(f.get(k)) for f in flat}) > 1)
-        raise ReleaseError(f"run {run!r} mixes versions ({', '.join(differ)} differ between its records): "
+    merged: dict = {}
+    differ: set = set()
+    for s in stamps:
+        for k, v in s.items():
+            if k == "packages":
+                continue
+            if v is not None and merged.setdefault(k, v) != v:
+                differ.add(k)
+        pk = merged.setdefault("packages", {})
+        for k, v in (s.get("packages") or {}).items():
+            if v is not None and pk.setdefault(k, v) != v:
+                differ.add(k)
+    if differ:
+        raise ReleaseError(f"run {run!r} mixes versions ({', '.join(sorted(differ))} differ between its records): "
                            f"measure it again in one environment before pinning it")
-    return json.loads(next(iter(seen)))
+    if not merged.get("packages"):
+        merged.pop("packages", None)
+    return merged
 
 
 def _public(version: str) -> tuple[str, str | None]:
