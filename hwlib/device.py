@@ -39,7 +39,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if base not in DEVICE_CHOICES:
         raise ChoiceError("device", device, DEVICE_CHOICES + ("cuda:N",))
     if base == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return apply_memory_cap(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if base == "cuda":
         if not torch.cuda.is_available():
             raise Unavailable(f"device {device!r} asked for, but no CUDA GPU is visible to torch "
@@ -47,8 +47,49 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         idx = name.split(":")[1] if ":" in name else "0"
         if not idx.isdigit() or int(idx) >= torch.cuda.device_count():
             raise ChoiceError("device", device, [f"cuda:{i}" for i in range(torch.cuda.device_count())])
-        return torch.device(f"cuda:{idx}")
+        return apply_memory_cap(torch.device(f"cuda:{idx}"))
     return torch.device("cpu")
+
+
+# A smaller GPU, played on a larger one: HWLIB_MEMORY_CAP_GIB=16 lets every process that resolves a
+# device (notebooks, their subprocesses, torchrun ranks: the variable is inherited) allocate at most
+# that much, through the caching allocator's per-process fraction.
+MEMORY_CAP_ENV = "HWLIB_MEMORY_CAP_GIB"
+
+
+def memory_cap_gib() -> float | None:
+    """The cap ``$HWLIB_MEMORY_CAP_GIB`` asks for (GiB), None when unset; a clear error naming the
+    variable for anything but a positive number."""
+    raw = os.environ.get(MEMORY_CAP_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not (v > 0 and v != float("inf")):
+        raise ValueError(f"{MEMORY_CAP_ENV} must be a positive number of GiB, got {raw!r}")
+    return v
+
+
+def apply_memory_cap(device: torch.device) -> torch.device:
+    """Cap this process's allocations on ``device`` at ``memory_cap_gib()`` (no-op on a CPU, without
+    the variable, or with a cap above the GPU's memory). Idempotent: the fraction is set again."""
+    cap = memory_cap_gib()
+    if cap is None or device.type != "cuda":
+        return device
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), device)
+    return device
+
+
+def usable_memory_gib(device: torch.device) -> float | None:
+    """The GPU memory this process may allocate: the device's, or the cap where it is lower."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    cap = memory_cap_gib()
+    return min(total, cap) if cap else total
 
 
 def other_gpu_processes(device: str | torch.device = "auto") -> list[int] | None:
@@ -213,6 +254,9 @@ def format_env_report(device: str | torch.device = "auto") -> str:
     if r["kind"] == "cuda":
         lines.append(f"capability  sm_{r['capability'][0]}{r['capability'][1]}, {r['sm_count']} SMs, "
                      f"{r['total_mem_gib']} GiB, L2 {r['l2_mib']} MiB, driver {v.get('driver')}")
+        if memory_cap_gib() is not None and memory_cap_gib() < r["total_mem_gib"]:
+            lines.append(f"memory cap  {memory_cap_gib():g} GiB per process (${MEMORY_CAP_ENV}): a smaller GPU played on "
+                         "this one; a step that does not fit is skipped with the memory it asked for")
     lines.append(f"gates       " + ", ".join(f"{k}={'yes' if ok else 'no'}" for k, ok in r["gates"].items()))
     lines.append(f"software    python {v['python']}, torch {v['torch']}, CUDA {v['cuda']}, "
                  f"cuDNN {v['cudnn']}, triton {v['triton']}")

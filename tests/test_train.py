@@ -265,3 +265,29 @@ def test_a_timing_beside_another_gpu_process_is_marked_contended(isolated_run, m
 def test_no_other_process_on_a_cpu():
     from hwlib.device import other_gpu_processes
     assert other_gpu_processes("cpu") == []
+
+
+def test_a_step_that_runs_out_of_memory_is_a_skipped_row_with_what_it_asked_for(isolated_run, monkeypatch):
+    from hwlib.ladder import session as session_mod
+
+    def no_room(self, i):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity "
+                                     "of 15.00 GiB of which 1.00 GiB is free.")
+    monkeypatch.setattr(session_mod.Session, "step", no_room)
+    res = run()
+    assert res.status == "skipped" and res.timing is None and res.losses == []
+    assert res.reason.startswith("out of memory") and "2.50 GiB" in res.reason
+    record_mod.record(res, notebook="01")
+    (row,) = query.ladder_rows(query.load(), "gpt")
+    assert row["status"] == "skipped" and "2.50 GiB" in row["reason"] and row["ms_per_step"] is None
+
+
+@pytest.mark.parametrize("raw", ["0", "-4", "lots", "inf"])
+def test_a_bad_memory_cap_is_named(monkeypatch, raw):
+    from hwlib import device
+    monkeypatch.setenv("HWLIB_MEMORY_CAP_GIB", raw)
+    with pytest.raises(ValueError, match="HWLIB_MEMORY_CAP_GIB"):
+        device.memory_cap_gib()
+    monkeypatch.setenv("HWLIB_MEMORY_CAP_GIB", "16")
+    assert device.memory_cap_gib() == 16.0
+    assert device.apply_memory_cap(torch.device("cpu")) == torch.device("cpu")   # nothing to cap on a CPU

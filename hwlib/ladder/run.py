@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import bench, telemetry as tel
-from ..device import DeviceInfo, info, other_gpu_processes, resolve_device
+from ..device import DeviceInfo, info, other_gpu_processes, resolve_device, usable_memory_gib
 from ..profiles import Plan, plan as plan_for, resolve_profile
 from ..steps import Settings, Step, get_step, not_applicable, resolve_autocast, settings_for, unavailable
 from ..workloads import get_workload
@@ -194,6 +195,32 @@ def train_steps(res: StepResult, sess: Session, timed_from: int, timed: int, pro
     return vals
 
 
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]iB)")
+
+
+def oom_reason(e: BaseException, dev: torch.device) -> str:
+    """What a step that ran out of memory asked for, against what this process may use."""
+    tried = _TRIED.search(str(e))
+    usable = usable_memory_gib(dev)
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    parts = ["out of memory"]
+    if peak is not None:
+        parts.append(f"{peak:.1f} GiB held when it failed")
+    if tried:
+        parts.append(f"asking for {tried.group(1)} more")
+    if usable is not None:
+        parts.append(f"this process may use {usable:.1f} GiB")
+    return ": ".join(parts[:1]) + (": " + ", ".join(parts[1:]) if len(parts) > 1 else "")
+
+
+def free_after_oom(dev: torch.device) -> None:
+    """Drop what the failed step held (its frames are gone with the exception) and the cache."""
+    import gc
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: str = "auto",
              device: str | torch.device = "auto", seed: int = 0, plan: Plan | None = None,
              source: str | None = None, check_only: bool = False, progress: bool = False,
@@ -231,10 +258,22 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
             return res
     eff = _effective_settings(res, st, di, dev, settings)
     res.settings = dataclasses.asdict(eff)
-    sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch)
-    timed_from = timed_window(res, sess, pl)
-    res.warmup_steps = timed_from - pl.check
-    res.losses = train_steps(res, sess, timed_from, pl.timed, progress, telemetry, on_step)
+    try:
+        sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch)
+        timed_from = timed_window(res, sess, pl)
+        res.warmup_steps = timed_from - pl.check
+        res.losses = train_steps(res, sess, timed_from, pl.timed, progress, telemetry, on_step)
+    except torch.OutOfMemoryError as e:
+        oom = oom_reason(e, dev)
+    else:
+        oom = None
+    if oom is not None:
+        # A GPU too small for this step: a row that says what it asked for, and the series goes on
+        # (freed once the exception, and the frames it holds, are gone).
+        sess = None
+        free_after_oom(dev)
+        res.status, res.reason, res.timing, res.losses = "skipped", oom, None, []
+        return res
     bad = next((i for i, v in enumerate(res.losses) if not math.isfinite(v)), None)
     if bad is not None:
         res.status = "nonfinite"
