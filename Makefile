@@ -35,7 +35,7 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup pin-notebooks constraints reproduce test test-unit test-unit-late test-notebooks test-kernels test-browser lab table readme env clean
+.PHONY: setup pin-notebooks constraints reproduce test test-unit test-unit-late test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
 
 setup: $(SETUP_STAMP)
 
@@ -60,15 +60,17 @@ constraints: setup
 reproduce: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(ARGS)
 
-# Independent parts: `make test -j2` runs them side by side (CI does). The unit tests come in two
-# parts so that two cores stay busy to the end: the subprocess-heavy runner tests start
-# when the first of the two long suites ends.
+# Independent parts: `make test -j3` runs them side by side (CI does, on two cores: the suites spend
+# much of their time starting kernels and processes, so a third keeps both cores busy). The unit
+# tests come in two parts so that the cores stay busy to the end: the subprocess-heavy runner tests
+# start when the first long suite ends.
 UNIT_LATE := tests/test_integrity_cli.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
-test-unit test-unit-late test-notebooks test-kernels test-browser: export OMP_WAIT_POLICY := PASSIVE
-test: setup test-unit test-kernels test-notebooks test-unit-late test-browser
+test-unit test-unit-late test-notebooks-ladder test-notebooks-studies test-kernels test-browser: \
+    export OMP_WAIT_POLICY := PASSIVE
+test: setup test-unit test-kernels test-notebooks-ladder test-notebooks-studies test-unit-late test-browser
 
 test-unit: setup
 	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_LATE))
@@ -91,11 +93,23 @@ lab: setup
 	@$(PY) -c "import jupyterlab" 2>/dev/null || { echo "make lab: JupyterLab is not installed for $(PY) (pip install jupyterlab)"; exit 1; }
 	$(PY) -m jupyterlab --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks $(LAB_ARGS)
 
-# nbval cannot inject parameters: the notebooks read HWLIB_PROFILE and HWLIB_RUN themselves.
-test-notebooks: setup
+# nbval cannot inject parameters: the notebooks read HWLIB_PROFILE and HWLIB_RUN themselves. Two
+# independent halves, each in a run folder of its own, so that they can run side by side: the
+# ladder (its steps compare with the curves the steps before saved in the same run) with the tables
+# of 99, and the studies after it (a study that wants a ladder curve its run lacks measures it).
+NB_LADDER  := $(sort $(wildcard notebooks/0*.ipynb notebooks/10_*.ipynb notebooks/11_*.ipynb)) $(wildcard notebooks/99_*.ipynb)
+NB_STUDIES := $(filter-out $(NB_LADDER),$(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)))
+test-notebooks: test-notebooks-ladder test-notebooks-studies
+
+test-notebooks-ladder: setup
 	rm -rf outputs/nbval
 	HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
-	    --nbval-lax --nbval-current-env notebooks
+	    --nbval-lax --nbval-current-env $(NB_LADDER)
+
+test-notebooks-studies: setup
+	rm -rf outputs/nbval-studies
+	HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
+	    --nbval-lax --nbval-current-env $(NB_STUDIES)
 
 # Kernel sources (hwlib/kernels, shipped inside the package) are plain CUDA: they compile with nvcc
 # alone, with their own headers, no torch headers, no GPU needed.
