@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .noise import quantile  # noqa: F401  (the one quantile; bench.quantile for callers)
+
 
 @dataclass
 class Timing:
@@ -46,15 +48,6 @@ class Timing:
         if not samples:
             d.pop("samples_ms")
         return d
-
-
-def quantile(xs: list[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default), without numpy."""
-    s = sorted(xs)
-    pos = (len(s) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def synchronize(device: torch.device) -> None:

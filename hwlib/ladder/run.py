@@ -195,6 +195,17 @@ def train_steps(res: StepResult, sess: Session, timed_from: int, timed: int, pro
     return vals
 
 
+def resolve(workload: str, step: str, profile: str, device, config: dict | None, plan: Plan | None,
+            check_only: bool = False) -> tuple:
+    """A measurement's arguments resolved, each checked (a clear error naming it): (device, profile,
+    workload, step, device info, config, plan)."""
+    dev = resolve_device(device)
+    prof = resolve_profile(profile, dev)
+    wl, st, di = get_workload(workload), get_step(step), info(dev)
+    cfg = wl.config(prof, **(config or {}))
+    return dev, prof, wl, st, di, cfg, check_plan(plan or plan_for(prof), check_only)
+
+
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]iB)")
 
 
@@ -243,11 +254,7 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
         raise ValueError(f"micro_batch must be a positive int or None, got {micro_batch!r}")
     if settings is not None and not isinstance(settings, Settings):
         raise TypeError(f"settings must be a hwlib.steps.Settings, got {type(settings).__name__}")
-    dev = resolve_device(device)
-    prof = resolve_profile(profile, dev)
-    wl, st, di = get_workload(workload), get_step(step), info(dev)
-    cfg = wl.config(prof, **(config or {}))
-    pl = check_plan(plan or plan_for(prof), check_only)
+    dev, prof, wl, st, di, cfg, pl = resolve(workload, step, profile, device, config, plan, check_only)
     res = StepResult(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
                      config=dataclasses.asdict(cfg), seed=seed, check_steps=pl.check,
                      variant=settings is not None or micro_batch is not None,

@@ -43,13 +43,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import bench, results, roofline, trace
-from ..device import info, resolve_device
-from ..ladder.run import StepResult, check_plan, timed_window
+from ..ladder.run import StepResult, resolve, timed_window
 from ..ladder.session import Session
 from ..paths import run_dir
-from ..profiles import Plan, plan as plan_for, resolve_profile
-from ..steps import get_step, not_applicable, resolve_autocast, settings_for, unavailable
-from ..workloads import get_workload
+from ..profiles import Plan
+from ..steps import not_applicable, resolve_autocast, settings_for, unavailable
 
 CATEGORIES = ("gemm", "attention", "lm_head_ce", "elementwise", "optimizer", "other", "idle")
 LABELS = {"gemm": "GEMMs", "attention": "attention", "lm_head_ce": "LM head + cross-entropy",
@@ -273,11 +271,7 @@ def breakdown(workload: str = "gpt", step: str = "09_cuda_graphs", *, profile: s
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if ceilings is not None and not isinstance(ceilings, dict):
         raise TypeError(f"ceilings must be the run's ceilings dict (hwlib.query.ceilings), got {type(ceilings).__name__}")
-    dev = resolve_device(device)
-    prof = resolve_profile(profile, dev)
-    wl, st, di = get_workload(workload), get_step(step), info(dev)
-    cfg = wl.config(prof, **(config or {}))
-    pl = check_plan(plan or plan_for(prof), False)
+    dev, prof, wl, st, di, cfg, pl = resolve(workload, step, profile, device, config, plan)
     out = Breakdown(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
                     profiled=profiled, flops_per_step=wl.flops_per_step(cfg),
                     items_per_step=wl.items_per_step(cfg), precision=roofline.precision_of(st.name))
