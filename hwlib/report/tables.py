@@ -352,9 +352,11 @@ def readme_block(run) -> str:
     src = os.path.relpath(run_dir(run), REPO_ROOT)
     mm = s["ceilings"]["matmul_tflops"] or {}
     lines = [f"Measured on **{dev}** ({s['profile']} profile; torch {v.get('torch')}, CUDA {v.get('cuda')}); "
-             f"source: `{src}/summary.json`. Ceilings measured in the same run: device copy "
+             f"source: `{src}/summary.json`. Ceilings of its newest notebook 00 (each record's MFU was "
+             f"taken against the ceilings of the run that measured it): device copy "
              f"{_fmt(s['ceilings']['copy_gbps'], ',.0f')} GB/s, matmul bf16 {_fmt(mm.get('bf16'), ',.0f')}, "
-             f"tf32 {_fmt(mm.get('tf32'), ',.0f')}, fp32 {_fmt(mm.get('fp32'), ',.0f')} TFLOP/s.", ""]
+             + (f"fp16 {_fmt(mm.get('fp16'), ',.0f')}, " if mm.get("fp16") else "")
+             + f"tf32 {_fmt(mm.get('tf32'), ',.0f')}, fp32 {_fmt(mm.get('fp32'), ',.0f')} TFLOP/s.", ""]
     for w in s["workloads"]:
         rows = ladder_rows_with_noise(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
