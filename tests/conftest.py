@@ -26,3 +26,17 @@ def cpu_only():
     import torch
     if torch.cuda.is_available():
         pytest.skip("checks CPU-only behaviour")
+
+
+@pytest.fixture(scope="module")
+def triton_device():
+    """The device Triton runs on here: CUDA when visible, else CPU under the interpreter, which this
+    file selects before triton is first imported."""
+    pytest.importorskip("triton")
+    from hwlib.ops.sources import triton_interpreted, triton_interpreter_mismatch
+    if torch.cuda.is_available() and not triton_interpreted():
+        return "cuda"
+    why = triton_interpreter_mismatch()
+    if why or not triton_interpreted():
+        pytest.skip(why or "no GPU and TRITON_INTERPRET is not set")
+    return "cpu"

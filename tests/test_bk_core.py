@@ -63,20 +63,6 @@ def rel_err(x, ref):
     return float((x.to(ref.dtype) - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
-@pytest.fixture(scope="module")
-def triton_device():
-    """The device Triton runs on here: CUDA when visible, else CPU under the interpreter, which
-    conftest.py selects before triton is first imported."""
-    pytest.importorskip("triton")
-    from hwlib.ops.sources import triton_interpreted, triton_interpreter_mismatch
-    if GPU and not triton_interpreted():
-        return "cuda"
-    why = triton_interpreter_mismatch()
-    if why or not triton_interpreted():
-        pytest.skip(why or "no GPU and TRITON_INTERPRET is not set")
-    return "cpu"
-
-
 # --- forward against the dense inverse --------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])

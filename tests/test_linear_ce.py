@@ -23,7 +23,6 @@ from hwlib.ops import linear_ce as L
 from hwlib.ops.linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference, unfused_linear_cross_entropy
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU = torch.cuda.is_available()
 
 
 def _gen(*key) -> torch.Generator:
@@ -62,18 +61,6 @@ def rel(x, r) -> float:
 def assert_close(got, want, tol):
     for name, a, b in zip(("loss", "dh", "dW"), got, want):
         assert rel(a, b) < tol, f"{name}: relative error {rel(a, b):.2e} >= {tol:.0e}"
-
-
-@pytest.fixture(scope="module")
-def triton_device():
-    pytest.importorskip("triton")
-    from hwlib.ops.sources import triton_interpreted, triton_interpreter_mismatch
-    if GPU and not triton_interpreted():
-        return "cuda"
-    why = triton_interpreter_mismatch()
-    if why or not triton_interpreted():
-        pytest.skip(why or "no GPU and TRITON_INTERPRET is not set")
-    return "cpu"
 
 
 # --- against float64 ---------------------------------------------------------------------------
