@@ -707,14 +707,18 @@ def measure_in_processes(workload: str, step: str, toggle: str, *, profile: str 
     return row
 
 
-def _main(argv: list[str]) -> int:
+def worker_main(module: str, worker: Callable[[dict], dict], argv: list[str]) -> int:
+    """The entry point of a fresh-process worker (``worker_command``): read SPEC.json, run
+    ``worker`` on it, write its result to OUT.json."""
     if len(argv) != 2:
-        print("usage: python -m hwlib.studies.ablation SPEC.json OUT.json", file=sys.stderr)
+        print(f"usage: python -m {module} SPEC.json OUT.json", file=sys.stderr)
         return 2
-    spec = json.loads(Path(argv[0]).read_text())
-    out = _worker(spec)
-    results.write_json(argv[1], out)
+    results.write_json(argv[1], worker(json.loads(Path(argv[0]).read_text())))
     return 0
+
+
+def _main(argv: list[str]) -> int:
+    return worker_main("hwlib.studies.ablation", _worker, argv)
 
 
 if __name__ == "__main__":

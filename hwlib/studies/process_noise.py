@@ -27,7 +27,6 @@ steps whose within-run p80/p20 is wide. The report (``report.tables``) marks a l
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ from ..paths import run_dir
 from ..profiles import Plan, plan as plan_for, resolve_profile
 from ..steps import LADDER, get_step, not_applicable, unavailable
 from ..workloads import get_workload
-from .ablation import in_fresh_process, worker_command
+from .ablation import in_fresh_process, worker_command, worker_main
 
 NOTEBOOK = "19_ablations"
 WIDE = 1.10            # a within-run p80/p20 above this counts as a wide spread (10% between p20 and p80)
@@ -293,12 +292,7 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m hwlib.studies.process_noise SPEC.json OUT.json", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text())
-    results.write_json(argv[1], _worker(spec))
-    return 0
+    return worker_main("hwlib.studies.process_noise", _worker, argv)
 
 
 if __name__ == "__main__":
