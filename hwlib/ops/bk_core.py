@@ -41,7 +41,7 @@ import torch
 from hwlib.device import ChoiceError, Unavailable
 
 from . import bk_reference, bk_scan
-from .sources import load_python_kernel, triton_interpreted
+from .sources import load_python_kernel, triton_device_problem, triton_interpreted
 
 BACKENDS = ("auto", "torch_loop", "torch", "triton", "cuda")
 KERNELS = ("triton", "cuda")     # the backends that launch compiled kernels
@@ -70,15 +70,9 @@ def _check_backend(name: str, device: torch.device) -> None:
         from . import bk_cuda
         bk_cuda.module()
     elif name == "triton":
-        if device.type == "cpu" and not triton_interpreted():
-            raise Unavailable("backend 'triton' runs CPU tensors only under TRITON_INTERPRET=1 "
-                              "(set before triton is imported)")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise Unavailable("backend 'triton' got a CUDA device, but no CUDA GPU is visible to torch")
-        if device.type == "cuda" and triton_interpreted():
-            raise Unavailable("TRITON_INTERPRET=1 is set: Triton would interpret, not compile, for CUDA tensors")
-        if device.type not in ("cpu", "cuda"):
-            raise Unavailable(f"backend 'triton' does not run on {device.type} tensors")
+        why = triton_device_problem(device)
+        if why:
+            raise Unavailable(f"backend 'triton': {why}")
         _triton()
 
 

@@ -30,7 +30,7 @@ import torch
 
 from hwlib.device import ChoiceError, Unavailable
 
-from .sources import load_python_kernel, triton_interpreted
+from .sources import load_python_kernel, triton_device_problem
 
 IMPLS = ("pairwise", "closed", "triton")
 UNIT_TOL = 1e-3      # | ||e|| - 1 | above this is not a unit vector at float32/bf16 rounding
@@ -110,13 +110,9 @@ def _kernel():
 
 def triton_available(device: torch.device | str) -> str | None:
     """Why the Triton kernel cannot run on tensors on ``device`` now; None when it can."""
-    device = torch.device(device)
-    if device.type == "cpu" and not triton_interpreted():
-        return "Triton runs CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)"
-    if device.type == "cuda" and triton_interpreted():
-        return "TRITON_INTERPRET=1 is set: Triton would interpret, not compile, for CUDA tensors"
-    if device.type not in ("cpu", "cuda"):
-        return f"no Triton on {device.type} tensors"
+    why = triton_device_problem(torch.device(device))
+    if why:
+        return why
     try:
         _kernel()
     except Unavailable as e:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from hwlib.device import ChoiceError, Unavailable
 
-from .sources import load_python_kernel, triton_interpreted
+from .sources import load_python_kernel, triton_device_problem, triton_interpreted
 
 BACKENDS = ("auto", "triton", "torch")
 OP_NAME = "hwlib::linear_cross_entropy"
@@ -137,13 +137,9 @@ def chunk_rows(n_rows: int, width: int, elem_bytes: int, chunk: int | None = Non
 def _check_backend(name: str, device: torch.device) -> None:
     if name == "torch":
         return
-    if device.type == "cpu" and not triton_interpreted():
-        raise Unavailable("backend 'triton' runs CPU tensors only under TRITON_INTERPRET=1 "
-                          "(set before triton is imported)")
-    if device.type == "cuda" and triton_interpreted():
-        raise Unavailable("TRITON_INTERPRET=1 is set: Triton would interpret, not compile, for CUDA tensors")
-    if device.type not in ("cpu", "cuda"):
-        raise Unavailable(f"backend 'triton' does not run on {device.type} tensors")
+    why = triton_device_problem(device)
+    if why:
+        raise Unavailable(f"backend 'triton': {why}")
     _kernel()
 
 

@@ -40,6 +40,21 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def triton_device_problem(device) -> str | None:
+    """Why a Triton kernel cannot run on tensors on ``device`` (a torch.device) in this process (the
+    kernel itself aside); None when it can. The one device check of every op with a Triton backend."""
+    import torch
+    if device.type == "cpu" and not triton_interpreted():
+        return "Triton runs CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "Triton got a CUDA device, but no CUDA GPU is visible to torch"
+    if device.type == "cuda" and triton_interpreted():
+        return "TRITON_INTERPRET=1 is set: Triton would interpret, not compile, for CUDA tensors"
+    if device.type not in ("cpu", "cuda"):
+        return f"no Triton on {device.type} tensors"
+    return None
+
+
 def triton_interpreter_mismatch() -> str | None:
     """Why Triton kernels loaded now would break, if they would: Triton decorates its own library
     (``tl.zeros`` ...) at its first import, so TRITON_INTERPRET must match from before that import
