@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hwlib import query
+from hwlib import query, trace
 from hwlib.device import ChoiceError, info
 import hwlib.distributed.launch as launch_mod
 from hwlib.distributed import comm, request, scaling, strategies, train
@@ -209,7 +209,7 @@ def test_exposed_communication_is_what_no_compute_covers():
     assert s["comm_ms"] == pytest.approx(30e-3 / 2) and s["exposed_comm_ms"] == pytest.approx(15e-3 / 2)
     assert s["overlapped_comm_ms"] == pytest.approx(15e-3 / 2) and s["compute_ms"] == pytest.approx(35e-3 / 2)
     assert s["idle_ms"] == pytest.approx(10e-3 / 2)      # 40-50: neither runs
-    assert comm.union([(0, 2), (1, 3), (5, 4)]) == [(0.0, 3.0)]
+    assert trace.union([(0, 2), (1, 3), (5, 4)]) == [(0.0, 3.0)]
     ev = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 0, "dur": 10},
           {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 5, "dur": 10},
           {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]

@@ -25,7 +25,7 @@ import torch
 
 from .. import bench
 # The interval arithmetic and the trace's recording and reading are shared with every profiled study.
-from ..trace import GPU_CATEGORIES, complete_events, intersection_length, length, read_trace, union  # noqa: F401
+from ..trace import GPU_CATEGORIES, complete_events, intersection_length, length
 from ..trace import record as record_trace
 
 
