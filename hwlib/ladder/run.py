@@ -21,7 +21,7 @@ from ..device import DeviceInfo, info, other_gpu_processes, resolve_device, usab
 from ..profiles import Plan, plan as plan_for, resolve_profile
 from ..steps import Settings, Step, get_step, not_applicable, resolve_autocast, settings_for, unavailable
 from ..workloads import get_workload
-from .session import Session, detect_sdpa_backend
+from .session import Session, detect_sdpa_backend, free
 
 
 @dataclass
@@ -214,22 +214,14 @@ def oom_reason(e: BaseException, dev: torch.device) -> str:
     tried = _TRIED.search(str(e))
     usable = usable_memory_gib(dev)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    parts = ["out of memory"]
+    parts = []
     if peak is not None:
         parts.append(f"{peak:.1f} GiB held when it failed")
     if tried:
         parts.append(f"asking for {tried.group(1)} more")
     if usable is not None:
         parts.append(f"this process may use {usable:.1f} GiB")
-    return ": ".join(parts[:1]) + (": " + ", ".join(parts[1:]) if len(parts) > 1 else "")
-
-
-def free_after_oom(dev: torch.device) -> None:
-    """Drop what the failed step held (its frames are gone with the exception) and the cache."""
-    import gc
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    return "out of memory" + (": " + ", ".join(parts) if parts else "")
 
 
 def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: str = "auto",
@@ -278,7 +270,7 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
         # A GPU too small for this step: a row that says what it asked for, and the series goes on
         # (freed once the exception, and the frames it holds, are gone).
         sess = None
-        free_after_oom(dev)
+        free(dev)
         res.status, res.reason, res.timing, res.losses = "skipped", oom, None, []
         return res
     bad = next((i for i, v in enumerate(res.losses) if not math.isfinite(v)), None)
