@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import torch
 
@@ -200,17 +199,15 @@ def head_rows(n: int, d: int, vocab: int, vocab_padded: int, device, *, impls=IM
                    "reason": why, "ms": None, "p20": None, "p80": None, "first_call_s": None, "peak_extra_gib": None,
                    "loss_rel_err": None, "grad_h_rel_err": None, "grad_w_rel_err": None}
             if fn is not None:
-                t0 = time.perf_counter()
-                try:
-                    loss = _fwd_bwd(fn, h, w, t, device, amp)     # first call: compiles, loads, tunes
-                    bench.synchronize(device)
+                try:   # first call: compiles, loads, tunes
+                    first_s, loss = bench.wall_s(lambda: _fwd_bwd(fn, h, w, t, device, amp), device)
                 except Exception as e:
                     if name not in OTHERS:
                         raise                    # ours and torch's own: a failure is a bug to see
                     row.update(status="skipped", reason=f"failed when run ({type(e).__name__}: {str(e)[:200]})")
                     fn = None
             if fn is not None:
-                row["first_call_s"] = time.perf_counter() - t0
+                row["first_call_s"] = first_s
                 loss = float(loss.detach())
                 if not math.isfinite(loss):
                     row.update(status="nonfinite", reason=f"loss {loss}; time not reported")
