@@ -141,9 +141,10 @@ def run_arg(args, default: str = "latest") -> str:
 
 
 def profile_arg(args, dev) -> tuple[str, str]:
-    """(profile, where it came from). An explicit --profile wins over ``$HWLIB_PROFILE``, which wins
-    over 'auto'; the notebooks then get the chosen one through both their parameter and the variable."""
-    from .profiles import PROFILE_CHOICES
+    """(profile, where it came from and why). An explicit --profile wins over ``$HWLIB_PROFILE``, which
+    wins over 'auto' (``hwlib.profiles.choose_profile``: what fits this GPU's memory); the notebooks
+    then get the chosen one through both their parameter and the variable."""
+    from .profiles import PROFILE_CHOICES, choose_profile
     env = os.environ.get("HWLIB_PROFILE")
     if args.profile is not None:
         value, source = args.profile, "--profile"
@@ -155,11 +156,10 @@ def profile_arg(args, dev) -> tuple[str, str]:
     if p not in PROFILE_CHOICES:
         raise CliError(f"{source}: unknown profile {value!r}; choose one of: {', '.join(PROFILE_CHOICES)}"
                        + (" (or unset HWLIB_PROFILE)" if source == "HWLIB_PROFILE" else ""))
-    if p == "auto":
-        p, source = ("full" if dev.type == "cuda" else "smoke"), f"{source}: auto on {dev.type}"
+    p, why = choose_profile(p, dev, source=source)
     if source == "--profile" and env and env.strip().lower() != p:
-        source += f"; HWLIB_PROFILE={env!r} ignored"
-    return p, source
+        why += f"; HWLIB_PROFILE={env!r} ignored"
+    return p, why
 
 
 def _workloads(args) -> list[str] | None:
@@ -229,7 +229,7 @@ def check_folder(run: Path, name: str, profile: str, device_name: str, args) -> 
 def reproduce(args) -> int:
     from .device import info, resolve_device
     dev = resolve_device(args.device)
-    profile, source = profile_arg(args, dev)
+    profile, why = profile_arg(args, dev)
     nbs = select(list_notebooks(Path(args.notebooks).resolve()), args.only)
     workloads = _workloads(args)
     name = run_arg(args)
@@ -246,8 +246,8 @@ def reproduce(args) -> int:
                               f"{left[0]} in {run}", file=sys.stderr)
                     # Even one that was done before: the killed rerun may have replaced some of its records.
                     runs.update_state(run, **{left[0]: _entry("interrupted", 0.0, "its run was killed")})
-                runs.update_state(run, _profile=profile, _device=device_name)
-                print(f"hwlib reproduce: {len(nbs)} notebooks, profile={profile} ({source}), device={dev.type}, "
+                runs.update_state(run, _profile=profile, _profile_reason=why, _device=device_name)
+                print(f"hwlib reproduce: {len(nbs)} notebooks, profile={profile} ({why}), device={dev.type}, "
                       f"run={run}", flush=True)
                 return _series(args, nbs, run, profile, dev.type, workloads)
         except Interrupted as e:
@@ -373,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("reproduce", help="run the notebook series through papermill")
     r.add_argument("--run", help=run_help)
     r.add_argument("--only", help="comma-separated notebook numbers or names, e.g. 00,01,99")
-    r.add_argument("--profile", help="auto (full on a GPU, smoke on CPU), full or smoke "
-                                     "(default: $HWLIB_PROFILE, else auto)")
+    r.add_argument("--profile", help="auto (full, mid or smoke: the largest that fits the GPU's memory), full, "
+                                     "mid or smoke (default: $HWLIB_PROFILE, else auto)")
     r.add_argument("--device", default="auto", help="auto, cuda or cpu")
     r.add_argument("--force", action="store_true", help="rerun notebooks already done in this run")
     r.add_argument("--overwrite-reference", action="store_true",

@@ -78,8 +78,10 @@ def apply_memory_cap(device: torch.device) -> torch.device:
     cap = memory_cap_gib()
     if cap is None or device.type != "cuda":
         return device
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), device)
+    # torch's fraction setter wants an index: "cuda" alone (what "auto" resolves to) is refused
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), index)
     return device
 
 

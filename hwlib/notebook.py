@@ -20,22 +20,29 @@ from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
 from .ladder.same_math import MathCheck, bf16_floor, earlier_steps, needs_bf16_floor, same_math
 from .paths import run_dir
-from .profiles import Plan, plan as plan_for, resolve_profile
+from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
 from .steps import STEP_NAMES, describe, get_step
 
 
 def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
     """The notebook's parameters after ``HWLIB_PROFILE`` and 'auto' are applied: (profile, device)."""
     dev = resolve_device(device)
-    return resolve_profile(profile, dev), dev.type
+    return choose_profile(profile, dev)[0], dev.type
 
 
 def setup(profile: str = "auto", device: str = "auto", run=None) -> tuple[str, str]:
-    """Resolve the parameters, print the environment report and the plan; returns (profile, device).
-    ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
-    profile, device = resolve(profile, device)
+    """Resolve the parameters, print the environment report, the profile with the reason it was
+    chosen (and, when it was named, what ``auto`` would pick here) and the plan; returns (profile,
+    device). ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
+    dev = resolve_device(device)
+    profile, why = choose_profile(profile, dev)
+    device = dev.type
     print(format_env_report(device))
-    print(f"profile: {profile} | plan: {plan_for(profile)} | run: {run_dir(run)}")
+    print(f"profile: {profile} ({why})")
+    if not why.startswith("auto:"):
+        auto, auto_why = auto_profile(dev)
+        print(f"auto would pick: {auto} ({auto_why})")
+    print(f"plan: {plan_for(profile)} | run: {run_dir(run)}")
     if query.ceilings(run) is None:
         print("no ceilings measured in this run: MFU will read n/a (notebook 00 measures them)")
     return profile, device

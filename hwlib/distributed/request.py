@@ -27,7 +27,8 @@ from .train import Job
 
 NOTEBOOK = "15_multi_gpu"
 SCALINGS = ("weak", "strong")
-DEFAULT_PROFILE_STEPS = {"full": 3, "smoke": 1}
+DEFAULT_PROFILE_STEPS = {"full": 3, "mid": 3, "smoke": 1}
+RESOLVED_PROFILES = tuple(p for p in PROFILE_CHOICES if p != "auto")
 
 
 def check_scaling(name: str) -> str:
@@ -47,7 +48,7 @@ class Request:
     workloads: tuple = ("gpt",)
     strategies: tuple = ("ddp",)
     scalings: tuple = SCALINGS
-    profile: str = "auto"                  # resolved to "full" or "smoke" before anything runs
+    profile: str = "auto"                  # resolved to "full", "mid" or "smoke" before anything runs
     device: str = "auto"                   # "auto", "cuda" or "cpu" (each rank takes its local GPU)
     step: str | None = None                # None: each workload's ``strategies.base_step``
     per_gpu_batch: dict = field(default_factory=dict)   # workload -> rows per GPU (weak); else its batch
@@ -115,8 +116,8 @@ def validate(req: Request, world: int, *, nproc_per_node: int | None = None, gpu
             raise ValueError(f"strategy 'single' runs one process, not {world}: measure it at world size 1")
     for sc in req.scalings:
         check_scaling(sc)
-    if req.profile not in PROFILE_CHOICES or req.profile == "auto":
-        raise ChoiceError("profile (resolved)", req.profile, ("full", "smoke"))
+    if req.profile not in RESOLVED_PROFILES:
+        raise ChoiceError("profile (resolved)", req.profile, RESOLVED_PROFILES)
     if req.step is not None:
         get_step(req.step)
     for name, d in (("per_gpu_batch", req.per_gpu_batch), ("global_batch", req.global_batch)):
@@ -179,7 +180,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", type=_csv, default=("gpt",), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--strategies", type=_csv, default=("ddp",), help=f"comma-separated, of {', '.join(STRATEGIES)}")
     p.add_argument("--scalings", type=_csv, default=SCALINGS, help="weak, strong or both")
-    p.add_argument("--profile", default="auto", help="auto (full on a GPU, smoke on CPU; $HWLIB_PROFILE overrides), full or smoke")
+    p.add_argument("--profile", default="auto", help="auto (full, mid or smoke: what fits the GPU's memory; "
+                                                     "$HWLIB_PROFILE overrides), full, mid or smoke")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
     p.add_argument("--step", default=None, help="ladder step the strategies go on top of (default: each workload's best)")
     p.add_argument("--per-gpu-batch", type=_per_workload, default={}, help="weak scaling rows per GPU, e.g. gpt=16")

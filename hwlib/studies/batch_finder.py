@@ -8,7 +8,7 @@ import gc
 import torch
 
 from .. import precision, results
-from ..device import resolve_device
+from ..device import resolve_device, usable_memory_gib
 from ..ladder.run import run_step
 from ..ladder.session import Session, free
 from ..memory import allocator
@@ -45,7 +45,9 @@ def find_batch_size(workload: str, settings: Settings, device: torch.device | st
     gc.collect()
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
-    capacity = (free + torch.cuda.memory_reserved(device)) / GiB
+    # The device's free memory knows nothing of a per-process cap ($HWLIB_MEMORY_CAP_GIB): without
+    # the min, a capped process would search for batches the allocator then refuses.
+    capacity = min((free + torch.cuda.memory_reserved(device)) / GiB, usable_memory_gib(device))
     allocated: dict[int, float] = {}     # batch -> peak allocated, reported beside the reserved peak
 
     def try_batch(b: int) -> float | None:

@@ -21,10 +21,20 @@ from __future__ import annotations
 import torch
 
 from .. import bench
-from ..device import info, resolve_device, supports_fp8
+from ..device import ChoiceError, info, resolve_device, supports_fp8
 from ..ops.fp8 import E4M3, E5M2, quantize
+from ..profiles import GPU_PROFILES
+from ..shapes import padded
+from ..workloads import gpt
 
-HEAD_SHAPE = {"full": (16384, 768, 50304), "smoke": (64, 32, 96)}
+# (M, K, N) per profile: GPT-2 small's head at each GPU-sized profile's ladder batch (M = batch x
+# context tokens; N the vocabulary padded to a multiple of 64, as notebook 07 pads it), so that mid's
+# M is a quarter of full's as its batch is. The float64 reference of y = x W^T and the float64
+# copies each error takes hold M N x 8 B apiece (6.1 GiB at full's M): the study's tensors peaked
+# at 23.8 GiB at full's M on an H100, more than a 16 GB GPU has, and at 6.4 GiB at mid's.
+HEAD_SHAPE = {p: (gpt.PROFILES[p].batch * gpt.PROFILES[p].context, gpt.PROFILES[p].d_model,
+                  padded(gpt.PROFILES[p].vocab, 64)) for p in GPU_PROFILES}
+HEAD_SHAPE["smoke"] = (64, 32, 96)
 VARIANTS = ("bf16", "fp8, quantize + transposing copies", "fp8, quantized into each layout", "fp8, matmuls only")
 
 
@@ -73,7 +83,9 @@ def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, 
     layout variant, else it runs eagerly and says so."""
     dev = resolve_device(device)
     di = info(dev)
-    M, K, N = shape or HEAD_SHAPE.get(profile, (0, 0, 0))
+    if shape is None and profile not in HEAD_SHAPE:
+        raise ChoiceError("profile", profile, tuple(HEAD_SHAPE))
+    M, K, N = shape or HEAD_SHAPE[profile]
     for name, v in (("M", M), ("K", K), ("N", N)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"shape: {name} must be a positive int, got {v!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -52,6 +53,28 @@ def check_finite_numbers(cfg, positive: tuple[str, ...] = ("lr",), non_negative:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
                 raise ValueError(f"{type(cfg).__name__}.{f} must be a finite {need} number, got {v!r} "
                                  f"({type(v).__name__}); pass e.g. {f}={getattr(type(cfg), f, 1e-3)!r}")
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """A workload's largest measured peak of tensor memory (``peak_mem_gib``: the step's
+    ``torch.cuda.max_memory_allocated``) at ``batch``, read from the reference run's records, and
+    the part of it that does not grow with the batch (``fixed_gib``: fp32 weights, gradients and
+    AdamW's two moments, 16 B a parameter). The rest (activations, resident batches) is taken as
+    proportional to the batch, so at another batch b:
+
+        peak(b) = fixed + (measured - fixed) * b / batch
+
+    a profile's batch is chosen from it (``hwlib.profiles.PEAK_GIB`` holds the largest result)."""
+
+    step: str
+    batch: int
+    measured_gib: float
+    fixed_gib: float
+    run: str = "reference/h100"
+
+    def at(self, batch: int) -> float:
+        return self.fixed_gib + (self.measured_gib - self.fixed_gib) * batch / self.batch
 
 
 class Workload:

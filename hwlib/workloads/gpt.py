@@ -1,8 +1,8 @@
 """GPT-2-class language model: pre-LayerNorm decoder, learned positions, tied embeddings, GELU (tanh).
 
 Full profile is GPT-2 small (12 layers, width 768, 12 heads, context 1024, vocabulary 50257,
-batch 16: 16,384 tokens a step, 124M parameters). Smoke is a tiny model that trains on a CPU in
-seconds.
+batch 16: 16,384 tokens a step, 124M parameters); mid is the same model at batch 4 (``PROFILES``
+says why). Smoke is a tiny model that trains on a CPU in seconds.
 
 FLOPs of one training step (forward x 3 for forward + backward; Kaplan et al. 2020, with attention
 counted in full as PaLM's MFU does):
@@ -27,7 +27,7 @@ from ..ops.linear_ce import fused_linear_cross_entropy
 from ..shapes import padded
 from ..steps import Settings
 from .checkpointing import HEAD_CHUNK, parse_checkpointing
-from .base import TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
+from .base import PeakMemory, TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
 from .blocks import PreNormBlock
 
 
@@ -50,8 +50,17 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
 
 
+# The full series' largest peak (29.25 GiB, outputs/reference/h100): the fp32 baseline, eager, whose
+# manual attention keeps a [B, 12, 1024, 1024] fp32 score matrix per layer for backward. Of it,
+# 1.85 GiB does not grow with the batch: 124,439,808 parameters x 16 B.
+PEAK = PeakMemory(step="01_baseline_fp32", batch=16, measured_gib=29.25, fixed_gib=1.85)
+
 PROFILES = {
     "full": GPTConfig(),
+    # mid: batch 4 (4,096 tokens a step), every dimension as full. PEAK.at(4) = 1.85 + 27.40 x 4 / 16
+    # = 8.70 GiB, well inside 16 GiB; batch 8 would reach 15.55 GiB, with no room left for the
+    # allocator and the CUDA context.
+    "mid": GPTConfig(batch=4),
     "smoke": GPTConfig(n_layer=2, n_head=4, d_model=64, context=64, vocab=500, batch=8, lr=3e-3,
                        data_tokens=100_000),
 }

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..shapes import padded
 from ..steps import Settings
-from .base import TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
+from .base import PeakMemory, TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
 from .blocks import PreNormBlock
 
 
@@ -50,8 +50,17 @@ class BKConfig:
         check_finite_numbers(self, positive=("lr", "z_imag"))
 
 
+# Its largest peak in the full series (13.02 GiB, outputs/reference/h100): the fp32 baseline, where
+# a sample's [2048, 50257] fp32 logits alone are 0.38 GiB. Of it, 0.65 GiB does not grow with the
+# batch: 43,796,096 parameters x 16 B.
+PEAK = PeakMemory(step="01_baseline_fp32", batch=8, measured_gib=13.02, fixed_gib=0.65)
+
 PROFILES = {
     "full": BKConfig(),
+    # mid: batch 4 (8,192 tokens and 64 BK-Core sequences of N = 2048 a layer), every dimension as
+    # full. PEAK.at(4) = 0.65 + 12.37 x 4 / 8 = 6.84 GiB; batch 8 is 13.02 GiB, too near 16 GiB once
+    # the allocator and the CUDA context take their share.
+    "mid": BKConfig(batch=4),
     "smoke": BKConfig(n_layer=2, n_head=4, d_model=64, context=64, vocab=500, batch=8, lr=3e-3, data_tokens=100_000),
 }
 

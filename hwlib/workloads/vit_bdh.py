@@ -23,6 +23,7 @@ into the LayerNorm of ``a_h``, which removes the scale. RoPE is BDH's: interleav
 
 Full profile: D = 192, H = 6, N = 1024 per head, L = 6, batch 256; 3,562,954 parameters (three
 D x H N matrices of 1,179,648 each, the rest is the patch convolution, CLS, positions and head).
+Mid: the same model at batch 192 (``PROFILES`` says why).
 
 FLOPs of one training step (matmuls and the convolution, as ``FlopCounterMode`` counts them; RoPE,
 softmax, LayerNorm and the gate are elementwise and not counted). Per sample, forward:
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..steps import Settings
-from .base import Workload, check_finite_numbers, check_positive_ints
+from .base import PeakMemory, Workload, check_finite_numbers, check_positive_ints
 from .checkpointing import parse_checkpointing
 
 IMAGE, PATCH, IN_CHANNELS, CLASSES = 32, 4, 3, 10
@@ -79,8 +80,17 @@ class VitBDHConfig:
                              f"({self.batch})")
 
 
+# The largest peak of both forms in the full series (11.74 GiB each, outputs/reference/h100): the
+# fp32 baseline, where each of the L applications keeps [B, H, 65, N] activations for backward.
+# The weights barely count: 3,562,954 parameters x 16 B = 0.05 GiB do not grow with the batch.
+PEAK = PeakMemory(step="01_baseline_fp32", batch=256, measured_gib=11.74, fixed_gib=0.05)
+
 PROFILES = {
     "full": VitBDHConfig(),
+    # mid: batch 192 (3/4 of full, a multiple of 64), every dimension as full. PEAK.at(192) =
+    # 0.05 + 11.69 x 192 / 256 = 8.82 GiB, the largest of mid's estimates (hwlib.profiles.PEAK_GIB);
+    # full's 11.74 GiB would raise mid's need to 14.24 GiB, within 0.5 GiB of a 16 GB T4's 14.7 GiB.
+    "mid": VitBDHConfig(batch=192),
     "smoke": VitBDHConfig(n_layer=2, n_head=2, d_model=32, n_neuron=64, batch=16, lr=1e-3, data_images=512),
 }
 
