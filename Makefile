@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine:
-#   make reproduce   run the notebook series (full profile on an NVIDIA GPU, smoke on CPU)
+#   make reproduce   run the notebook series (the profile that fits the GPU: full, or mid on 16-24 GB; smoke on CPU)
 #   make test        unit, notebook (nbval) and build checks
 #
 # Set-up: when the running Python already has everything hwlib needs (a GPU image without registry

@@ -286,13 +286,23 @@ def memory_rows(runs: list[str] | None = None) -> list[dict]:
 
 
 def memory_block(runs: list[str] | None = None) -> str:
-    rows = memory_rows(runs)
-    if not rows:
-        return "No committed reference run records a peak memory yet."
-    out = ["| profile | largest peak per GPU (GiB) | reached at | reference run | its GPU |", "|---|---|---|---|---|"]
-    out += [f"| {r['profile']} | {r['peak_gib']:.2f} | {r['workload']} {r['step']} (notebook {r['notebook']}) | "
-            f"`outputs/{r['run']}` | {r['device']} |" for r in rows]
-    return "\n".join(out)
+    """The README's memory table: per profile, the largest measured peak and where, and the usable
+    GPU memory from which ``auto`` picks it (``profiles.NEED_GIB``: the peak the profile was sized
+    for plus ``HEADROOM_GIB``); a GPU-sized profile no reference run measured says so."""
+    from .profiles import GPU_PROFILES, HEADROOM_GIB, NEED_GIB, PEAK_GIB
+    rows = {r["profile"]: r for r in memory_rows(runs)}
+    out = ["| profile | largest peak per GPU (GiB) | reached at | reference run | its GPU | auto picks it with |",
+           "|---|---|---|---|---|---|"]
+    for p in [*GPU_PROFILES, *sorted(set(rows) - set(GPU_PROFILES))]:
+        need = (f"{NEED_GIB[p]:g} GiB usable or more ({PEAK_GIB[p]:g} + {HEADROOM_GIB:g} headroom)"
+                if p in NEED_GIB else "-")
+        r = rows.get(p)
+        if r is None:
+            out.append(f"| {p} | {PEAK_GIB[p]:g} estimated | - | none yet | - | {need} |" if p in PEAK_GIB else "")
+            continue
+        out.append(f"| {p} | {r['peak_gib']:.2f} | {r['workload']} {r['step']} (notebook {r['notebook']}) | "
+                   f"`outputs/{r['run']}` | {r['device']} | {need} |")
+    return "\n".join(x for x in out if x)
 
 
 def update_marked(text: str, block: str, start: str = MEMORY_START, end: str = MEMORY_END, name: str = "README.md") -> str:
