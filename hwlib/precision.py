@@ -26,14 +26,19 @@ def tf32_mode(tf32: bool):
     Baseline means IEEE fp32 everywhere: cuDNN convolutions default to TF32, so they are set too.
     """
     if _new_precision_api():
-        mm, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-        saved = (mm.fp32_precision, conv.fp32_precision)
-        mode = "tf32" if tf32 else "ieee"
+        mm, conv, cpu_mm = torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul
+        saved = (torch.get_float32_matmul_precision(), mm.fp32_precision, conv.fp32_precision, cpu_mm.fp32_precision)
         try:
-            mm.fp32_precision, conv.fp32_precision = mode, mode
+            # through the legacy setter, which moves CUDA's matmul precision and the legacy value
+            # together: inductor's max-autotune reads the legacy value, and torch raises ("mix of the
+            # legacy and new APIs") while it disagrees with the per-backend one
+            torch.set_float32_matmul_precision("high" if tf32 else "highest")
+            cpu_mm.fp32_precision = saved[3]        # CPU matmuls keep their own setting
+            conv.fp32_precision = "tf32" if tf32 else "ieee"
             yield
         finally:
-            mm.fp32_precision, conv.fp32_precision = saved
+            torch.set_float32_matmul_precision(saved[0])
+            mm.fp32_precision, conv.fp32_precision, cpu_mm.fp32_precision = saved[1:]
     else:
         saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         try:

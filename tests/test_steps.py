@@ -70,6 +70,21 @@ def test_tf32_mode_sets_and_restores():
     assert _tf32_state() == before
 
 
+def test_tf32_mode_keeps_the_legacy_precision_readable():
+    """Inductor's max-autotune reads torch.get_float32_matmul_precision(), which raises while the
+    legacy value and the per-backend one disagree: tf32_mode keeps them in step, CPU matmuls as they were."""
+    cpu_before = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    cpu_before = getattr(cpu_before, "fp32_precision", None)
+    legacy_before = torch.get_float32_matmul_precision()
+    with precision.tf32_mode(True):
+        assert torch.get_float32_matmul_precision() == "high"
+        if cpu_before is not None:
+            assert torch.backends.mkldnn.matmul.fp32_precision == cpu_before
+        with precision.tf32_mode(False):
+            assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.get_float32_matmul_precision() == legacy_before
+
+
 def test_autocast_modes():
     with precision.autocast(None, torch.device("cpu")):
         assert not torch.is_autocast_enabled("cpu")

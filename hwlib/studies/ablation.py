@@ -19,6 +19,11 @@ The ladder's ``run.train_steps`` owns a session's whole life (it closes it at th
 windows here drive ``Session.step`` themselves, timed by the same ``bench.StepClock``; the plan is
 checked by ``run.check_plan``. Records are written after a toggle's last window, never before: an
 interrupted ablation records nothing for the toggle it was measuring.
+
+Each arm's first call is timed apart (``bench.wall_s``): where the arm compiles, that call less a
+steady step is its compile time, as the ladder counts it. Where a toggle's arms compute the same
+function (``same_math``: a compiler option, a kernel choice), their warm-up losses, the first K steps
+from the same seed and batches, must agree within the step's tolerance (``same_math_check``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from .. import bench, noise, results
 from ..data.loader import LoaderBatches, default_workers
 from ..device import ChoiceError, info, other_gpu_processes, resolve_device
 from ..ladder.run import check_plan
+from ..ladder.same_math import compare_curves
 from ..ladder.session import Session, detect_sdpa_backend, make_optimizer
 from ..profiles import Plan, resolve_profile
 from ..steps import LADDER, STEP_NAMES, Settings, get_step, not_applicable, resolve_autocast, settings_for, unavailable
@@ -74,6 +80,14 @@ class Toggle:
     applies: Callable | None = None  # (workload, settings, device info) -> why it does not apply, or None
     stat: str = "median"             # per-step statistic the ratio is taken of
     epoch_windows: bool = False      # each window spans a whole epoch of the loader (its per-epoch costs)
+    skips: Callable | None = None    # (device info) -> why this device cannot measure it (a 'skipped' row), or None
+    fallible: bool = False           # an arm may fail to run here (a forced kernel, a compiler option): 'skipped', the error
+    same_math: bool = False          # the arms compute the same function: their warm-up losses agree within the step's tolerance
+
+    def __post_init__(self):
+        if self.same_math and not self.rebuild:
+            # one shared session runs the arms one after the other: their warm-ups are different steps
+            raise ValueError(f"toggle {self.name}: same_math needs rebuild=True (a session per arm, both from step 0)")
 
 
 # --- switches on one live session -----------------------------------------------------------------
@@ -270,7 +284,7 @@ def _vit_only(workload, st, di):
 def _sdpa_toggle(backend: str, label: str) -> Toggle:
     return Toggle(f"sdpa_{backend.lower()}", f"SDPA forced to its {label} kernel (vs its math kernel)",
                   without=Arm(context=_sdpa("MATH")), with_=Arm(context=_sdpa(backend)), rebuild=True,
-                  applies=_needs_sdpa)
+                  applies=_needs_sdpa, fallible=True)
 
 
 TOGGLES: dict[str, Toggle] = {t.name: t for t in (
@@ -330,6 +344,17 @@ def get_toggle(name: str) -> Toggle:
         except ChoiceError:
             pass
     raise ChoiceError("toggle", name, tuple(TOGGLES) + tuple(f"without_{s}" for s in STEP_NAMES))
+
+
+def register(*toggles: Toggle) -> None:
+    """Add toggles that another study defines (``hwlib.studies.inductor``) to the ones ``get_toggle``
+    finds; a name already taken by another toggle is an error."""
+    for t in toggles:
+        if not isinstance(t, Toggle):
+            raise TypeError(f"register takes Toggle objects, got {type(t).__name__}")
+        if TOGGLES.get(t.name, t) is not t:
+            raise ValueError(f"a toggle named {t.name!r} is already registered")
+        TOGGLES[t.name] = t
 
 
 def removals_for(step: str, workload: str) -> list[str]:
@@ -419,6 +444,17 @@ def _finite(losses: list[torch.Tensor]) -> bool:
     return bool(losses) and all(math.isfinite(v) for v in torch.stack(losses).float().cpu().tolist())
 
 
+def same_math_check(first_losses: dict[str, list[float]], step: str) -> dict:
+    """The arms' first K losses (same seed, same batches, a session each) against each other: the
+    largest relative difference of the "with" arm's curve from the "without" arm's
+    (``ladder.same_math.compare_curves``), within ``step``'s own tolerance (a change of rounding only,
+    as a compiler option makes, moves the curve no further than the step's own change may)."""
+    tol = get_step(step).tolerance
+    d = compare_curves(first_losses["with"], first_losses["without"])
+    k = min(len(first_losses["with"]), len(first_losses["without"]))
+    return {"max_rel": d, "tolerance": tol, "k": k, "ok": d <= tol, "against": "without"}
+
+
 # --- the study ------------------------------------------------------------------------------------
 
 def _positive_int(name: str, v, minimum: int = 1) -> int:
@@ -444,6 +480,7 @@ class Window:
 
 
 WINDOWS = {"full": Window(repeats=4, steps=10, settle=3, warmup=5), "smoke": Window(repeats=2, steps=2, settle=1, warmup=2)}
+WINDOWS["mid"] = WINDOWS["full"]   # mid's steps are shorter, its windows as long in steps
 
 
 def _check(workload: str, step: str, toggles, window, level, budget_s):
@@ -499,6 +536,16 @@ def _records(rows: list[dict], *, profile, device, notebook, params: dict) -> li
             recs.append(results.make_record(metric="ms_per_step", value=r[f"ms_{arm}"], p20=noise.quantile(xs, 0.2),
                                             p80=noise.quantile(xs, 0.8), unit="ms", fields={**fields, "arm": arm},
                                             params={k: p[k] for k in ("what", "order")}, **common))
+        for arm, s in (r.get("compile_s") or {}).items():
+            recs.append(results.make_record(metric="compile_s", value=s, unit="s", fields={**fields, "arm": arm},
+                                            params={"what": p["what"], "first_step_s": r["first_step_s"][arm]}, **common))
+        m = r.get("same_math")
+        if m is not None:
+            recs.append(results.make_record(
+                metric="same_math_max_rel", value=m["max_rel"], unit=f"relative, tolerance {m['tolerance']:.2g}",
+                status="ok" if m["ok"] else "failed", fields=fields, params={"what": p["what"], "k": m["k"]},
+                reason=None if m["ok"] else (f"the arms' first {m['k']} losses differ by {m['max_rel']:.2e}, more "
+                                             f"than the step's tolerance {m['tolerance']:.0e}"), **common))
     return recs
 
 
@@ -531,8 +578,9 @@ def measure(workload: str, step: str, toggles: list[str], *, profile: str = "aut
         if bar is not None:
             bar.set_postfix_str(t.name)
         why = why_step or (t.applies(wl.name, base, di) if t.applies else None)
-        if why:
-            rows.append(_row(wl.name, st.name, t, "in_process", status="n/a", reason=why))
+        skip = None if why else (t.skips(di) if t.skips else None)
+        if why or skip:
+            rows.append(_row(wl.name, st.name, t, "in_process", status="n/a" if why else "skipped", reason=why or skip))
             to_record.append(rows[-1])
         elif budget_s is not None and time.perf_counter() - t0 > budget_s:
             rows.append(_row(wl.name, st.name, t, "in_process", status="skipped",
@@ -560,11 +608,18 @@ def _one(workload, step, t: Toggle, cfg, base, dev, di, win: Window, level, seed
         if t.epoch_windows and ds is not None:   # every window holds one epoch boundary
             steps = max(steps, len(ds) // cfg.batch)
         row["settings"] = {k: dataclasses.asdict(a.sess.settings) for k, a in arms.items()}
-        row["sdpa_backend"] = {}
+        row["sdpa_backend"], row["first_step_s"], row["first_losses"] = {}, {}, {}
         for a in arms.values():   # warm both arms up: compilation, graphs, autotuning, workers
-            if not _finite(a.run(win.warmup)):
+            # the first call holds the arm's compilation: its wall time, kept apart (the ladder's compile_s)
+            first_s, first = bench.wall_s(lambda a=a: a.run(1), dev)
+            losses = first + a.run(win.warmup - 1)
+            if not _finite(losses):
                 return {**row, "status": "nonfinite", "reason": f"arm {a.name}: the loss is not finite in warm-up"}
+            row["first_step_s"][a.name] = first_s
+            row["first_losses"][a.name] = torch.stack(losses).float().cpu().tolist()
             row["sdpa_backend"][a.name] = a.sdpa_backend()
+        if t.same_math:
+            row["same_math"] = same_math_check(row["first_losses"], step)
         order = noise.interleaved_order(win.repeats)
         row["order"] = "".join(order)
         others_before = other_gpu_processes(dev) if dev.type == "cuda" else []
@@ -581,10 +636,16 @@ def _one(workload, step, t: Toggle, cfg, base, dev, di, win: Window, level, seed
         if others:
             row["contended"] = f"timed beside other processes on the GPU (pids {', '.join(map(str, others))})"
         row["ran"] = order
-        return _summarise(row, t, timed["A"], timed["B"], level, seed)
+        row = _summarise(row, t, timed["A"], timed["B"], level, seed)
+        # compile time as the ladder counts it: the first call less a steady step, for an arm that compiles
+        # a model of its own (a switch toggle's arms share one session: it compiles once)
+        row["compile_s"] = {n: max(0.0, s - row[f"ms_{n}"] / 1e3) for n, s in row["first_step_s"].items()
+                            if t.rebuild and (arms[n].sess.settings.compile or arms[n].sess.settings.cuda_graphs)}
+        return row
     except RuntimeError as e:
-        # Only a forced SDPA kernel may refuse the shapes ("No available kernel"); anything else is a bug.
-        if not t.name.startswith("sdpa_") or isinstance(e, torch.cuda.OutOfMemoryError):
+        # Only a fallible toggle's arm may fail (a forced SDPA kernel refusing the shapes, "No available
+        # kernel"; a compiler option the compiler cannot honour); anything else is a bug.
+        if not t.fallible or isinstance(e, torch.cuda.OutOfMemoryError):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return {**row, "status": "skipped", "reason": f"an arm cannot run here: {first[:300]}", "arm_failed": True}
@@ -672,8 +733,9 @@ def measure_in_processes(workload: str, step: str, toggle: str, *, profile: str 
     cfg = wl.config(prof, **(config or {}))
     why = not_applicable(st, wl.name) or unavailable(st, di) or (t.applies(wl.name, base, di) if t.applies else None)
     params = {"config": dataclasses.asdict(cfg), "seed": seed, "window": dataclasses.asdict(win), "level": level}
-    if why:
-        row = _row(wl.name, st.name, t, "processes", status="n/a", reason=why)
+    skip = None if why else (t.skips(di) if t.skips else None)
+    if why or skip:
+        row = _row(wl.name, st.name, t, "processes", status="n/a" if why else "skipped", reason=why or skip)
         results.append(_records([row], profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
         return row
     order = noise.interleaved_order(win.repeats)

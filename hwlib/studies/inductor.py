@@ -1,0 +1,357 @@
+"""Inductor's own knobs on GPT-2 small's best bf16 step, each an A/B toggle of ``hwlib.studies.ablation``.
+
+Notebook 16's breakdown of the recipe leaves its headroom in the memory-bound work: the GEMMs run
+near the matmul ceiling, the LayerNorm / elementwise kernels (LayerNorm, bias + GELU, residual adds,
+casts: Triton kernels inductor wrote) far above their one-pass floor. Inductor has options aimed at
+exactly that, off by default because they cost compile time: ``KNOBS`` holds the few that target it,
+each with the reason it could help this step.
+
+Each knob is a *rebuild* toggle of the ablation study (a session per arm, each model of its own
+class, so that the compiler never hands one arm the graph it compiled for the other), measured by
+``ablation.measure`` in interleaved windows with a bootstrap interval. The arms differ only in
+``torch._inductor.config.patch(...)``: the same option keys, off in the arm *without* (whatever the
+environment says) and on in the arm *with*. The patch is the arm's context, entered around every
+run of the arm's steps, so it is in force at the arm's first call, where its model is compiled (and
+at any recompile); inductor reads its options while compiling, and the compiled kernels keep what
+they were compiled with.
+
+What each knob reports (``ablation``'s row, with ``knob`` and ``verdict`` added): ms/step without and
+with, the speed-up (time without / time with) with its interval, the effect (faster, slower, within
+noise), the compile seconds of each arm (the first call less a steady step, as the ladder counts
+it; inductor's one-off start in the process is paid before the first arm, by ``warm_compiler``),
+and the same-math check: the arms' first K losses, from the same seed and batches, must agree
+within the step's tolerance (an autotuned GEMM or another block size changes rounding only). A knob
+is kept only when its interval lies above 1 and its math held.
+
+Compile seconds are those of this machine's inductor caches as they stand: a first run compiles and
+autotunes from nothing; a later one finds the kernels and the autotuning choices on disk and
+compiles faster. Both arms of a toggle see the same caches.
+
+The step (``best_step``): 17 (the fused LM head) where it runs with its Triton row pass, else 09
+(the recipe's last step). On a CPU, inductor writes C++ rather than Triton: the knobs that tune
+Triton kernels (max-autotune's GEMM templates, coordinate descent, multi-kernel reductions) are
+``skipped`` with the reason, and the smoke profile measures the one knob whose code path a CPU also
+has, at the smoke model's compiled step 17.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import bench, noise
+from ..device import ChoiceError, Unavailable, info, resolve_device, supports_compile
+from ..steps import get_step, not_applicable, unavailable
+from . import ablation
+
+NOTEBOOK = "20_inductor"
+STEP, FALLBACK = "17_fused_lm_head", "09_cuda_graphs"
+PREFIX = "inductor_"     # a knob's toggle name: "inductor_" + the knob's name
+
+
+@dataclass(frozen=True)
+class InductorConfig:
+    """An arm's context: ``torch._inductor.config.patch(changes)`` around the arm's steps (its
+    compile among them); ``changes`` maps option names (dotted for a sub-config,
+    ``"triton.multi_kernel"``) to values."""
+    changes: dict
+
+    def __call__(self, sess, store):
+        import torch._inductor.config as inductor_config
+        return inductor_config.patch(dict(self.changes))
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    on: dict           # the options the arm *with* compiles under
+    off: dict          # the same options as the arm *without* compiles under (inductor's defaults)
+    title: str
+    why: str           # what in GPT-2's step it could make faster
+    triton: bool       # acts only on the Triton kernels inductor writes for a GPU
+
+    def __post_init__(self):
+        if set(self.on) != set(self.off) or self.on == self.off:
+            raise ValueError(f"knob {self.name}: 'on' and 'off' must set the same options to different values")
+
+
+_AUTOTUNE_WHY = ("it times Triton GEMM templates against cuBLAS for each of the step's matmul shapes and, where "
+                 "a template wins, can fuse the pointwise op that follows into its epilogue: the MLP's bias + GELU "
+                 "and the bias adds after the QKV and output projections, which the breakdown counts as "
+                 "LayerNorm / elementwise (one write and one read of each activation saved). The GEMMs already run "
+                 "near the matmul ceiling: a gain has to come from the epilogues.")
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("max_autotune", {"max_autotune": True}, {"max_autotune": False},
+         "max-autotune: Triton GEMM templates with epilogue fusion", _AUTOTUNE_WHY, triton=True),
+    Knob("max_autotune_coordinate_descent", {"max_autotune": True, "coordinate_descent_tuning": True},
+         {"max_autotune": False, "coordinate_descent_tuning": False},
+         "max-autotune and coordinate-descent tuning together",
+         "what torch.compile's mode='max-autotune' adds to a step that already replays CUDA graphs: the GEMM "
+         "templates above and the block sizes of every pointwise and reduction kernel tuned too.", triton=True),
+    Knob("coordinate_descent", {"coordinate_descent_tuning": True}, {"coordinate_descent_tuning": False},
+         "coordinate-descent tuning of each Triton kernel's block sizes",
+         "after inductor's heuristics pick a Triton kernel's block sizes and warps, it times the neighbouring "
+         "choices one parameter at a time and keeps a faster one: aimed at the LayerNorm, GELU, residual and cast "
+         "kernels, the category furthest above its floor.", triton=True),
+    Knob("multi_kernel", {"triton.multi_kernel": 1}, {"triton.multi_kernel": 0},
+         "multi-kernel reductions: persistent and looped, picked by timing",
+         "each reduction is compiled both persistent (a whole row in registers) and looped, and the faster runs: "
+         "LayerNorm forward and backward reduce rows of d = 768, and the bias and LayerNorm-weight gradients "
+         "reduce columns over all 16,384 tokens, where one fixed choice does not suit both.", triton=True),
+    Knob("aggressive_fusion", {"aggressive_fusion": True}, {"aggressive_fusion": False},
+         "aggressive fusion: kernels fused even when they share no input",
+         "the backward holds many small independent reductions (each Linear's bias gradient, each LayerNorm's "
+         "weight and bias gradients) that read different tensors; fused, they are fewer kernels with fewer "
+         "tails. It saves no bytes, so the expected gain is small; its code path exists on a CPU as well (the "
+         "smoke run's knob).", triton=False),
+)}
+SMOKE_KNOB = "aggressive_fusion"
+
+
+def toggle_name(knob: str) -> str:
+    return PREFIX + get_knob(knob).name
+
+
+def get_knob(name: str) -> Knob:
+    """The knob named ``name`` (or its toggle's name, ``inductor_<name>``); a ChoiceError naming it else."""
+    key = name[len(PREFIX):] if isinstance(name, str) and name.startswith(PREFIX) else name
+    if not isinstance(key, str) or key not in KNOBS:
+        raise ChoiceError("knob", name, tuple(KNOBS))
+    return KNOBS[key]
+
+
+def _has_option(key: str) -> bool:
+    import torch._inductor.config as cfg
+    obj = cfg
+    for part in key.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _compiles(workload, st, di):
+    if not (st.compile or st.cuda_graphs):
+        return "the step does not compile: inductor's options change nothing"
+    ok, why = supports_compile(di)
+    return None if ok else f"torch.compile unavailable: {why}"
+
+
+def _skips(knob: Knob):
+    def why(di) -> str | None:
+        missing = [k for k in knob.on if not _has_option(k)]
+        if missing:
+            return f"torch {torch.__version__} has no inductor option {', '.join(missing)}"
+        if knob.triton and di.kind != "cuda":
+            if "max_autotune" in knob.on:
+                return ("max-autotune chooses among Triton GEMM templates by timing them on a GPU; on a CPU inductor "
+                        "would time its C++ GEMM templates instead, another question than the GPU's, and that "
+                        "autotuning takes minutes on a few cores")
+            return (f"{knob.name} acts on the Triton kernels inductor writes for a GPU; on a {di.kind} inductor "
+                    "writes C++ kernels, which this option leaves as they are: both arms would compile the same code")
+        return None
+    return why
+
+
+def knob_toggle(knob: Knob) -> ablation.Toggle:
+    """The knob as an ablation toggle: a session per arm, each compiled under its own options."""
+    on, off = (", ".join(f"{k}={v!r}" for k, v in d.items()) for d in (knob.on, knob.off))
+    return ablation.Toggle(PREFIX + knob.name, f"inductor {on} at compile (vs {off})",
+                           without=ablation.Arm(context=InductorConfig(knob.off)),
+                           with_=ablation.Arm(context=InductorConfig(knob.on)), rebuild=True,
+                           applies=_compiles, skips=_skips(knob), fallible=True, same_math=True)
+
+
+TOGGLES: dict[str, ablation.Toggle] = {k: knob_toggle(v) for k, v in KNOBS.items()}
+ablation.register(*TOGGLES.values())
+
+
+def best_step(workload: str = "gpt", device: str | torch.device = "auto") -> tuple[str, str | None]:
+    """(step, why not 17): 17 where it applies and runs with its Triton row pass (on a CPU the smoke
+    ladder's step 17 runs the same math in torch), else 09 and the reason."""
+    from ..ops import linear_ce   # the fused head's own check of its Triton backend
+
+    di = info(resolve_device(device))
+    st = get_step(STEP)
+    why = not_applicable(st, workload) or unavailable(st, di)
+    if why is None and di.kind == "cuda":
+        try:
+            linear_ce.select_backend("triton", torch.device("cuda"))
+        except (Unavailable, ImportError) as e:
+            why = f"its Triton row pass cannot run here ({e})"
+    return (STEP, None) if why is None else (FALLBACK, f"{STEP} does not run here: {why}")
+
+
+@functools.lru_cache(maxsize=None)
+def warm_compiler(device_type: str) -> float:
+    """Compile a small forward and backward once in this process, before the first arm: inductor's
+    one-off start (its imports, the toolchain's first compile) would otherwise be counted in the
+    compile time of whichever arm compiles first. Returns its seconds (``bench.wall_s``)."""
+    dev = torch.device(device_type)
+    x = torch.randn(16, 16, device=dev, requires_grad=True)
+    f = torch.compile(lambda t: torch.nn.functional.gelu(t @ t.T).sum())
+    s, _ = bench.wall_s(lambda: f(x).backward(), dev)
+    return s
+
+
+def check_knobs(knobs) -> list[str]:
+    """Knob names, each checked (a ChoiceError naming an unknown one); the list must not be empty."""
+    if isinstance(knobs, str) or not knobs or not isinstance(knobs, (list, tuple)):
+        raise ValueError(f"knobs must be a non-empty list of knob names ({', '.join(KNOBS)}), got {knobs!r}")
+    return [get_knob(k).name for k in knobs]
+
+
+def verdict(row: dict) -> str:
+    """'keep' only when the interval lies above 1 and the arms' math agreed; else 'drop' and why."""
+    if row["status"] != "ok":
+        return f"not measured ({row['status']})"
+    if row.get("same_math") and not row["same_math"]["ok"]:
+        return "drop (math changed)"
+    return {"faster": "keep", "slower": "drop (slower)", "within noise": "drop (within noise)"}[row["effect"]]
+
+
+def measure(knobs: list[str] | None = None, *, workload: str = "gpt", step: str | None = None, profile: str = "auto",
+            device: str = "auto", window: ablation.Window | None = None, level: float = noise.DEFAULT_LEVEL,
+            seed: int = 0, config: dict | None = None, budget_s: float | None = None, run=None,
+            progress: bool = False) -> list[dict]:
+    """Each knob of ``knobs`` (None: all) as an A/B toggle at ``step`` (None: ``best_step``), through
+    ``ablation.measure`` (its arguments, checked there before any work); records under notebook
+    20_inductor. Returns ablation's rows, each with ``knob``, ``changes``, ``verdict`` and, where the
+    step fell back from 17, ``fallback`` (why)."""
+    names = check_knobs(list(KNOBS) if knobs is None else knobs)
+    why = None
+    if step is None:
+        step, why = best_step(workload, device)
+    toggles = [PREFIX + k for k in names]
+    ablation._check(workload, step, toggles, window, level, budget_s)   # every argument, before any work
+    dev = resolve_device(device)
+    if supports_compile(info(dev))[0]:
+        warm_compiler(dev.type)
+    rows = ablation.measure(workload, step, toggles, profile=profile, device=device,
+                            window=window, level=level, seed=seed, config=config, budget_s=budget_s,
+                            notebook=NOTEBOOK, run=run, progress=progress)
+    for r, k in zip(rows, names):
+        r.update(knob=k, changes=KNOBS[k].on, fallback=why, verdict=verdict(r))
+    return rows
+
+
+# --- the breakdown this study starts from ----------------------------------------------------------------
+
+BREAKDOWN_NOTEBOOK = "16_where_time_goes"
+TARGETS = ("gemm", "lm_head_ce", "elementwise")   # what the knobs can reach: matmuls, their epilogues, fused kernels
+
+
+def breakdown_left(records: list[dict], step: str) -> tuple[list[dict], str]:
+    """What notebook 16 measured of ``step`` (or of the step it did profile), from the run's
+    ``records`` (handed in: studies do not read results): per target category the measured ms/step,
+    its floor, the ms above the floor, and the step's speed-up were that category at its floor
+    (step / (step - above)): the most a knob aimed at it could give. Returns (rows, a sentence)."""
+    from .breakdown import LABELS
+
+    mine = [r for r in records if r.get("notebook") == BREAKDOWN_NOTEBOOK and r.get("status", "ok") == "ok"
+            and r.get("value") is not None]
+    steps = list(dict.fromkeys(r["step"] for r in mine if r["metric"] == "step_ms"))
+    if not steps:
+        return [], (f"Notebook 16 (where the time goes) has not run into this run: there is no breakdown to say "
+                    f"what is left at {step}.")
+    at = step if step in steps else steps[-1]
+    got = {(r["metric"], (r.get("fields") or {}).get("category")): r["value"] for r in mine if r["step"] == at}
+    step_ms = got.get(("step_ms", None))
+    rows = []
+    for c in TARGETS:
+        ms, floor = got.get(("category_ms", c)), got.get(("category_floor_ms", c))
+        above = ms - floor if (ms is not None and floor is not None) else None
+        bound = step_ms / (step_ms - above) if (above is not None and step_ms and 0 < above < step_ms) else None
+        rows.append({"step": at, "category": LABELS[c], "ms/step": ms, "floor (ms)": floor,
+                     "measured / floor": ms / floor if (ms is not None and floor) else None,
+                     "above floor (ms)": above, "speed-up at its floor": bound})
+    text = f"Notebook 16 profiled {at}" + ("" if at == step else f" (not {step}, where the knobs are measured)")
+    if step_ms is not None:
+        text += f": a step of {step_ms:.3g} ms"
+    known = [r for r in rows if r["above floor (ms)"] is not None]
+    if known:
+        top = max(known, key=lambda r: r["above floor (ms)"])
+        text += (f"; the most time above a floor is in {top['category']}, {top['above floor (ms)']:.3g} ms "
+                 f"({top['measured / floor']:.2g}x its floor)")
+        if top["speed-up at its floor"]:
+            text += f": brought to its floor, the step would run {top['speed-up at its floor']:.3g}x faster"
+    else:
+        text += "; no floors (the run has no measured ceilings: notebook 00 measures them)"
+    return rows, text + "."
+
+
+# --- table, figure, prose -------------------------------------------------------------------------------
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """One flat row per knob for the notebook's table."""
+    out = []
+    for r in rows:
+        m, c = r.get("same_math") or {}, r.get("compile_s") or {}
+        out.append({"knob": r["knob"], "step": r["step"], "status": r["status"], "ms without": r["ms_without"],
+                    "ms with": r["ms_with"], "speed-up": r["speedup"],
+                    "interval": f"{r['lo']:.3f}-{r['hi']:.3f}" if r["lo"] is not None else None,
+                    "effect": r["effect"], "compile s without": c.get("without"), "compile s with": c.get("with"),
+                    "loss curves, max rel. diff": m.get("max_rel"), "tolerance": m.get("tolerance"),
+                    "verdict": r["verdict"], "reason": r["reason"]})
+    return out
+
+
+def speedup_figure(rows: list[dict], level: float, title: str = ""):
+    """Each measured knob's speed-up with its interval; the line at 1 is no effect."""
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(7, 0.4 * max(1, len(ok)) + 1.3))
+    for i, r in enumerate(ok):
+        colour = {"faster": "tab:green", "slower": "tab:red"}.get(r["effect"], "tab:gray")
+        lo, hi = min(r["lo"], r["speedup"]), max(r["hi"], r["speedup"])
+        ax.errorbar(r["speedup"], i, xerr=[[r["speedup"] - lo], [hi - r["speedup"]]], fmt="o", color=colour, capsize=3)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(range(len(ok)), [f"{r['knob']} ({r['step'].split('_', 1)[0]})" for r in ok], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"speed-up, time without / time with ({level:.0%} interval)")
+    ax.set_title(title or "inductor's options, one at a time", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def prose(rows: list[dict], level: float, on_gpu: bool, left: list[dict] | None = None) -> str:
+    """What the knobs did, in words built from the rows; ``left`` (``breakdown_left``'s rows) sets the
+    kept gain, or its absence, against the most the breakdown's floors allow."""
+    parts = []
+    for r in rows:
+        head = f"{r['knob']} at {r['step']}"
+        if r["status"] != "ok":
+            parts.append(f"{head}: {r['status']} ({r['reason']}).")
+            continue
+        text = (f"{head}: {r['ms_without']:.3g} ms/step without, {r['ms_with']:.3g} with, {r['speedup']:.3f}x "
+                f"({r['lo']:.3f}-{r['hi']:.3f}, {level:.0%}), "
+                + {"faster": "faster", "slower": "slower", "within noise": "no difference this run can resolve"}[
+                    r["effect"]])
+        c = r.get("compile_s") or {}
+        if "with" in c and "without" in c:
+            text += f"; compiling took {c['with']:.3g} s with it against {c['without']:.3g} s without"
+        m = r.get("same_math")
+        if m:
+            text += (f"; the first {m['k']} losses of the two arms differ by at most {m['max_rel']:.1e} "
+                     + ("(within" if m["ok"] else "(beyond") + f" the step's {m['tolerance']:.0e})")
+        parts.append(text + ".")
+    kept = [r["knob"] for r in rows if r.get("verdict") == "keep"]
+    measured = [r for r in rows if r["status"] == "ok"]
+    if measured:
+        parts.append(f"Kept, a gain beyond noise with the same math: {', '.join(kept)}." if kept else
+                     "No option measured a gain beyond noise: inductor's defaults stay.")
+    room = [r for r in (left or []) if r.get("above floor (ms)") is not None and r.get("speed-up at its floor")]
+    if measured and room:
+        top = max(room, key=lambda r: r["above floor (ms)"])
+        best = max((r["speedup"] for r in rows if r.get("verdict") == "keep"), default=None)
+        floor = (f"{top['category']} at its floor would give {top['speed-up at its floor']:.3g}x "
+                 f"({top['above floor (ms)']:.3g} ms above it at {top['step']})")
+        parts.append(f"The best kept option gives {best:.3f}x, where {floor}." if best else
+                     f"What the breakdown leaves stays where it was: {floor}, and no option reached any of it.")
+    if not on_gpu:
+        parts.append("On a CPU (smoke) these ratios only show that the code runs; they say nothing of a GPU.")
+    return " ".join(parts)

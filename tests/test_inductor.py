@@ -1,0 +1,152 @@
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+from hwlib import query
+from hwlib.device import ChoiceError, info
+from hwlib.steps import settings_for
+from hwlib.studies import ablation, inductor
+
+TINY = ablation.Window(repeats=2, steps=2, settle=1, warmup=2)
+
+
+def _option(key):
+    obj = inductor_config
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_each_knob_is_a_rebuild_toggle_whose_arms_differ_only_by_the_options_they_patch():
+    assert 4 <= len(inductor.KNOBS) <= 6 and inductor.SMOKE_KNOB in inductor.KNOBS
+    assert {"max_autotune", "max_autotune_coordinate_descent", "coordinate_descent"} <= set(inductor.KNOBS)
+    for name, knob in inductor.KNOBS.items():
+        t = ablation.get_toggle(f"inductor_{name}")
+        assert t is inductor.TOGGLES[name] and t.rebuild and t.same_math and t.fallible
+        assert t.without.settings == t.with_.settings == {} and t.without.model is t.with_.model is None
+        off, on = t.without.context, t.with_.context
+        assert isinstance(off, inductor.InductorConfig) and isinstance(on, inductor.InductorConfig)
+        assert set(off.changes) == set(on.changes) and off.changes == knob.off and on.changes == knob.on
+        assert all(off.changes[k] != on.changes[k] for k in on.changes) and len(knob.why) > 80
+        before = {k: _option(k) for k in on.changes}
+        for arm in (off, on):   # the context really sets the options, and puts them back
+            with arm(None, {}):
+                assert {k: _option(k) for k in on.changes} == arm.changes
+            assert {k: _option(k) for k in on.changes} == before
+
+
+def test_on_a_cpu_the_triton_knobs_are_skipped_with_their_reason(tmp_path):
+    cpu = info("cpu")
+    why = inductor.TOGGLES["max_autotune"].skips(cpu)
+    assert "max-autotune" in why and "Triton GEMM templates" in why and "GPU" in why
+    assert "C++" in inductor.TOGGLES["coordinate_descent"].skips(cpu)
+    assert inductor.TOGGLES["aggressive_fusion"].skips(cpu) is None
+    ghost = inductor.Knob("ghost", {"no_such_option": True}, {"no_such_option": False}, "t", "w", triton=False)
+    assert "no inductor option no_such_option" in inductor.knob_toggle(ghost).skips(cpu)
+    # an eager step compiles nothing: the knobs do not apply there
+    assert "does not compile" in inductor.TOGGLES["max_autotune"].applies("gpt", settings_for("05"), cpu)
+    # across processes too, a skipped knob starts no process and is recorded with its reason
+    row = ablation.measure_in_processes("gpt", "17_fused_lm_head", "inductor_multi_kernel", profile="smoke",
+                                        device="cpu", window=TINY, run=tmp_path / "p",
+                                        command=lambda spec, out: ["false"])
+    assert row["status"] == "skipped" and "C++" in row["reason"]
+    assert query.select(query.load(tmp_path / "p"), metric="speedup")[0]["status"] == "skipped"
+
+
+def test_the_best_step_is_17_on_gpt_and_09_where_17_does_not_apply():
+    assert inductor.best_step("gpt", "cpu") == ("17_fused_lm_head", None)
+    step, why = inductor.best_step("vit_bdh", "cpu")
+    assert step == "09_cuda_graphs" and "17_fused_lm_head does not run here" in why
+
+
+def test_bad_knobs_fail_before_any_work(tmp_path):
+    run = tmp_path / "nothing"
+    with pytest.raises(ChoiceError, match="knob 'no_such_knob'") as e:
+        inductor.measure(["aggressive_fusion", "no_such_knob"], device="cpu", run=run)
+    assert e.value.argument == "knob" and "max_autotune" in str(e.value)
+    with pytest.raises(ValueError, match="knobs"):
+        inductor.measure("aggressive_fusion", device="cpu", run=run)
+    with pytest.raises(ValueError, match="knobs"):
+        inductor.measure([], device="cpu", run=run)
+    with pytest.raises(ValueError, match="level"):
+        inductor.measure(["aggressive_fusion"], device="cpu", level=2.0, run=run)
+    with pytest.raises(ValueError, match="different values"):
+        inductor.Knob("same", {"max_autotune": True}, {"max_autotune": True}, "t", "w", triton=True)
+    with pytest.raises(ValueError, match="already registered"):
+        ablation.register(inductor.knob_toggle(inductor.KNOBS["max_autotune"]))
+    with pytest.raises(ValueError, match="same_math needs rebuild"):
+        ablation.Toggle("x", "x", ablation.Arm(), ablation.Arm(), rebuild=False, same_math=True)
+    assert not (run / "results.jsonl").exists()
+
+
+def test_one_knob_runs_through_the_ablation_on_a_cpu_and_records_compile_time_and_math(tmp_path):
+    run = tmp_path / "r"
+    rows = inductor.measure([inductor.SMOKE_KNOB, "max_autotune"], profile="smoke", device="cpu", window=TINY,
+                            run=run)
+    by = {r["knob"]: r for r in rows}
+    r = by[inductor.SMOKE_KNOB]
+    assert r["status"] == "ok", r["reason"]
+    assert r["step"] == "17_fused_lm_head" and r["fallback"] is None and r["changes"] == {"aggressive_fusion": True}
+    assert r["ran"] == ["A", "B", "B", "A"] and r["lo"] <= r["speedup"] <= r["hi"]
+    assert r["verdict"] in ("keep", "drop (slower)", "drop (within noise)")
+    assert r["settings"]["without"] == r["settings"]["with"] and r["settings"]["with"]["fused_head"]
+    # the compile time is the first call less a steady step, for both arms (each compiles its own graph)
+    for arm in ("without", "with"):
+        assert r["first_step_s"][arm] > r[f"ms_{arm}"] / 1e3 * 0.5
+        assert r["compile_s"][arm] == pytest.approx(max(0.0, r["first_step_s"][arm] - r[f"ms_{arm}"] / 1e3))
+    m = r["same_math"]
+    assert m["k"] == TINY.warmup and len(r["first_losses"]["with"]) == TINY.warmup and m["tolerance"] == 1e-2
+    assert m["ok"] and m["max_rel"] <= 1e-2 and all(v > 0 for v in r["first_losses"]["without"])
+    sk = by["max_autotune"]
+    assert sk["status"] == "skipped" and "Triton GEMM templates" in sk["reason"] and sk["verdict"].startswith("not")
+    recs = query.select(query.load(run), notebook="20_inductor")
+    name = f"inductor_{inductor.SMOKE_KNOB}"
+    assert query.select(recs, metric="speedup", toggle=name)[0]["value"] == pytest.approx(r["speedup"])
+    comp = query.select(recs, metric="compile_s", toggle=name)
+    assert sorted(c["fields"]["arm"] for c in comp) == ["with", "without"]
+    assert {c["fields"]["arm"]: c["value"] for c in comp} == pytest.approx(r["compile_s"])
+    check = query.select(recs, metric="same_math_max_rel", toggle=name)
+    assert len(check) == 1 and check[0]["status"] == "ok" and check[0]["value"] == pytest.approx(m["max_rel"])
+    skipped = query.select(recs, metric="speedup", toggle="inductor_max_autotune")
+    assert skipped[0]["status"] == "skipped" and "GPU" in skipped[0]["reason"]
+    assert inductor.SMOKE_KNOB in inductor.prose(rows, 0.9, on_gpu=False)
+
+
+def test_same_math_check_and_verdicts():
+    ok = ablation.same_math_check({"without": [10.0, 9.0], "with": [10.0, 9.05]}, "17_fused_lm_head")
+    assert ok["ok"] and ok["max_rel"] == pytest.approx(0.05 / 9.0) and ok["k"] == 2
+    assert not ablation.same_math_check({"without": [10.0], "with": [10.2]}, "17_fused_lm_head")["ok"]
+    row = {"status": "ok", "effect": "faster", "same_math": {"ok": True}}
+    assert inductor.verdict(row) == "keep"
+    assert inductor.verdict({**row, "effect": "within noise"}) == "drop (within noise)"
+    assert inductor.verdict({**row, "same_math": {"ok": False}}) == "drop (math changed)"
+    assert inductor.verdict({"status": "skipped"}) == "not measured (skipped)"
+
+
+def _bd(step, metric, value, category=None):
+    return {"notebook": "16_where_time_goes", "step": step, "metric": metric, "value": value, "status": "ok",
+            "fields": {"category": category} if category else {"window": "unprofiled"}}
+
+
+def test_what_the_breakdown_leaves_is_read_from_notebook_16s_records():
+    rows, text = inductor.breakdown_left([], "17_fused_lm_head")
+    assert rows == [] and "has not run" in text
+    recs = [_bd("09_cuda_graphs", "step_ms", 40.0),
+            _bd("09_cuda_graphs", "category_ms", 12.0, "elementwise"), _bd("09_cuda_graphs", "category_floor_ms", 2.0, "elementwise"),
+            _bd("09_cuda_graphs", "category_ms", 16.0, "gemm"), _bd("09_cuda_graphs", "category_floor_ms", 14.0, "gemm")]
+    rows, text = inductor.breakdown_left(recs, "17_fused_lm_head")
+    el = next(r for r in rows if r["category"] == "LayerNorm / elementwise")
+    assert el["above floor (ms)"] == pytest.approx(10.0) and el["speed-up at its floor"] == pytest.approx(40 / 30)
+    assert el["measured / floor"] == pytest.approx(6.0)
+    head = next(r for r in rows if r["category"] == "LM head + cross-entropy")
+    assert head["ms/step"] is None and head["speed-up at its floor"] is None
+    assert "09_cuda_graphs (not 17_fused_lm_head" in text and "LayerNorm / elementwise" in text
+    measured = {"knob": "max_autotune", "step": "17_fused_lm_head", "status": "ok", "ms_without": 40.0, "ms_with": 39.0,
+                "speedup": 40 / 39, "lo": 1.01, "hi": 1.04, "effect": "faster", "verdict": "keep",
+                "compile_s": {"without": 2.0, "with": 90.0}, "same_math": {"k": 5, "max_rel": 1e-5, "ok": True,
+                                                                          "tolerance": 1e-2}}
+    said = inductor.prose([measured], 0.9, on_gpu=True, left=rows)
+    assert "Kept, a gain beyond noise with the same math: max_autotune." in said and "1.026x" in said
+    assert "1.33x" in said and "compiling took 90 s with it against 2 s without" in said
+    said = inductor.prose([{**measured, "effect": "within noise", "verdict": "drop (within noise)"}], 0.9, True, rows)
+    assert "inductor's defaults stay" in said and "no option reached any of it" in said
