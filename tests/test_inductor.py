@@ -150,3 +150,11 @@ def test_what_the_breakdown_leaves_is_read_from_notebook_16s_records():
     assert "1.33x" in said and "compiling took 90 s with it against 2 s without" in said
     said = inductor.prose([{**measured, "effect": "within noise", "verdict": "drop (within noise)"}], 0.9, True, rows)
     assert "inductor's defaults stay" in said and "no option reached any of it" in said
+    # the fused head: its GEMMs counted as GEMMs leave the head below its floor; the two become one row
+    fused = [_bd("17_fused_lm_head", "step_ms", 34.7),
+             _bd("17_fused_lm_head", "category_ms", 17.2, "gemm"), _bd("17_fused_lm_head", "category_floor_ms", 11.0, "gemm"),
+             _bd("17_fused_lm_head", "category_ms", 1.8, "lm_head_ce"), _bd("17_fused_lm_head", "category_floor_ms", 5.0, "lm_head_ce")]
+    rows, text = inductor.breakdown_left(fused, "17_fused_lm_head")
+    assert [r["category"] for r in rows] == ["GEMMs + LM head + cross-entropy", "LayerNorm / elementwise"]
+    assert rows[0]["ms/step"] == pytest.approx(19.0) and rows[0]["floor (ms)"] == pytest.approx(16.0)
+    assert rows[0]["above floor (ms)"] == pytest.approx(3.0) and "taken together" in text
