@@ -99,14 +99,34 @@ def test_each_repeat_is_a_process_and_is_recorded(isolated_run, tmp_path):
     assert query.ladder_rows(recs, "gpt") == []
 
 
-def test_processes_go_round_by_round_over_the_steps(isolated_run, tmp_path):
+def test_pairs_first_then_round_by_round(isolated_run, tmp_path):
     log, cmd = fake(tmp_path)
-    rows = pn.measure([("gpt", "05_fused_optimizer"), ("resnet_bk", "03_bf16_autocast")], processes=2,
+    rows = pn.measure([("gpt", "05_fused_optimizer"), ("resnet_bk", "03_bf16_autocast")], processes=3,
                       profile="smoke", device="cpu", command=cmd)
-    # a drift over the study falls on both steps alike: the n-th process of each ran side by side in time
-    assert log.read_text().split() == ["gpt", "resnet_bk", "gpt", "resnet_bk"]
-    assert [r["medians"] for r in rows] == [pytest.approx([10.0 * 1.0025, 12.0 * 1.0025]),
-                                           pytest.approx([11.0 * 1.0025, 13.0 * 1.0025])]
+    # each step's pair back to back (a spread at the least), then the third processes side by side in time
+    assert log.read_text().split() == ["gpt", "gpt", "resnet_bk", "resnet_bk", "gpt", "resnet_bk"]
+    assert [r["medians"] for r in rows] == [pytest.approx([10.0 * 1.0025, 11.0 * 1.0025, 14.0 * 1.0025]),
+                                           pytest.approx([12.0 * 1.0025, 13.0 * 1.0025, 15.0 * 1.0025])]
+
+
+def test_a_budget_never_starts_a_pair_it_cannot_finish(isolated_run, tmp_path, monkeypatch):
+    """Each fake process costs 10 s of a fake clock; a 35 s budget runs the first step's pair, does not
+    start the second step's (two more would need 20 s of the 15 left), then gives the first its third."""
+    log, cmd = fake(tmp_path)
+    clock = [0.0]
+
+    def costly(spec, out):
+        clock[0] += 10.0
+        return cmd(spec, out)
+    monkeypatch.setattr(pn.time, "perf_counter", lambda: clock[0])
+    rows = pn.measure([("gpt", "05_fused_optimizer"), ("resnet_bk", "03_bf16_autocast")], processes=3,
+                      profile="smoke", device="cpu", command=costly, budget_s=35.0)
+    assert log.read_text().split() == ["gpt", "gpt", "gpt"]
+    first, second = rows
+    assert first["status"] == "ok" and first["processes"] == 3
+    assert second["status"] == "skipped" and "0 process(es) done" in second["reason"]
+    (sp,) = query.select(query.load(), metric="process_spread")
+    assert sp["step"] == "05_fused_optimizer" and sp["fields"] == {"processes": 3}
 
 
 def test_a_failing_process_ends_its_step_without_a_spread(isolated_run, tmp_path):

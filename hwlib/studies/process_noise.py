@@ -7,8 +7,10 @@ is not in it; on a host-bound eager step it can be larger than the difference be
 steps of the ladder. Here a step is measured ``processes`` times exactly as the ladder measures it
 (``ladder.run.run_step`` with the profile's plan), each time in a fresh process started through
 ``ablation.in_fresh_process`` (``python -m hwlib.studies.process_noise SPEC OUT``), one at a time,
-never side by side, round by round over the steps measured (each one's first process, then each
-one's second, ...).
+never side by side: each step's first two processes back to back (the least a spread needs), step
+after step, then round by round over the steps for the processes past two. A time budget never
+starts a step whose two processes it cannot finish (judged by the processes so far), so a short
+budget leaves whole spreads of the first steps instead of one process of every step and no spread.
 
 Recorded (notebook 19) once the last process has finished, never before:
 
@@ -204,12 +206,14 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
             budget_s: float | None = None, notebook: str = NOTEBOOK, run=None, progress: bool = False,
             command: Callable[[Path, Path], list[str]] | None = None) -> list[dict]:
     """Each target step (``(workload, step)`` or a ``Target``) measured in ``processes`` fresh
-    processes, one at a time, round by round over the targets (module doc). Returns a row per
+    processes, one at a time, pairs first, then round by round (module doc). Returns a row per
     target: each process's median ms/step, the spread (slowest / fastest) and its interval at
     ``level``, ``beyond_steps`` (the interval excludes 1). A step that does not apply is an ``n/a``
     row; a process that fails ends its target (``failed`` with the reason, its finished processes
-    still recorded). Before each process, past ``budget_s`` seconds, the rest is skipped: a target
-    with two or more processes done records its spread over those, one with fewer records nothing. ``command(spec, out)``
+    still recorded). With ``budget_s``, a target's first process starts only if its pair fits in
+    what is left at the mean process time so far, its second always follows its first, and a later
+    one starts only if it fits: a target with two or more processes done records its spread over
+    those, a target not started records nothing (``skipped``). ``command(spec, out)``
     builds a worker's command line (tests replace the worker). Every argument is checked first."""
     ts = _targets(targets)
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 2:
@@ -233,34 +237,38 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
     live = [t for t in ts if not why[t]]
     done: dict[Target, list[dict]] = {t: [] for t in ts}
     failed: dict[Target, dict] = {}
-    out_of_time = False
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(live) * processes, desc="ladder steps in fresh processes", leave=False)
     t0 = time.perf_counter()
+    # Pairs first (a spread needs two), then the processes past two round by round: a drift over
+    # the study falls on every step's later processes alike.
+    order = ([(t, i) for t in live for i in range(2)]
+             + [(t, i) for i in range(2, processes) for t in live])
+    took: list[float] = []
     with tempfile.TemporaryDirectory(prefix="hwlib-noise-") as tmp:
-        # Round by round (each step's first process, then each one's second, ...): a drift over the
-        # study (clocks, a warming GPU) falls on every step alike, and a spent budget leaves every
-        # step with as many processes as the time allowed, instead of the last steps with none.
-        for i in range(processes):
-            for k, t in enumerate(live):
-                if t in failed or out_of_time:
+        for t, i in order:
+            if t in failed or len(done[t]) < i:      # failed, or its pair was never started
+                continue
+            if budget_s is not None and i != 1:
+                left = budget_s - (time.perf_counter() - t0)
+                mean = statistics.fmean(took) if took else 0.0
+                if left <= 0 or (2 if i == 0 else 1) * mean > left:
                     continue
-                if budget_s is not None and time.perf_counter() - t0 > budget_s:
-                    out_of_time = True
-                    continue
-                if bar is not None:
-                    bar.set_postfix_str(f"{t.workload} {t.step} #{i + 1}")
-                spec = {"workload": t.workload, "step": t.step, "profile": prof, "device": dev.type, "seed": seed,
-                        "config": config or {}, "plan": [pl.check, pl.warmup, pl.timed]}
-                res = in_fresh_process(make, spec, Path(tmp) / f"t{k}p{i}", timeout_s, prof)
-                if bar is not None:
-                    bar.update(1)
-                if res["status"] != "ok":
-                    failed[t] = res
-                else:
-                    done[t].append(res)
+            if bar is not None:
+                bar.set_postfix_str(f"{t.workload} {t.step} #{i + 1}")
+            spec = {"workload": t.workload, "step": t.step, "profile": prof, "device": dev.type, "seed": seed,
+                    "config": config or {}, "plan": [pl.check, pl.warmup, pl.timed]}
+            start = time.perf_counter()
+            res = in_fresh_process(make, spec, Path(tmp) / f"t{ts.index(t)}p{i}", timeout_s, prof)
+            took.append(time.perf_counter() - start)
+            if bar is not None:
+                bar.update(1)
+            if res["status"] != "ok":
+                failed[t] = res
+            else:
+                done[t].append(res)
     if bar is not None:
         bar.close()
     rows = []
