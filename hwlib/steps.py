@@ -191,6 +191,26 @@ def resolve_autocast(settings: Settings, di: DeviceInfo) -> Settings:
     return settings
 
 
+def runs_here(di: DeviceInfo) -> list[dict]:
+    """What each ladder step does on this device, for notebook 00: runs, runs changed (bf16 autocast
+    as fp16 with a GradScaler before sm_80; mixed precision with no tensor cores to run it on before
+    sm_70) or is skipped, with the reason. The rest of the series runs what it can around it."""
+    rows = []
+    for step in LADDER:
+        why = unavailable(step, di)
+        if why:
+            rows.append({"step": step.name, "here": "skipped", "why": why})
+            continue
+        here, note = "runs", ""
+        if step.change.get("autocast") == "bf16" and di.kind == "cuda":
+            if not supports_bf16(di):
+                here, note = "runs as fp16 autocast + GradScaler", "no bf16 tensor cores before sm_80"
+            if di.capability is not None and di.capability[0] < 7:
+                here, note = here + ", no speed-up expected", "no tensor cores (fp16 or bf16) before sm_70"
+        rows.append({"step": step.name, "here": here, "why": note})
+    return rows
+
+
 def describe(name: str) -> list[dict]:
     """The step's change against the step before, as rows for a table."""
     step = get_step(name)

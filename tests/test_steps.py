@@ -92,3 +92,29 @@ def test_autocast_modes():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="autocast mode 'fp8'"):
         precision.autocast("fp8", torch.device("cpu"))
+
+
+def _di(kind, cap=None):
+    from hwlib.device import DeviceInfo
+    return DeviceInfo(kind=kind, name="GPU" if kind == "cuda" else "cpu", capability=list(cap) if cap else None,
+                      total_mem_gib=16.0 if kind == "cuda" else None, sm_count=40, l2_mib=4.0, cpu_count=2,
+                      host="vm", colab=False, versions={"triton": "3.6.0"})
+
+
+def test_runs_here_names_what_a_machine_lacks():
+    """Notebook 00's table: a CPU skips the GPU-only steps, a T4 runs bf16 steps as fp16 and skips FP8,
+    a P100 has no tensor cores and no compiler backend, an H100 runs everything."""
+    def by_step(di):
+        return {r["step"]: r for r in steps.runs_here(di)}
+    h100 = by_step(_di("cuda", (9, 0)))
+    assert all(r["here"] == "runs" for r in h100.values()) and set(h100) == set(steps.STEP_NAMES)
+    cpu = by_step(_di("cpu"))
+    assert cpu["09_cuda_graphs"]["here"] == "skipped" and "GPU-only" in cpu["09_cuda_graphs"]["why"]
+    assert cpu["01_baseline_fp32"]["here"] == "runs"
+    t4 = by_step(_di("cuda", (7, 5)))
+    assert t4["03_bf16_autocast"]["here"] == "runs as fp16 autocast + GradScaler" and "sm_80" in t4["03_bf16_autocast"]["why"]
+    assert t4["18_fp8"]["here"] == "skipped" and "sm_89" in t4["18_fp8"]["why"]
+    assert t4["02_tf32"]["here"] == "skipped" and "TF32" in t4["02_tf32"]["why"]
+    p100 = by_step(_di("cuda", (6, 0)))
+    assert p100["03_bf16_autocast"]["here"].endswith("no speed-up expected") and "sm_70" in p100["03_bf16_autocast"]["why"]
+    assert p100["06_torch_compile"]["here"] == "skipped" and "sm_70" in p100["06_torch_compile"]["why"]
