@@ -899,3 +899,15 @@ def test_study_records_keep_x_values_in_fields():
     tg = bk_study.target_records(bk_study.targets(rows, 4, 9), profile="smoke", device="cpu")
     assert [(r["metric"], r["status"]) for r in tg] == [("target", "n/a"), ("target", "failed")]   # no ceiling; loop
     assert tg[0]["fields"] == {"target": "best forward >= 60% of copy bandwidth"}
+
+
+def test_timing_inputs_are_drawn_once_per_size():
+    """A sweep times every backend and direction at one size in a row: the input sets are drawn once
+    for that size (the same draws as random_inputs' seeds 0..k-1), and the previous size's are let go."""
+    from hwlib.studies import bk_core as bk_study
+    first = bk_study.input_sets(3, 9, torch.float32, torch.device("cpu"), 2)
+    assert bk_study.input_sets(3, 9, torch.float32, torch.device("cpu"), 2) is first
+    for i, s in enumerate(first):
+        assert all(torch.equal(x, y) for x, y in zip(s, bk_study.random_inputs(3, 9, seed=i)))
+    other = bk_study.input_sets(4, 9, torch.float32, torch.device("cpu"), 2)
+    assert other is not first and len(bk_study._SETS) == 1

@@ -39,6 +39,21 @@ def random_inputs(batch: int | tuple, n: int, *, dtype=torch.float32, device="cp
     return tuple(t.to(device=device, dtype=dtype) for t in (a, b, c))
 
 
+_SETS: dict = {}
+
+
+def input_sets(batch: int, n: int, dtype, device: torch.device, count: int) -> list[tuple]:
+    """``count`` input sets (seeds 0..count-1) for timing, kept for the next call with the same
+    arguments: a sweep times every backend and direction at one size in a row, and drawing the sets
+    (in float64 on the host, for inputs independent of the device) would cost more than timing them.
+    One size is kept at a time, so a sweep holds one size's sets on the device, not all of them."""
+    key = (batch, n, dtype, str(device), count)
+    if key not in _SETS:
+        _SETS.clear()       # the previous size's sets go before this size's are made
+        _SETS[key] = [random_inputs(batch, n, dtype=dtype, device=device, seed=i) for i in range(count)]
+    return _SETS[key]
+
+
 def min_bytes(batch: int, n: int, dtype=torch.float32, direction: str = "forward") -> int:
     s = torch.finfo(dtype).bits // 8
     fwd = batch * (n * s + 2 * (n - 1) * s + 2 * n * s)
@@ -137,7 +152,7 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
     if kernel_only:
         select_backend(backend, dev)   # builds it, or raises Unavailable with the reason
     sets = max(1, math.ceil(2 * 64 * 2**20 / min_bytes(batch, n, dtype, direction)))
-    inputs = [random_inputs(batch, n, dtype=dtype, device=dev, seed=i) for i in range(min(sets, 8))]
+    inputs = input_sets(batch, n, dtype, dev, min(sets, 8))
     cplx = torch.complex64 if dtype == torch.float32 else torch.complex128
     grads = [torch.randn(batch, n, dtype=cplx, device=dev) for _ in inputs]
     fn = _timed_call(backend, direction, inputs, grads, kernel_only)
