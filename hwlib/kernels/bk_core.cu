@@ -284,7 +284,12 @@ BK_HD void load_tile(const Ex& ex, Smem<R, T, L, NA>& sm, const Geo& g, long lon
   ex.sync();
 }
 
-template <int L> BK_HD int chunk_base(int t) { return pad(t * L); }
+// A chunk is addressed as pad(t L) + j: exact only while it stays inside one 32-word row of the
+// padded tile, so L must be a power of two <= 32 (L = 64 read the padding words as positions).
+template <int L> BK_HD int chunk_base(int t) {
+  static_assert(L >= 1 && L <= 32 && (32 % L) == 0, "positions per thread (L) must be a power of two <= 32");
+  return pad(t * L);
+}
 
 // Each thread's chunk maps from its own positions: left N_{L-1}...N_0, right R_0...R_{L-1}.
 // Also turns a into dr = a - Re z in place (and k = b c into array 1 when keep_bc is false).
@@ -732,7 +737,8 @@ template <int T, int L> constexpr int tile_positions() { return T * L; }
 
 }  // namespace bk
 
-// Default configurations: threads per block _T, positions per thread _L (-D overrides both).
+// Default configurations: threads per block _T, positions per thread _L (-D overrides both; L a power
+// of two <= 32, see chunk_base).
 #ifndef BK_FWD_F32_T
 #define BK_FWD_F32_T 64
 #define BK_FWD_F32_L 32
