@@ -361,6 +361,7 @@ def readme_block(run) -> str:
         rows = ladder_rows_with_noise(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
     lines += generation_lines(s["generation"]["steps"])
+    lines += toggle_lines(toggle_rows(recs))
     lines += multi_gpu_lines(reference_runs())
     lines.append(time_table(run))
     return "\n".join(lines)
@@ -381,6 +382,54 @@ def generation_lines(steps: list[dict]) -> list[str]:
         out.append(f"| {r['step']} | {r['status']} | {_fmt(r.get('gen_tokens_per_s'), ',.1f')} | {_fmt(x, '.1f')} | "
                    f"{_fmt(cyc, '.2f')} | {_fmt(r.get('share_generation'), '.0%')} | "
                    f"{_fmt(r.get('decode_gbps'), ',.0f')} | {_fmt(r.get('decode_share_of_copy'), '.1%')} |")
+    return out + [""]
+
+
+def toggle_rows(recs: list[dict]) -> list[dict]:
+    """One row per setting toggled on its own (notebook 19's ablations, notebook 20's inductor knobs):
+    the newest ``speedup`` record of each (notebook, workload, step, toggle, mode), its interval, the
+    effect it supports (faster or slower only when the interval excludes 1) and the "with" arm's
+    compile seconds where the arms compiled."""
+    newest: dict = {}
+    for r in recs:
+        f = r.get("fields") or {}
+        if r.get("metric") == "speedup" and "toggle" in f:
+            key = (r["notebook"], r["workload"], r["step"], f["toggle"], f.get("mode"))
+            if key not in newest or r.get("time", "") >= newest[key].get("time", ""):
+                newest[key] = r
+    compile_with = {(r["notebook"], r["workload"], r["step"], r["fields"]["toggle"], r["fields"].get("mode")): r["value"]
+                    for r in recs if r.get("metric") == "compile_s" and (r.get("fields") or {}).get("arm") == "with"}
+    rows = []
+    for key, r in newest.items():
+        iv = (r.get("params") or {}).get("interval") or {}
+        lo, hi = iv.get("lo"), iv.get("hi")
+        effect = (None if lo is None or hi is None else
+                  "faster" if lo > 1 else "slower" if hi < 1 else "within noise")
+        rows.append({"notebook": key[0], "workload": key[1], "step": key[2], "toggle": key[3],
+                     "change": (r.get("params") or {}).get("what"), "mode": key[4], "status": r.get("status"),
+                     "speedup": r.get("value"), "lo": lo, "hi": hi, "level": iv.get("level"), "effect": effect,
+                     "compile_s_with": compile_with.get(key), "reason": r.get("reason")})
+    return sorted(rows, key=lambda x: (x["notebook"], x["workload"], x["step"], x["toggle"], x["mode"] or ""))
+
+
+def toggle_lines(rows: list[dict]) -> list[str]:
+    """``toggle_rows`` as README lines; none without rows."""
+    if not rows:
+        return []
+    out = ["**One setting at a time** (notebooks 19 and 20; speed-up = time per step without the change / with it, "
+           "interleaved windows; faster or slower only where the interval excludes 1)", "",
+           "| notebook | workload | step | change | mode | speed-up (interval) | effect | compile s with it |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            sp, eff = f"{r['status']}: {r['reason'] or '-'}", "-"
+        else:
+            sp = (f"{_fmt(r['speedup'], '.3f')} ({_fmt(r['lo'], '.3f')}-{_fmt(r['hi'], '.3f')}, "
+                  f"{_fmt(r['level'], '.0%')})")
+            eff = r["effect"] or "-"
+        mode = "a process per window" if r["mode"] == "processes" else "one process"
+        out.append(f"| {r['notebook'][:2]} | {r['workload']} | {r['step']} | {r['change'] or r['toggle']} | {mode} | "
+                   f"{sp} | {eff} | {_fmt(r['compile_s_with'], '.0f')} |")
     return out + [""]
 
 
