@@ -111,12 +111,14 @@ LADDER: tuple[Step, ...] = (
          why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the fused head is measured on GPT-2",
                  **{w: "its head has no large vocabulary: the logits are a few classes wide"
                     for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}}),
-    Step("18_fp8", "FP8 matmuls in the MLP (e4m3 forward, e5m2 gradients)", {"fp8": True}, 5e-2, gpu_only=True,
+    Step("18_fp8", "FP8 matmuls in the MLP (e4m3 forward, e5m2 gradients)", {"fp8": True}, 1e-2, gpu_only=True,
          why_tolerance="FP8 rounds the MLP matmuls' operands to 3 mantissa bits (e4m3; gradients 2, e5m2), per-tensor "
                        "scaled: each operand 16x coarser than bf16's, but the rounding errors are independent and "
                        "average over each dot product's terms (outputs move a few percent, tests/test_fp8.py) and the "
-                       "loss is a mean over every token; the bound is bf16's (step 03) widened by FP8's, and notebook 18 "
-                       "records the move against steps 17 and 09 (curve_move) to hold it to",
+                       "loss is a mean over every token. Measured, H100 (outputs/reference/h100, notebook 18's "
+                       "curve_move): the curve moved 1.1e-3 from step 17's and 1.6e-3 from step 09's over 10 steps; "
+                       "the bound is 1e-2, six to nine times that move and the bound GPT-2's recipe steps 04-09 are held to "
+                       "(its fused kernels), so a curve FP8 moved as far as bf16 itself (step 03: 3e-2) fails",
          workloads=("gpt",), beyond_recipe=True,
          why_na={w: "the FP8 step is built and measured for GPT-2's MLP only"
                  for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear", "resnet_bk")}),
