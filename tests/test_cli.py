@@ -69,6 +69,18 @@ def test_goes_on_past_failures_reports_them_and_resumes(series, outputs, capsys)
     assert (run / "00.txt").read_text() == "smoke\nsmoke\n" and (run / "02.txt").read_text() == "smoke\n"
 
 
+def test_a_run_compiles_into_one_cache_in_its_folder(tmp_path, outputs, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    d = tmp_path / "cache_nbs"
+    d.mkdir()
+    make_nb(d / "00_cache.ipynb", 'import os\nopen(os.path.join(os.environ["HWLIB_RUN"], "cache.txt"), "w").write('
+                                  'os.environ["TORCHINDUCTOR_CACHE_DIR"] + "\\n" + os.environ["TRITON_CACHE_DIR"])')
+    assert reproduce(d, "cached") == 0
+    run = outputs / "cached"
+    assert (run / "cache.txt").read_text().split("\n") == [str(run / ".cache" / "inductor"), str(run / ".cache" / "triton")]
+
+
 def test_bad_arguments_are_clear_errors(series, tmp_path, capsys):
     assert reproduce(series, "r", "--only", "05") == 2
     assert "unknown notebook '05'" in capsys.readouterr().err
