@@ -128,21 +128,23 @@ def test_a_rerun_with_fewer_metrics_does_not_mix_with_stale_ones(isolated_run):
     assert row["status"] == "skipped" and row["throughput"] is None and row["final_loss"] is None
 
 
-def _toggle(toggle, value, lo, hi, time, notebook="19_ablations", mode="in_process", status="ok"):
-    return {"notebook": notebook, "workload": "gpt", "step": "09_cuda_graphs", "metric": "speedup", "value": value,
-            "status": status, "reason": None if status == "ok" else "the arm failed", "time": time,
-            "fields": {"toggle": toggle, "mode": mode},
-            "params": {"what": f"{toggle} on", "interval": {"lo": lo, "hi": hi, "level": 0.9}}}
+def _toggle(toggle, value, lo, hi, notebook="19_ablations", mode="in_process", status="ok", metric="speedup",
+            arm=None):
+    fields = {"toggle": toggle, "mode": mode, **({"arm": arm} if arm else {})}
+    return results.make_record(notebook=notebook, workload="gpt", step="09_cuda_graphs", metric=metric, value=value,
+                               unit="x", status=status, reason=None if status == "ok" else "the arm failed",
+                               device="cpu", fields=fields,
+                               params={"what": f"{toggle} on", "interval": {"lo": lo, "hi": hi, "level": 0.9}})
 
 
-def test_toggle_rows_take_the_newest_record_and_the_interval_decides_the_effect():
-    recs = [_toggle("a", 1.30, 1.20, 1.40, "2026-01-01"), _toggle("a", 1.01, 0.99, 1.03, "2026-01-02"),
-            _toggle("b", 0.90, 0.85, 0.95, "2026-01-01"), _toggle("c", 1.05, 1.01, 1.09, "2026-01-01", mode="processes"),
-            _toggle("k", 0.98, 0.96, 0.99, "2026-01-01", notebook="20_inductor"),
-            {"notebook": "20_inductor", "workload": "gpt", "step": "09_cuda_graphs", "metric": "compile_s",
-             "value": 205.0, "fields": {"toggle": "k", "mode": "in_process", "arm": "with"}},
-            _toggle("f", None, None, None, "2026-01-01", status="failed")]
-    rows = {r["toggle"]: r for r in report.toggle_rows(recs)}
+def test_toggle_rows_take_the_newest_record_and_the_interval_decides_the_effect(isolated_run):
+    results.append([_toggle("a", 1.30, 1.20, 1.40), _toggle("a", 1.01, 0.99, 1.03),     # re-measured: newest wins
+                    _toggle("b", 0.90, 0.85, 0.95), _toggle("c", 1.05, 1.01, 1.09, mode="processes"),
+                    _toggle("k", 0.98, 0.96, 0.99, notebook="20_inductor"),
+                    _toggle("k", 205.0, None, None, notebook="20_inductor", metric="compile_s", arm="with"),
+                    _toggle("f", None, None, None, status="failed")])
+    rows = {r["toggle"]: r for r in report.toggle_rows(query.load())}
+    assert set(rows) == {"a", "b", "c", "k", "f"}
     assert rows["a"]["speedup"] == 1.01 and rows["a"]["effect"] == "within noise"    # the newer record
     assert rows["b"]["effect"] == "slower" and rows["c"]["effect"] == "faster"
     assert rows["k"]["compile_s_with"] == 205.0 and rows["f"]["effect"] is None

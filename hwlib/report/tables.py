@@ -386,29 +386,27 @@ def generation_lines(steps: list[dict]) -> list[str]:
 
 
 def toggle_rows(recs: list[dict]) -> list[dict]:
-    """One row per setting toggled on its own (notebook 19's ablations, notebook 20's inductor knobs):
-    the newest ``speedup`` record of each (notebook, workload, step, toggle, mode), its interval, the
-    effect it supports (faster or slower only when the interval excludes 1) and the "with" arm's
-    compile seconds where the arms compiled."""
-    newest: dict = {}
-    for r in recs:
-        f = r.get("fields") or {}
-        if r.get("metric") == "speedup" and "toggle" in f:
-            key = (r["notebook"], r["workload"], r["step"], f["toggle"], f.get("mode"))
-            if key not in newest or r.get("time", "") >= newest[key].get("time", ""):
-                newest[key] = r
-    compile_with = {(r["notebook"], r["workload"], r["step"], r["fields"]["toggle"], r["fields"].get("mode")): r["value"]
-                    for r in recs if r.get("metric") == "compile_s" and (r.get("fields") or {}).get("arm") == "with"}
+    """One row per setting toggled on its own (notebook 19's ablations, notebook 20's inductor knobs),
+    from a run's records as ``query.load`` gives them (a re-measured toggle: its newest record only):
+    each ``speedup`` record's interval, the effect it supports (faster or slower only when the
+    interval excludes 1) and the "with" arm's compile seconds where the arms compiled."""
+    def key(r):
+        return r["notebook"], r["workload"], r["step"], r["fields"]["toggle"], r["fields"].get("mode")
+
+    toggled = [r for r in recs if "toggle" in (r.get("fields") or {})]
+    compile_with = {key(r): r["value"] for r in toggled
+                    if r.get("metric") == "compile_s" and r["fields"].get("arm") == "with"}
     rows = []
-    for key, r in newest.items():
+    for r in (r for r in toggled if r.get("metric") == "speedup"):
         iv = (r.get("params") or {}).get("interval") or {}
         lo, hi = iv.get("lo"), iv.get("hi")
         effect = (None if lo is None or hi is None else
                   "faster" if lo > 1 else "slower" if hi < 1 else "within noise")
-        rows.append({"notebook": key[0], "workload": key[1], "step": key[2], "toggle": key[3],
-                     "change": (r.get("params") or {}).get("what"), "mode": key[4], "status": r.get("status"),
+        k = key(r)
+        rows.append({"notebook": k[0], "workload": k[1], "step": k[2], "toggle": k[3],
+                     "change": (r.get("params") or {}).get("what"), "mode": k[4], "status": r.get("status"),
                      "speedup": r.get("value"), "lo": lo, "hi": hi, "level": iv.get("level"), "effect": effect,
-                     "compile_s_with": compile_with.get(key), "reason": r.get("reason")})
+                     "compile_s_with": compile_with.get(k), "reason": r.get("reason")})
     return sorted(rows, key=lambda x: (x["notebook"], x["workload"], x["step"], x["toggle"], x["mode"] or ""))
 
 
