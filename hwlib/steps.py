@@ -204,9 +204,10 @@ def runs_here(di: DeviceInfo) -> list[dict]:
             rows.append({"step": step.name, "here": "skipped", "why": why})
             continue
         here, note = "runs", ""
-        if step.change.get("autocast") == "bf16" and di.kind == "cuda":
-            if not supports_bf16(di):
-                here, note = "runs as fp16 autocast + GradScaler", "no bf16 tensor cores before sm_80"
+        if step.change.get("autocast") and di.kind == "cuda":
+            ran = resolve_autocast(settings_for(step.name), di).autocast   # the fallback the ladder takes
+            if ran != step.change["autocast"]:
+                here, note = f"runs as {ran} autocast + GradScaler", "no bf16 tensor cores before sm_80"
             if di.capability is not None and di.capability[0] < 7:
                 here, note = here + ", no speed-up expected", "no tensor cores (fp16 or bf16) before sm_70"
         rows.append({"step": step.name, "here": here, "why": note})
