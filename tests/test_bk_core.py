@@ -206,15 +206,10 @@ print("compiled")
 """
 
 
-def test_triton_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+def test_triton_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     """The interpreter skips Triton's compiler: compile the real pipeline (TTIR -> PTX -> cubin) for
     sm_90 here, with the specializations a GPU launch makes (ints equal to 1 become constexprs)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", TRITON_SM90], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=300)
-    assert r.returncode == 0 and "compiled" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    compile_for_sm90(TRITON_SM90)
 
 
 # --- gradients --------------------------------------------------------------------------------
