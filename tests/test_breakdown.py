@@ -126,3 +126,24 @@ def test_the_study_runs_on_cpu_and_records_per_category(isolated_run):
     assert "05_fused_optimizer" in text and f"{b.step_ms:.3g} ms" in text
     na = bd.breakdown("encoder_nli", "07_nice_shapes", profile="smoke", device="cpu")
     assert na.status == "n/a" and na.records("16")[0]["status"] == "n/a"
+
+
+def test_a_head_below_its_floor_is_taken_with_the_gemms():
+    """The fused head's matmuls are counted as GEMMs, which leaves the head's category under its floor:
+    by_step (and the prose built on it) takes the two together, in the times and the floors alike."""
+    def rec(metric, value, category=None):
+        return {"step": "17_fused_lm_head", "metric": metric, "value": value, "status": "ok",
+                "fields": {"category": category} if category else {}}
+    cats = {"gemm": (17.2, 11.0), "lm_head_ce": (1.8, 5.0), "attention": (3.8, 1.2), "elementwise": (8.9, 7.4),
+            "optimizer": (1.3, 1.2)}
+    recs = [rec("step_ms", 34.7), rec("category_ms", 0.7, "idle")]
+    for c, (ms, floor) in cats.items():
+        recs += [rec("category_ms", ms, c), rec("category_floor_ms", floor, c)]
+    s = bd.by_step(recs)["17_fused_lm_head"]
+    assert s["head_in_gemms"] and "gemm" not in s["ms"] and "lm_head_ce" not in s["floor"]
+    assert s["ms"][bd.HEAD_IN_GEMMS] == pytest.approx(19.0) and s["floor"][bd.HEAD_IN_GEMMS] == pytest.approx(16.0)
+    text = bd.prose(recs)
+    assert "taken together" in text and "GEMMs + LM head + cross-entropy (3 ms above a floor of 16 ms)" in text
+    # a head at or above its floor stays its own category
+    recs[recs.index(rec("category_ms", 1.8, "lm_head_ce"))]["value"] = 5.5
+    assert not bd.by_step(recs)["17_fused_lm_head"]["head_in_gemms"]

@@ -52,6 +52,9 @@ from ..steps import not_applicable, resolve_autocast, settings_for, unavailable
 CATEGORIES = ("gemm", "attention", "lm_head_ce", "elementwise", "optimizer", "other", "idle")
 LABELS = {"gemm": "GEMMs", "attention": "attention", "lm_head_ce": "LM head + cross-entropy",
           "elementwise": "LayerNorm / elementwise", "optimizer": "optimizer", "other": "other", "idle": "idle"}
+# The LM head taken with the GEMMs, where its own matmuls were counted as GEMMs (``by_step``).
+HEAD_IN_GEMMS = "gemm+lm_head_ce"
+LABELS[HEAD_IN_GEMMS] = "GEMMs + LM head + cross-entropy"
 HEAD_MATMULS = 3     # per training step: logits, grad of the hidden states, grad of the (tied) weight
 HEAD_GAP = 3.0       # the head's shortest matmul over the next GEMM, for the size rule to apply
 
@@ -371,13 +374,17 @@ def breakdown_figure(bds: list[Breakdown], path=None):
 
 # --- the prose ------------------------------------------------------------------------------------------
 
-def prose(records: list[dict]) -> str:
-    """What the breakdown records of one workload say, per step, in words built from their values."""
+def by_step(records: list[dict]) -> dict[str, dict]:
+    """A breakdown's records, per profiled step: ``{"ms": {category: ms}, "floor": {category: ms},
+    "step_ms", "sol_share", "head_in_gemms"}``. An LM head measured below its own floor had its
+    matmuls counted as GEMMs (the fused head's chunked matmuls are plain cuBLAS calls that the size
+    rule cannot tell from the model's): then the two are one category, ``HEAD_IN_GEMMS``, in both
+    the times and the floors, so that no category reads as faster than its floor."""
     steps: dict = {}
     for r in records:
         if r.get("status") != "ok" or r.get("value") is None:
             continue
-        s = steps.setdefault(r["step"], {"ms": {}, "floor": {}})
+        s = steps.setdefault(r["step"], {"ms": {}, "floor": {}, "head_in_gemms": False})
         cat = (r.get("fields") or {}).get("category")
         if r["metric"] == "category_ms":
             s["ms"][cat] = r["value"]
@@ -385,8 +392,19 @@ def prose(records: list[dict]) -> str:
             s["floor"][cat] = r["value"]
         elif r["metric"] in ("step_ms", "sol_share"):
             s[r["metric"]] = r["value"]
+    pair = ("gemm", "lm_head_ce")
+    for s in steps.values():
+        if all(c in s["ms"] and c in s["floor"] for c in pair) and s["ms"]["lm_head_ce"] < s["floor"]["lm_head_ce"]:
+            for d in (s["ms"], s["floor"]):
+                d[HEAD_IN_GEMMS] = d.pop("gemm") + d.pop("lm_head_ce")
+            s["head_in_gemms"] = True
+    return steps
+
+
+def prose(records: list[dict]) -> str:
+    """What the breakdown records of one workload say, per step, in words built from their values."""
     out = []
-    for step, s in steps.items():
+    for step, s in by_step(records).items():
         if "step_ms" not in s or not s["ms"]:
             continue
         t = s["step_ms"]
@@ -394,7 +412,11 @@ def prose(records: list[dict]) -> str:
         text = (f"At {step} a step took {t:.3g} ms; the largest share went to {LABELS[big]} "
                 f"({s['ms'][big]:.3g} ms, {s['ms'][big] / t:.0%} of the step), and the device sat idle for "
                 f"{s['ms'].get('idle', 0.0):.3g} ms.")
-        counted = ("gemm", "attention", "lm_head_ce", "elementwise", "optimizer")   # the categories with a floor
+        if s["head_in_gemms"]:
+            text += (f" Its {LABELS['lm_head_ce']} measured below that category's floor: the head's matmuls were "
+                     f"counted as {LABELS['gemm']}, so the two are taken together.")
+        counted = ((HEAD_IN_GEMMS,) if s["head_in_gemms"] else ("gemm", "lm_head_ce")) + (
+            "attention", "elementwise", "optimizer")   # the categories with a floor
         gaps = {c: s["ms"][c] - s["floor"][c] for c in s["floor"] if c in s["ms"] and c != "idle"}
         if all(c in s["floor"] for c in counted):
             g = max(gaps, key=gaps.get)

@@ -249,40 +249,29 @@ def breakdown_left(records: list[dict], step: str) -> tuple[list[dict], str]:
     ``records`` (handed in: studies do not read results): per target category the measured ms/step,
     its floor, the ms above the floor, and the step's speed-up were that category at its floor
     (step / (step - above)): the most a knob aimed at it could give. Returns (rows, a sentence)."""
-    from .breakdown import LABELS
+    from .breakdown import HEAD_IN_GEMMS, LABELS, by_step
 
-    mine = [r for r in records if r.get("notebook") == BREAKDOWN_NOTEBOOK and r.get("status", "ok") == "ok"
-            and r.get("value") is not None]
-    steps = list(dict.fromkeys(r["step"] for r in mine if r["metric"] == "step_ms"))
+    steps = {k: v for k, v in by_step([r for r in records if r.get("notebook") == BREAKDOWN_NOTEBOOK]).items()
+             if "step_ms" in v}
     if not steps:
         return [], (f"Notebook 16 (where the time goes) has not run into this run: there is no breakdown to say "
                     f"what is left at {step}.")
-    at = step if step in steps else steps[-1]
-    got = {(r["metric"], (r.get("fields") or {}).get("category")): r["value"] for r in mine if r["step"] == at}
-    step_ms = got.get(("step_ms", None))
-    cats = {c: [got.get(("category_ms", c)), got.get(("category_floor_ms", c))] for c in TARGETS}
-    gemm, head = cats["gemm"], cats.pop("lm_head_ce")
-    merged = None not in (*gemm, *head) and head[0] < head[1]
-    if merged:
-        # measured below its floor: its GEMMs were counted as GEMMs (the fused head's chunked matmuls
-        # run as plain cuBLAS calls the size rule cannot tell apart), so the two are one budget
-        gemm[0], gemm[1] = gemm[0] + head[0], gemm[1] + head[1]
-    else:
-        cats = {"gemm": gemm, "lm_head_ce": head, "elementwise": cats["elementwise"]}
+    at = step if step in steps else list(steps)[-1]
+    s = steps[at]
+    step_ms = s["step_ms"]
     rows = []
-    for c, (ms, floor) in cats.items():
+    for c in ((HEAD_IN_GEMMS, "elementwise") if s["head_in_gemms"] else TARGETS):
+        ms, floor = s["ms"].get(c), s["floor"].get(c)
         above = ms - floor if (ms is not None and floor is not None) else None
         bound = step_ms / (step_ms - above) if (above is not None and step_ms and 0 < above < step_ms) else None
-        label = f"{LABELS['gemm']} + {LABELS['lm_head_ce']}" if (merged and c == "gemm") else LABELS[c]
-        rows.append({"step": at, "category": label, "ms/step": ms, "floor (ms)": floor,
+        rows.append({"step": at, "category": LABELS[c], "ms/step": ms, "floor (ms)": floor,
                      "measured / floor": ms / floor if (ms is not None and floor) else None,
                      "above floor (ms)": above, "speed-up at its floor": bound})
     text = f"Notebook 16 profiled {at}" + ("" if at == step else f" (not {step}, where the knobs are measured)")
-    if merged:
+    if s["head_in_gemms"]:
         text += (" (its LM head + cross-entropy measured below that category's floor: the head's GEMMs were counted "
                  "as GEMMs, so the two are taken together)")
-    if step_ms is not None:
-        text += f": a step of {step_ms:.3g} ms"
+    text += f": a step of {step_ms:.3g} ms"
     known = [r for r in rows if r["above floor (ms)"] is not None]
     if known:
         top = max(known, key=lambda r: r["above floor (ms)"])
