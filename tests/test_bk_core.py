@@ -896,13 +896,19 @@ def test_study_records_keep_x_values_in_fields():
     assert tg[0]["fields"] == {"target": "best forward >= 60% of copy bandwidth"}
 
 
-def test_timing_inputs_are_drawn_once_per_size():
-    """A sweep times every backend and direction at one size in a row: the input sets are drawn once
-    for that size (the same draws as random_inputs' seeds 0..k-1), and the previous size's are let go."""
+def test_a_sweep_draws_each_sizes_inputs_once(monkeypatch):
+    """speed_rows times every backend and direction at one size on the same input sets, drawn once
+    per size (drawing them costs more than timing them); time_backend refuses sets of another size."""
     from hwlib.studies import bk_core as bk_study
-    first = bk_study.input_sets(3, 9, torch.float32, torch.device("cpu"), 2)
-    assert bk_study.input_sets(3, 9, torch.float32, torch.device("cpu"), 2) is first
-    for i, s in enumerate(first):
-        assert all(torch.equal(x, y) for x, y in zip(s, bk_study.random_inputs(3, 9, seed=i)))
-    other = bk_study.input_sets(4, 9, torch.float32, torch.device("cpu"), 2)
-    assert other is not first and len(bk_study._SETS) == 1
+    drawn = []
+    real = bk_study.random_inputs
+    monkeypatch.setattr(bk_study, "random_inputs", lambda *a, **k: drawn.append((a[:2], k.get("seed"))) or real(*a, **k))
+    rows = bk_study.speed_rows([(3, 9), (4, 9)], ["torch"], "cpu")
+    assert len(rows) == 4 and all(r["ms"] > 0 for r in rows)
+    per_size = max(bk_study.sets_needed(3, 9, direction=d) for d in bk_study.DIRECTIONS)
+    assert drawn == [((B, 9), i) for B in (3, 4) for i in range(per_size)]
+    sets = bk_study.input_sets(3, 9, torch.float32, "cpu", per_size)
+    with pytest.raises(ValueError, match="sets: need at least"):
+        bk_study.time_backend("torch", 4, 9, "cpu", iters=1, warmup=0, sets=sets)
+    with pytest.raises(ValueError, match="sets: need at least"):
+        bk_study.time_backend("torch", 3, 9, "cpu", iters=1, warmup=0, sets=sets[:1])

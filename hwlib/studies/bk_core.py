@@ -39,19 +39,15 @@ def random_inputs(batch: int | tuple, n: int, *, dtype=torch.float32, device="cp
     return tuple(t.to(device=device, dtype=dtype) for t in (a, b, c))
 
 
-_SETS: dict = {}
+def sets_needed(batch: int, n: int, dtype=torch.float32, direction: str = "forward") -> int:
+    """Input sets a timing rotates among: enough to exceed twice the L2 cache (so DRAM, not L2, is
+    measured), at most 8."""
+    return min(8, max(1, math.ceil(2 * 64 * 2**20 / min_bytes(batch, n, dtype, direction))))
 
 
-def input_sets(batch: int, n: int, dtype, device: torch.device, count: int) -> list[tuple]:
-    """``count`` input sets (seeds 0..count-1) for timing, kept for the next call with the same
-    arguments: a sweep times every backend and direction at one size in a row, and drawing the sets
-    (in float64 on the host, for inputs independent of the device) would cost more than timing them.
-    One size is kept at a time, so a sweep holds one size's sets on the device, not all of them."""
-    key = (batch, n, dtype, str(device), count)
-    if key not in _SETS:
-        _SETS.clear()       # the previous size's sets go before this size's are made
-        _SETS[key] = [random_inputs(batch, n, dtype=dtype, device=device, seed=i) for i in range(count)]
-    return _SETS[key]
+def input_sets(batch: int, n: int, dtype, device, count: int) -> list[tuple]:
+    """``count`` input sets for timing, ``random_inputs``' seeds 0..count-1."""
+    return [random_inputs(batch, n, dtype=dtype, device=device, seed=i) for i in range(count)]
 
 
 def min_bytes(batch: int, n: int, dtype=torch.float32, direction: str = "forward") -> int:
@@ -128,7 +124,7 @@ def check_output(backend: str, direction: str, out, a, b, c, grad, rows: int = 4
 
 def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "forward",
                  dtype=torch.float32, iters: int = 20, warmup: int = 3, group: int | None = None,
-                 kernel_only: bool = False, verify: bool = True) -> bench.Timing:
+                 kernel_only: bool = False, verify: bool = True, sets: list | None = None) -> bench.Timing:
     """Median time of one call (``forward``) or one call and its backward (``forward+backward``).
     Inputs rotate among enough sets to exceed twice the L2 cache, so DRAM, not L2, is measured.
     Each timed sample queues ``group`` calls back to back (default 4 for the kernel backends on a
@@ -137,7 +133,9 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
     before instead of being counted as device time. ``kernel_only`` calls the backend's launcher on
     prepared contiguous inputs, without the op's validation, dispatch and autograd: the kernel's own
     time, where a short kernel would otherwise be timed by the host's speed at running that Python.
-    ``verify`` checks the timed call's output against the float64 reference (``check_output``)."""
+    ``verify`` checks the timed call's output against the float64 reference (``check_output``).
+    ``sets``: input sets already drawn at this size (``input_sets``, at least ``sets_needed``), so
+    that a sweep timing every backend and direction at one size draws them once; else drawn here."""
     from ..ops.bk_core import select_backend
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'forward' or 'forward+backward', got {direction!r}")
@@ -151,8 +149,14 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
         raise ValueError(f"group must be >= 1, got {group}")
     if kernel_only:
         select_backend(backend, dev)   # builds it, or raises Unavailable with the reason
-    sets = max(1, math.ceil(2 * 64 * 2**20 / min_bytes(batch, n, dtype, direction)))
-    inputs = input_sets(batch, n, dtype, dev, min(sets, 8))
+    need = sets_needed(batch, n, dtype, direction)
+    if sets is None:
+        inputs = input_sets(batch, n, dtype, dev, need)
+    elif len(sets) < need or any(a.shape != (batch, n) or a.dtype != dtype for a, _, _ in sets):
+        raise ValueError(f"sets: need at least {need} (a, b, c) sets with a [{batch}, {n}] in {dtype}, got "
+                         f"{len(sets)} with a {[tuple(a.shape) for a, _, _ in sets[:2]]}")
+    else:
+        inputs = sets[:need]
     cplx = torch.complex64 if dtype == torch.float32 else torch.complex128
     grads = [torch.randn(batch, n, dtype=cplx, device=dev) for _ in inputs]
     fn = _timed_call(backend, direction, inputs, grads, kernel_only)
@@ -323,13 +327,18 @@ def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loo
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
     rows = []
-    for (B, N), d in itertools.product(sizes, DIRECTIONS):
-        for be in [b for b in backends if b != "torch_loop" and (on_gpu or b != "triton")]:
-            iters = (5 if be == "torch" else 20) if on_gpu else 3   # the torch scan takes 10s of ms a call
-            rows.append(_row(be, B, N, d, time_backend(be, B, N, dev, direction=d, iters=iters), min_bytes(B, N, direction=d)))
-            if on_gpu and be in ("cuda", "triton"):   # the launcher alone: no validation, dispatch or autograd
-                t = time_backend(be, B, N, dev, direction=d, iters=20, kernel_only=True)
-                rows.append(_row(f"{be} (kernel alone)", B, N, d, t, min_bytes(B, N, direction=d)))
+    for B, N in sizes:
+        # one draw per size for every backend and direction (drawing costs more than timing here)
+        sets = input_sets(B, N, torch.float32, dev, max(sets_needed(B, N, direction=d) for d in DIRECTIONS))
+        for d in DIRECTIONS:
+            for be in [b for b in backends if b != "torch_loop" and (on_gpu or b != "triton")]:
+                iters = (5 if be == "torch" else 20) if on_gpu else 3   # the torch scan takes 10s of ms a call
+                t = time_backend(be, B, N, dev, direction=d, iters=iters, sets=sets)
+                rows.append(_row(be, B, N, d, t, min_bytes(B, N, direction=d)))
+                if on_gpu and be in ("cuda", "triton"):   # the launcher alone: no validation, dispatch or autograd
+                    t = time_backend(be, B, N, dev, direction=d, iters=20, kernel_only=True, sets=sets)
+                    rows.append(_row(f"{be} (kernel alone)", B, N, d, t, min_bytes(B, N, direction=d)))
+        del sets
     B0, N0 = sizes[0]
     if "torch_loop" in backends:
         for d in DIRECTIONS:
