@@ -297,12 +297,12 @@ def memory_block(runs: list[str] | None = None) -> str:
         need = (f"{NEED_GIB[p]:g} GiB usable or more ({PEAK_GIB[p]:g} + {HEADROOM_GIB:g} headroom)"
                 if p in NEED_GIB else "-")
         r = rows.get(p)
-        if r is None:
-            out.append(f"| {p} | {PEAK_GIB[p]:g} estimated | - | none yet | - | {need} |" if p in PEAK_GIB else "")
+        if r is None:   # a GPU profile no reference run measured: its estimate
+            out.append(f"| {p} | {PEAK_GIB[p]:g} estimated | - | none yet | - | {need} |")
             continue
         out.append(f"| {p} | {r['peak_gib']:.2f} | {r['workload']} {r['step']} (notebook {r['notebook']}) | "
                    f"`outputs/{r['run']}` | {r['device']} | {need} |")
-    return "\n".join(x for x in out if x)
+    return "\n".join(out)
 
 
 def update_marked(text: str, block: str, start: str = MEMORY_START, end: str = MEMORY_END, name: str = "README.md") -> str:
