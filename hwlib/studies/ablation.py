@@ -46,7 +46,7 @@ import torch
 from .. import bench, noise, results
 from ..data.loader import LoaderBatches, default_workers
 from ..device import ChoiceError, info, other_gpu_processes, resolve_device
-from ..ladder.run import check_plan
+from ..ladder.run import check_plan, compile_seconds
 from ..ladder.same_math import compare_curves
 from ..ladder.session import Session, detect_sdpa_backend, make_optimizer
 from ..profiles import Plan, resolve_profile
@@ -639,7 +639,7 @@ def _one(workload, step, t: Toggle, cfg, base, dev, di, win: Window, level, seed
         row = _summarise(row, t, timed["A"], timed["B"], level, seed)
         # compile time as the ladder counts it: the first call less a steady step, for an arm that compiles
         # a model of its own (a switch toggle's arms share one session: it compiles once)
-        row["compile_s"] = {n: max(0.0, s - row[f"ms_{n}"] / 1e3) for n, s in row["first_step_s"].items()
+        row["compile_s"] = {n: compile_seconds(s, row[f"ms_{n}"]) for n, s in row["first_step_s"].items()
                             if t.rebuild and (arms[n].sess.settings.compile or arms[n].sess.settings.cuda_graphs)}
         return row
     except RuntimeError as e:
