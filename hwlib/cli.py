@@ -125,6 +125,45 @@ def select(nbs: list[Path], only: str | None) -> list[Path]:
     return sorted(out)
 
 
+def notebook_parameters(nb: Path) -> set[str]:
+    """Names assigned at the top level of the notebook's cell tagged ``parameters`` (papermill's)."""
+    import ast
+    cells = json.loads(nb.read_text())["cells"]
+    for c in cells:
+        if "parameters" in c.get("metadata", {}).get("tags", []):
+            src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            tree = ast.parse("\n".join(l for l in src.splitlines() if not l.lstrip().startswith(("%", "!"))))
+            return {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    return set()
+
+
+def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
+    """``--set NN.name=value`` options as {notebook stem: {name: value}}: the value read as YAML
+    (numbers, lists, strings), the notebook one of those selected, the name one of its parameters."""
+    import yaml
+    out: dict[str, dict] = {}
+    for item in items or []:
+        key, eq, raw = item.partition("=")
+        nb_id, dot, name = key.strip().partition(".")
+        if not (eq and dot and nb_id and name):
+            raise CliError(f"--set {item!r}: give NOTEBOOK.PARAMETER=VALUE, e.g. --set 19.noise_budget_s=100")
+        hit = [p for p in nbs if p.stem == nb_id or p.stem.split("_", 1)[0] == nb_id.zfill(2)]
+        if not hit:
+            raise CliError(f"--set {item!r}: notebook {nb_id!r} is not among those this command runs "
+                           f"({', '.join(p.stem for p in nbs)})")
+        names = notebook_parameters(hit[0])
+        if name not in names:
+            raise CliError(f"--set {item!r}: {hit[0].stem} has no parameter {name!r}; its parameters: "
+                           f"{', '.join(sorted(names)) or 'none'}")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise CliError(f"--set {item!r}: the value is not YAML ({e.__class__.__name__})") from None
+        out.setdefault(hit[0].stem, {})[name] = value
+    return out
+
+
 def run_arg(args, default: str = "latest") -> str:
     """The run's name: ``--run``, else ``$HWLIB_RUN``, else ``default``; errors name which one."""
     env = os.environ.get("HWLIB_RUN")
@@ -173,7 +212,7 @@ def _workloads(args) -> list[str] | None:
 
 
 def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
-             workloads: list[str] | None = None) -> tuple[str, str]:
+             workloads: list[str] | None = None, params: dict | None = None) -> tuple[str, str]:
     executed = run / "executed"
     log = executed / f"{nb.stem}.log"
     cmd = [sys.executable, "-m", "papermill", str(nb), str(executed / nb.name), "-k", "python3",
@@ -181,6 +220,8 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
            "--execution-timeout", str(math.ceil(args.cell_timeout)), "--no-progress-bar", "--log-output"]
     if workloads:
         cmd += ["-y", json.dumps({"workloads": workloads})]   # JSON is YAML: a list parameter
+    if params:
+        cmd += ["-y", json.dumps(params)]
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         watch = runs.TreeWatch(run, nb.stem, proc.pid)
@@ -232,6 +273,7 @@ def reproduce(args) -> int:
     profile, why = profile_arg(args, dev)
     nbs = select(list_notebooks(Path(args.notebooks).resolve()), args.only)
     workloads = _workloads(args)
+    params = parameter_sets(args.set, nbs)
     name = run_arg(args)
     run = run_dir(name)
     device_name = info(dev).name
@@ -249,19 +291,22 @@ def reproduce(args) -> int:
                 runs.update_state(run, _profile=profile, _profile_reason=why, _device=device_name)
                 print(f"hwlib reproduce: {len(nbs)} notebooks, profile={profile} ({why}), device={dev.type}, "
                       f"run={run}", flush=True)
-                return _series(args, nbs, run, profile, dev.type, workloads)
+                return _series(args, nbs, run, profile, dev.type, workloads, params)
         except Interrupted as e:
             print(f"hwlib reproduce: stopped by {e}; the running notebook's processes were ended and it "
                   f"is recorded as interrupted; run the same command again to resume", file=sys.stderr)
             return 128 + e.signum
 
 
-def _entry(status: str, seconds: float, reason: str) -> dict:
-    return {"status": status, "seconds": round(seconds, 1), "reason": reason,
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+def _entry(status: str, seconds: float, reason: str, params: dict | None = None) -> dict:
+    e = {"status": status, "seconds": round(seconds, 1), "reason": reason,
+         "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if params:   # a notebook run with other than its own defaults says so
+        e["parameters"] = params
+    return e
 
 
-def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloads) -> int:
+def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloads, params: dict) -> int:
     """Run the notebooks in order (under the run lock), then rebuild the run's tables."""
     from tqdm.auto import tqdm
     (run / "executed").mkdir(exist_ok=True)
@@ -283,13 +328,13 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
         bar.set_postfix_str(nb.stem)
         t0 = time.perf_counter()
         try:
-            status, why = _run_one(nb, run, env, args, profile, device, workloads)
+            status, why = _run_one(nb, run, env, args, profile, device, workloads, params.get(nb.stem))
         except BaseException as e:   # the tree is ended by now; the notebook must not read as done
             runs.update_state(run, **{nb.stem: _entry("interrupted", time.perf_counter() - t0,
-                                                      f"{type(e).__name__}: {e}")})
+                                                      f"{type(e).__name__}: {e}", params.get(nb.stem))})
             raise
         secs = time.perf_counter() - t0
-        runs.update_state(run, **{nb.stem: _entry(status, secs, why)})
+        runs.update_state(run, **{nb.stem: _entry(status, secs, why, params.get(nb.stem))})
         bar.write(f"  {nb.stem:<24} {status:<8} {secs:7.1f} s" + (f"  {why}" if why else ""))
     bar.close()
     from .report.tables import write_all
@@ -386,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow measuring into an existing committed reference run (outputs/reference/...)")
     r.add_argument("--workloads", help="comma-separated workloads for the notebooks' `workloads` parameter "
                                          "(default: each notebook's own list)")
+    r.add_argument("--set", action="append", metavar="NN.NAME=VALUE",
+                   help="a notebook parameter for this run, e.g. --set 19.noise_budget_s=100 (YAML value; "
+                        "repeatable; recorded in state.json)")
     r.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds per notebook (default 900)")
     r.add_argument("--cell-timeout", type=positive_seconds, default=600.0, help="seconds per cell (default 600)")
     r.add_argument("--notebooks", default=str(NOTEBOOKS_DIR), help=argparse.SUPPRESS)

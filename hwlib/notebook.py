@@ -18,7 +18,7 @@ from . import ceilings, query, results, roofline
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
-from .ladder.same_math import MathCheck, bf16_floor, earlier_steps, needs_bf16_floor, same_math
+from .ladder.same_math import BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps, needs_bf16_floor, same_math
 from .paths import run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
 from .steps import STEP_NAMES, describe, get_step
@@ -118,12 +118,14 @@ def earlier_curve(res: StepResult, run=None, *, compute: bool = True) -> tuple[s
 def check_math(res: StepResult, run=None) -> MathCheck:
     """``res`` against the nearest earlier step, with the bf16 resolution from this run's saved curves."""
     against, curve = earlier_curve(res, run) if res.status == "ok" else (None, None)
-    floor = None
+    floor = bound = None
+    key = record_mod.curve_key(res)
     if res.status == "ok" and needs_bf16_floor(res):
-        key = record_mod.curve_key(res)
-        floor = bf16_floor(query.saved_curve(res.workload, "03_bf16_autocast", key, run),
+        floor = bf16_floor(query.saved_curve(res.workload, BF16_STEP, key, run),
                            query.saved_curve(res.workload, "02_tf32", key, run))
-    return same_math(res, against, curve, floor)
+    if res.status == "ok" and res.step == BF16_STEP and against == "02_tf32":
+        bound = bf16_bound(curve, query.saved_curve(res.workload, "01_baseline_fp32", key, run))
+    return same_math(res, against, curve, floor, bound)
 
 
 def measure(workload: str, step: str, *, notebook: str, profile: str = "auto", device="auto", run=None,

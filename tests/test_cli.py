@@ -132,3 +132,27 @@ def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, outputs, cap
     assert "unknown workload 'vit'" in capsys.readouterr().err
     assert reproduce(d, "run", "--force", "--workloads", " , ") == 2
     assert "names no workload" in capsys.readouterr().err
+
+
+def test_set_option_passes_a_parameter_and_records_it(tmp_path, outputs, capsys):
+    d = tmp_path / "nbs"
+    d.mkdir()
+    make_nb(d / "00_budget.ipynb", 'import os\n'
+            'open(os.path.join(os.environ["HWLIB_RUN"], "b.txt"), "w").write(repr(budget_s) + " " + repr(plan))')
+    nb = nbf.read(d / "00_budget.ipynb", 4)
+    nb.cells[0].source += '\nbudget_s = 600.0\nplan = None'
+    nbf.write(nb, d / "00_budget.ipynb")
+    run = outputs / "run"
+    assert reproduce(d, "run", "--set", "00.budget_s=120", "--set", "00_budget.plan=[a, b]") == 0
+    assert (run / "b.txt").read_text() == "120 ['a', 'b']"
+    assert json.loads((run / "state.json").read_text())["00_budget"]["parameters"] == {"budget_s": 120,
+                                                                                        "plan": ["a", "b"]}
+    assert reproduce(d, "run", "--force") == 0                       # without it: the notebook's own default
+    assert (run / "b.txt").read_text() == "600.0 None"
+    assert "parameters" not in json.loads((run / "state.json").read_text())["00_budget"]
+    for bad, says in (("00.nope=1", "has no parameter 'nope'; its parameters: budget_s, device, plan, profile"),
+                      ("07.budget_s=1", "notebook '07' is not among those"),
+                      ("budget_s=1", "give NOTEBOOK.PARAMETER=VALUE"),
+                      ("00.budget_s=[1", "the value is not YAML")):
+        assert reproduce(d, "run", "--set", bad) == 2
+        assert says in capsys.readouterr().err, bad

@@ -121,3 +121,24 @@ def test_roofline_prediction_counts_what_the_change_removes():
         10.0 - roofline.floor_ms("gpt", "05_fused_optimizer", "smoke", CEIL))
     none = roofline.predict("gpt", "02_tf32", "smoke", None)
     assert none.saved_ms is None and "notebook 00" in none.missing
+
+
+@pytest.mark.parametrize("tf32_move, ok", [(4e-3, True), (1e-3, False)])
+def test_bf16_check_allows_what_tf32_shows_the_training_amplifies(monkeypatch, tf32_move, ok):
+    """bf16 moved the curve 5%: within the bound when TF32 (8x finer rounding) had moved it 4e-3
+    (x8 x2 = 6.4e-2), a failure when TF32 had moved it 1e-3 (the step's own 3e-2 stands)."""
+    res = _step("03_bf16_autocast")
+    c02 = [v / 1.05 for v in res.check_losses]
+    c01 = [v / (1 + tf32_move) for v in c02]
+    monkeypatch.setattr(notebook.query, "saved_curve",
+                        lambda w, step, key, run=None: {"02_tf32": c02, "01_baseline_fp32": c01}.get(step))
+    check = notebook.check_math(res)
+    assert check.against == "02_tf32" and check.max_rel_diff == pytest.approx(0.05)
+    assert check.ok is ok
+    assert check.tolerance == pytest.approx(16 * tf32_move if ok else get_step("03_bf16_autocast").tolerance)
+    assert ("amplifies rounding" in str(check)) is ok
+    # only step 03 gets the bound: a later step under bf16 keeps its own tolerance and the bf16 floor
+    later = dataclasses.replace(_step("04_sdpa_attention"), losses=list(res.losses))
+    monkeypatch.setattr(notebook.query, "saved_curve", lambda w, step, key, run=None: {
+        "03_bf16_autocast": c02, "02_tf32": c02, "01_baseline_fp32": c01}.get(step))
+    assert "amplifies rounding" not in str(notebook.check_math(later))
