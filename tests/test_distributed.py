@@ -312,3 +312,27 @@ def test_separate_launches_give_every_strategy_and_workload_fresh_processes():
     assert scaling.plan_first(plan, 2) == (["ddp"], ["gpt"])   # it also measures the bus bandwidth
     together = scaling.launch_plan(req, [1, 2], strategies_at_one=["ddp"], separate_launches=False)
     assert together == [(1, ["single", "ddp"], ["gpt", "vit_bdh"]), (2, ["ddp", "fsdp2"], ["gpt", "vit_bdh"])]
+
+
+def test_a_global_batch_that_does_not_split_over_k_is_a_skipped_row_and_the_rest_runs(monkeypatch):
+    """mid's GPT global batch of 4 at K = 8: strong scaling cannot exist there; weak scaling still launches."""
+    launched = []
+
+    def fake_launch(req, k, **kw):
+        launched.append((k, req.scalings))
+        return launch_mod.LaunchResult(world_size=k, rows=[], bandwidth=[], seconds=1.0, log=None)
+
+    monkeypatch.setattr(scaling, "launch", fake_launch)
+    req = Request(workloads=("gpt",), strategies=("ddp",), scalings=("weak", "strong"), profile="smoke",
+                  device="cpu", global_batch={"gpt": 4})
+    out = scaling.measure(req, [2, 8], separate_launches=True, echo=False)
+    assert launched == [(2, ("weak", "strong")), (8, ("weak",))]
+    skipped = [o for o in out if o["status"] == "skipped"]
+    assert len(skipped) == 1 and skipped[0]["world_size"] == 8
+    assert "global_batch 4 of gpt (strong scaling) does not split over world size 8" in skipped[0]["error"]
+    launched.clear()
+    only_strong = request.replace(req, scalings=("strong",))
+    out = scaling.measure(only_strong, [8], echo=False)
+    assert launched == [] and [o["status"] for o in out] == ["skipped"]
+    with pytest.raises(ValueError, match="positive integer"):   # a bad argument stays an error
+        scaling.unsplittable(request.replace(req, global_batch={"gpt": 0}), 2)

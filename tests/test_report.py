@@ -152,3 +152,25 @@ def test_toggle_rows_take_the_newest_record_and_the_interval_decides_the_effect(
     assert "| 19 | gpt | 09_cuda_graphs | a on | one process | 1.010 (0.990-1.030, 90%) | within noise | - |" in lines
     assert "a process per window" in lines and "| 205 |" in lines and "failed: the arm failed" in lines
     assert report.toggle_lines([]) == []
+
+
+def test_small_gpu_block_names_the_profile_its_reason_and_the_parameters_set(ladder):
+    assert report.small_gpu_block([ladder]) == "No reference run in a smaller profile yet."   # no profile: left out
+    results.write_json(ladder / "state.json", {
+        "_profile": "mid", "_profile_reason": "auto: 16.0 GiB usable",
+        "01_baseline_fp32": {"status": "ok", "seconds": 30.0, "reason": ""},
+        "19_ablations": {"status": "ok", "seconds": 90.0, "reason": "", "parameters": {"noise_budget_s": 90}}})
+    report.write_all(ladder)
+    block = report.small_gpu_block([ladder])
+    assert "profile `mid`: auto: 16.0 GiB usable." in block and "[gpt](" in block and "gpt_ladder.md)" in block
+    assert "120 s over 2 notebooks" in block and "| parameters set |" in block
+    assert "| 19_ablations | ok | 90.0 | 75% | - | `noise_budget_s=90` |" in block
+    assert "| 01_baseline_fp32 | ok | 30.0 | 25% | - | - |" in block
+
+
+def test_committed_readme_shows_the_smaller_profiles_runs(monkeypatch):
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the references
+    text = (paths.REPO_ROOT / "README.md").read_text()
+    start, end = text.index(report.SMALL_START), text.index(report.SMALL_END)
+    assert text[start + len(report.SMALL_START):end].strip() == report.small_gpu_block(report.reference_runs()).strip(), \
+        "README's smaller-GPU section is stale: run `make readme`"

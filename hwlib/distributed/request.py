@@ -72,6 +72,11 @@ class Request:
         return DEFAULT_PROFILE_STEPS.get(self.profile, 0) if self.profile_steps is None else self.profile_steps
 
 
+class Unsplittable(ValueError):
+    """A strong-scaling global batch that does not split over the world size: that measurement
+    cannot exist at that K (``scaling.measure`` makes it a skipped row, not a failed launch)."""
+
+
 def batches(req: Request, workload: str, scaling: str, world: int) -> tuple[int, int]:
     """(per-GPU batch, global batch) of ``workload`` under ``scaling`` at ``world`` processes."""
     wl = get_workload(workload)
@@ -82,7 +87,7 @@ def batches(req: Request, workload: str, scaling: str, world: int) -> tuple[int,
     check_scaling(scaling)
     glob = _positive_int(f"global_batch[{workload}]", req.global_batch.get(wl.name, default))
     if glob % world:
-        raise ValueError(f"global_batch {glob} of {workload} (strong scaling) does not split over world size "
+        raise Unsplittable(f"global_batch {glob} of {workload} (strong scaling) does not split over world size "
                          f"{world}: choose a global batch divisible by {world}, or another world size")
     return glob // world, glob
 

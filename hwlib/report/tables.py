@@ -9,6 +9,7 @@ the spread measured across fresh processes (notebook 19, ``studies.process_noise
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -24,6 +25,7 @@ STEP_METRICS = ("ms_per_step", "tokens_per_s", "model_tflops", "mfu", "peak_mem_
 README_START, README_END = "<!-- reference-table:start -->", "<!-- reference-table:end -->"
 # The seeds' claims stand in a section of their own, after the notebooks' guide (optional in a README).
 CLAIMS_START, CLAIMS_END = "<!-- claims-table:start -->", "<!-- claims-table:end -->"
+SMALL_START, SMALL_END = "<!-- small-gpu:start -->", "<!-- small-gpu:end -->"
 
 
 def _fmt(v, spec: str) -> str:
@@ -461,9 +463,10 @@ def multi_gpu_lines(runs: list[str]) -> list[str]:
 
 def time_table(run) -> str:
     """Where the wall time of ``hwlib reproduce`` went, per notebook, from the run's state.json,
-    with the compile time that the compiled steps report."""
+    with the compile time that the compiled steps report and the parameters a notebook ran with
+    where they were not its own (``hwlib reproduce --set``)."""
     state = query.state(run)
-    nbs = {k: v for k, v in state.items() if not k.startswith("_")}
+    nbs = dict(sorted((k, v) for k, v in state.items() if not k.startswith("_")))
     if not nbs:
         return ""
     compile_s = {}
@@ -471,14 +474,36 @@ def time_table(run) -> str:
         if r.get("metric") == "compile_s" and _num(r.get("value")) is not None:
             compile_s[r["notebook"]] = compile_s.get(r["notebook"], 0.0) + r["value"]
     total = sum(v["seconds"] for v in nbs.values())
+    params = any(v.get("parameters") for v in nbs.values())
     lines = [f"Wall time of `hwlib reproduce` for this run: {total:.0f} s over {len(nbs)} notebooks "
              f"(each a fresh kernel: imports, CUDA start, data, then its measurements).", "",
-             "| notebook | status | seconds | share | of which compilation (s) |", "|---|---|---|---|---|"]
+             "| notebook | status | seconds | share | of which compilation (s) |" + (" parameters set |" if params else ""),
+             "|---|---|---|---|---|" + ("---|" if params else "")]
     for k, v in nbs.items():
         c = compile_s.get(k)
-        lines.append(f"| {k} | {v['status']} | {v['seconds']:.1f} | {v['seconds'] / total:.0%} | "
-                     f"{_fmt(c, '.1f')} |")
+        p = v.get("parameters")
+        lines.append(f"| {k} | {v['status']} | {v['seconds']:.1f} | {v['seconds'] / total:.0%} | {_fmt(c, '.1f')} |"
+                     + ((" " + ("; ".join(f"`{n}={json.dumps(x)}`" for n, x in p.items()) if p else "-") + " |")
+                        if params else ""))
     return "\n".join(lines) + "\n"
+
+
+def small_gpu_block(runs: list[str]) -> str:
+    """The README's part on smaller GPUs: each reference run made in a profile other than full, with
+    the reason its profile was picked, its ladder tables and where its time went."""
+    out = []
+    for run in runs:
+        state = query.state(run)
+        if state.get("_profile") in (None, "full"):
+            continue
+        recs = query.load(run)
+        dev = next((r["device"].get("name") for r in recs if isinstance(r.get("device"), dict)), "?")
+        folder = f"outputs/{run}"
+        ladders = sorted(p.name for p in (run_dir(run, create=False) / "tables").glob("*_ladder.md"))
+        out += [f"**`{folder}`**, {dev}, profile `{state['_profile']}`: {state.get('_profile_reason', '')}.", "",
+                "Ladder tables: " + ", ".join(f"[{n[:-len('_ladder.md')]}]({folder}/tables/{n})" for n in ladders)
+                + ".", "", time_table(run)]
+    return "\n".join(out) if out else "No reference run in a smaller profile yet."
 
 
 def source_markdown(source: str) -> str:
@@ -523,6 +548,10 @@ def render_readme(text: str, run) -> str:
     new = _between(text, README_START, README_END, readme_block(run))
     if CLAIMS_START in text:
         new = _between(new, CLAIMS_START, CLAIMS_END, claims_block(run))
+    if (SMALL_START in text) != (SMALL_END in text):
+        raise ValueError(f"markers {SMALL_START} ... {SMALL_END}: one is missing")
+    if SMALL_START in text:
+        new = _between(new, SMALL_START, SMALL_END, small_gpu_block(reference_runs()))
     return new
 
 
