@@ -16,11 +16,18 @@ import math
 import warnings
 from pathlib import Path
 
-from .paths import read_dir
+from .paths import REPO_ROOT, read_dir
 from .results import record_key
 from .steps import LADDER, STEP_NAMES
 
 RESULTS_FILE = "results.jsonl"
+
+
+def reference_runs() -> list[str]:
+    """Every committed reference run (``reference/<machine>``, a folder with records), in name order."""
+    base = REPO_ROOT / "outputs" / "reference"
+    return sorted(f"reference/{d.name}" for d in base.iterdir() if (d / RESULTS_FILE).is_file()) \
+        if base.is_dir() else []
 
 
 def _valid(rec) -> str | None:

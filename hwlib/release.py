@@ -261,17 +261,11 @@ def constraints_path(run: str = REFERENCE_RUN) -> Path:
 
 # --- the GPU memory each profile needs -----------------------------------------------------------
 
-def reference_runs() -> list[str]:
-    base = REPO_ROOT / "outputs" / "reference"
-    return sorted(f"reference/{d.name}" for d in base.iterdir() if (d / query.RESULTS_FILE).is_file()) \
-        if base.is_dir() else []
-
-
 def memory_rows(runs: list[str] | None = None) -> list[dict]:
     """Per profile, the largest ``peak_mem_gib`` (tensor memory at its peak, per GPU) of any
     measured step in the committed reference runs, and where it was reached."""
     best: dict[str, dict] = {}
-    for run in reference_runs() if runs is None else runs:
+    for run in query.reference_runs() if runs is None else runs:
         for r in query.load(run):
             v = r.get("value")
             if (r.get("metric") != "peak_mem_gib" or r.get("status") != "ok" or not isinstance(v, (int, float))

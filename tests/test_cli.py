@@ -10,9 +10,10 @@ import pytest
 from hwlib import cli
 
 
-def make_nb(path, body):
+def make_nb(path, body, params=""):
+    """A notebook of a parameters cell (profile, device, then ``params``) and ``body``."""
     nb = nbf.v4.new_notebook()
-    p = nbf.v4.new_code_cell('profile = "auto"\ndevice = "auto"')
+    p = nbf.v4.new_code_cell('profile = "auto"\ndevice = "auto"' + params)
     p.metadata["tags"] = ["parameters"]
     nb.cells = [p, nbf.v4.new_code_cell(body)]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -119,10 +120,8 @@ def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, outputs, cap
     d = tmp_path / "nbs"
     d.mkdir()
     make_nb(d / "00_list.ipynb", 'import os\n'
-            'open(os.path.join(os.environ["HWLIB_RUN"], "w.txt"), "w").write(",".join(workloads))')
-    nb = nbf.read(d / "00_list.ipynb", 4)
-    nb.cells[0].source += '\nworkloads = ["gpt"]'        # the notebook's own default, in its parameters cell
-    nbf.write(nb, d / "00_list.ipynb")
+            'open(os.path.join(os.environ["HWLIB_RUN"], "w.txt"), "w").write(",".join(workloads))',
+            params='\nworkloads = ["gpt"]')        # the notebook's own default, in its parameters cell
     run = outputs / "run"
     assert reproduce(d, "run", "--workloads", "vit_bdh, encoder_nli") == 0
     assert (run / "w.txt").read_text() == "vit_bdh,encoder_nli"
@@ -138,10 +137,8 @@ def test_set_option_passes_a_parameter_and_records_it(tmp_path, outputs, capsys)
     d = tmp_path / "nbs"
     d.mkdir()
     make_nb(d / "00_budget.ipynb", 'import os\n'
-            'open(os.path.join(os.environ["HWLIB_RUN"], "b.txt"), "w").write(repr(budget_s) + " " + repr(plan))')
-    nb = nbf.read(d / "00_budget.ipynb", 4)
-    nb.cells[0].source += '\nbudget_s = 600.0\nplan = None'
-    nbf.write(nb, d / "00_budget.ipynb")
+            'open(os.path.join(os.environ["HWLIB_RUN"], "b.txt"), "w").write(repr(budget_s) + " " + repr(plan))',
+            params='\nbudget_s = 600.0\nplan = None')
     run = outputs / "run"
     assert reproduce(d, "run", "--set", "00.budget_s=120", "--set", "00_budget.plan=[a, b]") == 0
     assert (run / "b.txt").read_text() == "120 ['a', 'b']"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import results
 from ..paths import REPO_ROOT, run_dir
-from ..query import _num, ladder_rows, workloads_in
+from ..query import _num, ladder_rows, reference_runs, workloads_in
 from .. import query
 from . import claims
 
@@ -431,13 +431,6 @@ def toggle_lines(rows: list[dict]) -> list[str]:
         out.append(f"| {r['notebook'][:2]} | {r['workload']} | {r['step']} | {r['change'] or r['toggle']} | {mode} | "
                    f"{sp} | {eff} | {_fmt(r['compile_s_with'], '.0f')} |")
     return out + [""]
-
-
-def reference_runs() -> list[str]:
-    """Every committed reference run (``reference/<machine>``), in name order."""
-    base = REPO_ROOT / "outputs" / "reference"
-    return sorted(f"reference/{d.name}" for d in base.iterdir() if (d / query.RESULTS_FILE).exists()) \
-        if base.is_dir() else []
 
 
 def multi_gpu_lines(runs: list[str]) -> list[str]:
