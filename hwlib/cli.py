@@ -138,6 +138,10 @@ def notebook_parameters(nb: Path) -> set[str]:
     return set()
 
 
+# Parameters reproduce passes itself (a run holds one profile, device and name): not for --set.
+OWN_PARAMETERS = ("profile", "device", "run", "workloads")
+
+
 def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
     """``--set NN.name=value`` options as {notebook stem: {name: value}}: the value read as YAML
     (numbers, lists, strings), the notebook one of those selected, the name one of its parameters."""
@@ -152,6 +156,8 @@ def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
         if not hit:
             raise CliError(f"--set {item!r}: notebook {nb_id!r} is not among those this command runs "
                            f"({', '.join(p.stem for p in nbs)})")
+        if name in OWN_PARAMETERS:
+            raise CliError(f"--set {item!r}: reproduce sets {name!r} itself; use --{name}")
         names = notebook_parameters(hit[0])
         if name not in names:
             raise CliError(f"--set {item!r}: {hit[0].stem} has no parameter {name!r}; its parameters: "

@@ -18,7 +18,8 @@ from . import ceilings, query, results, roofline
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
-from .ladder.same_math import BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps, needs_bf16_floor, same_math
+from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps,
+                               needs_bf16_floor, same_math)
 from .paths import run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
 from .steps import STEP_NAMES, describe, get_step
@@ -119,12 +120,13 @@ def check_math(res: StepResult, run=None) -> MathCheck:
     """``res`` against the nearest earlier step, with the bf16 resolution from this run's saved curves."""
     against, curve = earlier_curve(res, run) if res.status == "ok" else (None, None)
     floor = bound = None
-    key = record_mod.curve_key(res)
-    if res.status == "ok" and needs_bf16_floor(res):
-        floor = bf16_floor(query.saved_curve(res.workload, BF16_STEP, key, run),
-                           query.saved_curve(res.workload, "02_tf32", key, run))
-    if res.status == "ok" and res.step == BF16_STEP and against == "02_tf32":
-        bound = bf16_bound(curve, query.saved_curve(res.workload, "01_baseline_fp32", key, run))
+    if res.status == "ok":
+        key = record_mod.curve_key(res)
+        if needs_bf16_floor(res):
+            floor = bf16_floor(query.saved_curve(res.workload, BF16_STEP, key, run),
+                               query.saved_curve(res.workload, BF16_BEFORE, key, run))
+        if res.step == BF16_STEP and against == BF16_BEFORE:
+            bound = bf16_bound(curve, query.saved_curve(res.workload, STEP_NAMES[0], key, run))
     return same_math(res, against, curve, floor, bound)
 
 

@@ -150,6 +150,7 @@ def test_set_option_passes_a_parameter_and_records_it(tmp_path, outputs, capsys)
     for bad, says in (("00.nope=1", "has no parameter 'nope'; its parameters: budget_s, device, plan, profile"),
                       ("07.budget_s=1", "notebook '07' is not among those"),
                       ("budget_s=1", "give NOTEBOOK.PARAMETER=VALUE"),
-                      ("00.budget_s=[1", "the value is not YAML")):
+                      ("00.budget_s=[1", "the value is not YAML"),
+                      ("00.profile=full", "reproduce sets 'profile' itself; use --profile")):
         assert reproduce(d, "run", "--set", bad) == 2
         assert says in capsys.readouterr().err, bad

@@ -119,6 +119,8 @@ def same_math(res: StepResult, against: str | None, curve: list[float] | None,
                 f"(03 vs 02: {floor:.1e}), so that is the resolution of the check")
     if bound is not None and bound > tol:
         tol = bound
-        why += (f"; this workload's training amplifies rounding: TF32 moved its curve {bound / ROUNDING_MARGIN / (U_BF16 / U_TF32):.1e} "
-                f"(02 vs 01), which at bf16's 8x coarser rounding and a margin of 2 allows {bound:.1e}")
+        coarser = U_BF16 / U_TF32
+        why += (f"; this workload's training amplifies rounding: TF32 moved its curve "
+                f"{bound / ROUNDING_MARGIN / coarser:.1e} (02 vs 01), which at bf16's {coarser:g}x coarser rounding "
+                f"and a margin of {ROUNDING_MARGIN:g} allows {bound:.1e}")
     return MathCheck(res.step, against, d, tol, min(len(curve), res.check_steps), d <= tol, why)

@@ -474,10 +474,11 @@ def time_table(run) -> str:
              "|---|---|---|---|---|" + ("---|" if params else "")]
     for k, v in nbs.items():
         c = compile_s.get(k)
-        p = v.get("parameters")
-        lines.append(f"| {k} | {v['status']} | {v['seconds']:.1f} | {v['seconds'] / total:.0%} | {_fmt(c, '.1f')} |"
-                     + ((" " + ("; ".join(f"`{n}={json.dumps(x)}`" for n, x in p.items()) if p else "-") + " |")
-                        if params else ""))
+        row = f"| {k} | {v['status']} | {v['seconds']:.1f} | {v['seconds'] / total:.0%} | {_fmt(c, '.1f')} |"
+        if params:
+            p = v.get("parameters") or {}
+            row += " " + ("; ".join(f"`{n}={json.dumps(x)}`" for n, x in p.items()) or "-") + " |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
