@@ -905,6 +905,11 @@ def test_a_sweep_draws_each_sizes_inputs_once(monkeypatch):
     monkeypatch.setattr(bk_study, "random_inputs", lambda *a, **k: drawn.append((a[:2], k.get("seed"))) or real(*a, **k))
     rows = bk_study.speed_rows([(3, 9), (4, 9)], ["torch"], "cpu")
     assert len(rows) == 4 and all(r["ms"] > 0 for r in rows)
+    # each row says what it cost: its timing and check, and its size's draw (one figure per size)
+    assert all(r["wall_s"] > 0 and r["draw_s"] > 0 for r in rows)
+    assert len({r["draw_s"] for r in rows if r["B"] == 3}) == 1
+    recs = bk_study.speed_records(rows, profile="smoke", device="cpu")
+    assert [r["params"]["wall_s"] for r in recs] == [r["wall_s"] for r in rows]
     per_size = max(bk_study.sets_needed(3, 9, direction=d) for d in bk_study.DIRECTIONS)
     assert drawn == [((B, 9), i) for B in (3, 4) for i in range(per_size)]
     sets = bk_study.input_sets(3, 9, torch.float32, "cpu", per_size)

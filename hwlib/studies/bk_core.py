@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import torch
 
@@ -320,35 +321,55 @@ def _row(backend: str, batch: int, n: int, direction: str, t: bench.Timing, nbyt
             "p80": t.p80_ms, "GB/s": nbytes / (t.median_ms / 1e3) / 1e9}
 
 
-def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loop_iters: int = 3) -> list[dict]:
+def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loop_iters: int = 3,
+               progress: bool = False) -> list[dict]:
     """Each backend (and on a GPU each kernel alone) at each (B, N) and direction; the Python loop
     (``torch_loop``) at the first size only; on a GPU one cuSPARSE solve of that size. Every timed
-    call's output is checked against the float64 reference first (``time_backend``)."""
+    call's output is checked against the float64 reference first (``time_backend``). Each row says
+    what it cost: ``wall_s``, the seconds of its timing and check, and ``draw_s``, the seconds its
+    size's input sets took to draw (shared by that size's rows)."""
+    from tqdm.auto import tqdm
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
+    timed = [b for b in backends if b != "torch_loop" and (on_gpu or b != "triton")]
+    per_size = sum(1 + (on_gpu and b in ("cuda", "triton")) for b in timed) * len(DIRECTIONS)
+    bar = tqdm(total=per_size * len(sizes) + ("torch_loop" in backends) * len(DIRECTIONS) + on_gpu,
+               desc="BK-Core sweep", unit="timing", disable=not progress)
     rows = []
+
+    def add(label, B, N, d, nbytes, draw_s, measure):
+        t0 = time.perf_counter()
+        t = measure()
+        rows.append({**_row(label, B, N, d, t, nbytes), "wall_s": time.perf_counter() - t0, "draw_s": draw_s})
+        bar.set_postfix_str(f"{label} {B}x{N} {d}")
+        bar.update()
+
     for B, N in sizes:
         # one draw per size for every backend and direction (drawing costs more than timing here)
+        t0 = time.perf_counter()
         sets = input_sets(B, N, torch.float32, dev, max(sets_needed(B, N, direction=d) for d in DIRECTIONS))
+        draw_s = time.perf_counter() - t0
         for d in DIRECTIONS:
-            for be in [b for b in backends if b != "torch_loop" and (on_gpu or b != "triton")]:
+            nbytes = min_bytes(B, N, direction=d)
+            for be in timed:
                 iters = (5 if be == "torch" else 20) if on_gpu else 3   # the torch scan takes 10s of ms a call
-                t = time_backend(be, B, N, dev, direction=d, iters=iters, sets=sets)
-                rows.append(_row(be, B, N, d, t, min_bytes(B, N, direction=d)))
+                add(be, B, N, d, nbytes, draw_s,
+                    lambda: time_backend(be, B, N, dev, direction=d, iters=iters, sets=sets))
                 if on_gpu and be in ("cuda", "triton"):   # the launcher alone: no validation, dispatch or autograd
-                    t = time_backend(be, B, N, dev, direction=d, iters=20, kernel_only=True, sets=sets)
-                    rows.append(_row(f"{be} (kernel alone)", B, N, d, t, min_bytes(B, N, direction=d)))
+                    add(f"{be} (kernel alone)", B, N, d, nbytes, draw_s,
+                        lambda: time_backend(be, B, N, dev, direction=d, iters=20, kernel_only=True, sets=sets))
         del sets
     B0, N0 = sizes[0]
     if "torch_loop" in backends:
         for d in DIRECTIONS:
-            t = time_backend("torch_loop", B0, N0, dev, direction=d, iters=loop_iters, warmup=1)
-            rows.append(_row("torch_loop", B0, N0, d, t, min_bytes(B0, N0, direction=d)))
+            add("torch_loop", B0, N0, d, min_bytes(B0, N0, direction=d), None,
+                lambda: time_backend("torch_loop", B0, N0, dev, direction=d, iters=loop_iters, warmup=1))
     if on_gpu:
         try:
-            rows.append(_row(CUSPARSE, B0, N0, "solve", cusparse_gtsv_timing(B0, N0), 5 * 4 * B0 * N0))
+            add(CUSPARSE, B0, N0, "solve", 5 * 4 * B0 * N0, None, lambda: cusparse_gtsv_timing(B0, N0))
         except RuntimeError as e:
             print("cuSPARSE reference not measured:", e)
+    bar.close()
     return rows
 
 
@@ -365,7 +386,8 @@ def speed_records(rows: list[dict], *, profile: str, device: str) -> list[dict]:
     return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric=f"{r['direction']}_ms",
                         value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile, device=device,
                         fields={"backend": r["backend"], "B": r["B"], "N": r["N"]},
-                        params={"gbps": r["GB/s"], "share_of_copy": r.get("share of copy")}) for r in rows]
+                        params={"gbps": r["GB/s"], "share_of_copy": r.get("share of copy"), "wall_s": r.get("wall_s"),
+                                "draw_s": r.get("draw_s")}) for r in rows]
 
 
 def first_failing_n(acc: list[dict], tol: float = 1e-4) -> dict[str, int | None]:
