@@ -125,19 +125,6 @@ def select(nbs: list[Path], only: str | None) -> list[Path]:
     return sorted(out)
 
 
-def notebook_parameters(nb: Path) -> set[str]:
-    """Names assigned at the top level of the notebook's cell tagged ``parameters`` (papermill's)."""
-    import ast
-    cells = json.loads(nb.read_text())["cells"]
-    for c in cells:
-        if "parameters" in c.get("metadata", {}).get("tags", []):
-            src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
-            tree = ast.parse("\n".join(l for l in src.splitlines() if not l.lstrip().startswith(("%", "!"))))
-            return {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
-    return set()
-
-
 # Parameters reproduce passes itself (a run holds one profile, device and name): not for --set.
 OWN_PARAMETERS = ("profile", "device", "run", "workloads")
 
@@ -145,6 +132,7 @@ OWN_PARAMETERS = ("profile", "device", "run", "workloads")
 def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
     """``--set NN.name=value`` options as {notebook stem: {name: value}}: the value read as YAML
     (numbers, lists, strings), the notebook one of those selected, the name one of its parameters."""
+    import papermill
     import yaml
     out: dict[str, dict] = {}
     for item in items or []:
@@ -158,7 +146,7 @@ def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
                            f"({', '.join(p.stem for p in nbs)})")
         if name in OWN_PARAMETERS:
             raise CliError(f"--set {item!r}: reproduce sets {name!r} itself; use --{name}")
-        names = notebook_parameters(hit[0])
+        names = papermill.inspect_notebook(str(hit[0]))   # its parameters cell's names
         if name not in names:
             raise CliError(f"--set {item!r}: {hit[0].stem} has no parameter {name!r}; its parameters: "
                            f"{', '.join(sorted(names)) or 'none'}")

@@ -149,6 +149,11 @@ def compare(lo: float, hi: float, threshold: float) -> str:
     return "within noise"
 
 
-def effect(iv: Interval) -> str:
-    """What a toggle did, as its interval says: 'faster', 'slower' or 'within noise' (contains 1)."""
-    return {"above": "faster", "below": "slower", "within noise": "within noise"}[compare(iv.lo, iv.hi, 1.0)]
+# An effect in words, for prose: "within noise" says what it means for the reader.
+EFFECT_WORDS = {"faster": "faster", "slower": "slower", "within noise": "no difference this run can resolve"}
+
+
+def effect(lo: float, hi: float) -> str:
+    """What a toggle did, as the interval [lo, hi] of its speed-up says: 'faster', 'slower' or
+    'within noise' (contains 1)."""
+    return {"above": "faster", "below": "slower", "within noise": "within noise"}[compare(lo, hi, 1.0)]

@@ -14,7 +14,7 @@ import math
 import re
 from pathlib import Path
 
-from .. import results
+from .. import noise, results
 from ..paths import REPO_ROOT, run_dir
 from ..query import _num, ladder_rows, reference_runs, workloads_in
 from .. import query
@@ -402,8 +402,7 @@ def toggle_rows(recs: list[dict]) -> list[dict]:
     for r in (r for r in toggled if r.get("metric") == "speedup"):
         iv = (r.get("params") or {}).get("interval") or {}
         lo, hi = iv.get("lo"), iv.get("hi")
-        effect = (None if lo is None or hi is None else
-                  "faster" if lo > 1 else "slower" if hi < 1 else "within noise")
+        effect = None if lo is None or hi is None else noise.effect(lo, hi)
         k = key(r)
         rows.append({"notebook": k[0], "workload": k[1], "step": k[2], "toggle": k[3],
                      "change": (r.get("params") or {}).get("what"), "mode": k[4], "status": r.get("status"),

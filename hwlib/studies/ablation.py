@@ -510,7 +510,7 @@ def _summarise(row: dict, t: Toggle, a_windows, b_windows, level: float, seed: i
     per = noise.window_ratios(a_windows, b_windows, stat=t.stat)
     f = noise._stat(t.stat)
     row.update(ms_without=f([x for w in a_windows for x in w]), ms_with=f([x for w in b_windows for x in w]),
-               speedup=iv.ratio, lo=iv.lo, hi=iv.hi, level=level, effect=noise.effect(iv),
+               speedup=iv.ratio, lo=iv.lo, hi=iv.hi, level=level, effect=noise.effect(iv.lo, iv.hi),
                p20=noise.quantile(per, 0.2), p80=noise.quantile(per, 0.8), interval=iv.to_dict(),
                windows={"without": a_windows, "with": b_windows})
     return row

@@ -331,10 +331,12 @@ def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loo
     from tqdm.auto import tqdm
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
-    timed = [b for b in backends if b != "torch_loop" and (on_gpu or b != "triton")]
-    per_size = sum(1 + (on_gpu and b in ("cuda", "triton")) for b in timed) * len(DIRECTIONS)
-    bar = tqdm(total=per_size * len(sizes) + ("torch_loop" in backends) * len(DIRECTIONS) + on_gpu,
-               desc="BK-Core sweep", unit="timing", disable=not progress)
+    # each timing of a size and direction: (backend, kernel alone), the launcher alone on a GPU for the
+    # kernels (no validation, dispatch or autograd)
+    plan = [(be, alone) for be in backends if be != "torch_loop" and (on_gpu or be != "triton")
+            for alone in ((False, True) if on_gpu and be in ("cuda", "triton") else (False,))]
+    bar = tqdm(total=len(sizes) * len(DIRECTIONS) * len(plan) + ("torch_loop" in backends) * len(DIRECTIONS)
+               + on_gpu, desc="BK-Core sweep", unit="timing", disable=not progress)
     rows = []
 
     def add(label, B, N, d, nbytes, draw_s, measure):
@@ -350,14 +352,11 @@ def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loo
         sets = input_sets(B, N, torch.float32, dev, max(sets_needed(B, N, direction=d) for d in DIRECTIONS))
         draw_s = time.perf_counter() - t0
         for d in DIRECTIONS:
-            nbytes = min_bytes(B, N, direction=d)
-            for be in timed:
-                iters = (5 if be == "torch" else 20) if on_gpu else 3   # the torch scan takes 10s of ms a call
-                add(be, B, N, d, nbytes, draw_s,
-                    lambda: time_backend(be, B, N, dev, direction=d, iters=iters, sets=sets))
-                if on_gpu and be in ("cuda", "triton"):   # the launcher alone: no validation, dispatch or autograd
-                    add(f"{be} (kernel alone)", B, N, d, nbytes, draw_s,
-                        lambda: time_backend(be, B, N, dev, direction=d, iters=20, kernel_only=True, sets=sets))
+            for be, alone in plan:
+                # the torch scan takes 10s of ms a call: fewer iterations of it
+                iters = 20 if alone else (5 if be == "torch" else 20) if on_gpu else 3
+                add(f"{be} (kernel alone)" if alone else be, B, N, d, min_bytes(B, N, direction=d), draw_s,
+                    lambda: time_backend(be, B, N, dev, direction=d, iters=iters, kernel_only=alone, sets=sets))
         del sets
     B0, N0 = sizes[0]
     if "torch_loop" in backends:

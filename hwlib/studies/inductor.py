@@ -332,8 +332,7 @@ def prose(rows: list[dict], level: float, on_gpu: bool, left: list[dict] | None 
             continue
         text = (f"{head}: {r['ms_without']:.3g} ms/step without, {r['ms_with']:.3g} with, {r['speedup']:.3f}x "
                 f"({r['lo']:.3f}-{r['hi']:.3f}, {level:.0%}), "
-                + {"faster": "faster", "slower": "slower", "within noise": "no difference this run can resolve"}[
-                    r["effect"]])
+                + noise.EFFECT_WORDS[r["effect"]])
         c = r.get("compile_s") or {}
         if "with" in c and "without" in c:
             text += f"; compiling took {c['with']:.3g} s with it against {c['without']:.3g} s without"
