@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 from . import query, results, runs
-from .paths import REPO_ROOT, RunNameError, is_reference, run_dir, run_name
+from .paths import REPO_ROOT, RunNameError, compile_cache_env, is_reference, run_dir, run_name
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
@@ -307,11 +307,8 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
     env = dict(os.environ, HWLIB_RUN=str(run), HWLIB_PROFILE=profile, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions"))
-    # One compile cache for the run's notebooks, in its folder: inductor's FX-graph and AOT-autograd
-    # caches and Triton's kernels are made once per run and reused by every later notebook (and a
-    # resumed run); a new run starts cold, so its compile times are a cold start's.
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run / ".cache" / "inductor"))
-    env.setdefault("TRITON_CACHE_DIR", str(run / ".cache" / "triton"))
+    for k, v in compile_cache_env(run).items():   # one compile cache for the run's notebooks
+        env.setdefault(k, v)
     t_all = time.perf_counter()
     bar = tqdm(nbs, unit="nb", dynamic_ncols=True, disable=args.quiet)
     for nb in bar:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 
 from . import ceilings, query, results, roofline
@@ -20,7 +21,7 @@ from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
 from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps,
                                needs_bf16_floor, same_math)
-from .paths import run_dir
+from .paths import compile_cache_env, run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
 from .steps import STEP_NAMES, describe, get_step
 
@@ -35,6 +36,8 @@ def setup(profile: str = "auto", device: str = "auto", run=None) -> tuple[str, s
     """Resolve the parameters, print the environment report, the profile with the reason it was
     chosen (and, when it was named, what ``auto`` would pick here) and the plan; returns (profile,
     device). ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
+    for k, v in compile_cache_env(run_dir(run)).items():   # the run's compile caches, as reproduce sets them
+        os.environ.setdefault(k, v)
     dev = resolve_device(device)
     profile, why = choose_profile(profile, dev)
     device = dev.type

@@ -69,6 +69,16 @@ def run_dir(run: str | os.PathLike | None = None, *, create: bool = True) -> Pat
     return p
 
 
+def compile_cache_env(run: Path) -> dict[str, str]:
+    """The environment that puts a run's compile caches in its folder: inductor's FX-graph and
+    AOT-autograd caches and Triton's kernels are made once per run and reused by every later
+    notebook of it (and by a resumed run); a new run starts cold, so its compile times are a cold
+    start's. ``hwlib reproduce`` passes it to each notebook; a notebook run on its own sets it for
+    itself (``hwlib.notebook.setup``), where nothing set it before."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(run / ".cache" / "inductor"),
+            "TRITON_CACHE_DIR": str(run / ".cache" / "triton")}
+
+
 def read_dir(run: str | os.PathLike | None = None) -> Path:
     """The folder to read a run from: ``run_dir(run, create=False)``, except that a committed
     reference (``reference/<machine>``) that this process's outputs root does not hold is read from

@@ -185,6 +185,26 @@ def test_the_ladder_leaves_the_trainer_losses_unchanged(tr):
     assert steps[0]["share_generation"] == pytest.approx(a["share_generation"])
 
 
+def test_a_cycle_from_the_prefix_trains_as_a_whole_cycle_from_the_start(tr):
+    pre = G.prefix(tr)
+    assert len(pre["losses"]) == tr.cfg.every - 1 and pre["seconds"] > 0
+    whole = []   # the cycle the old way: every step from the start, the bonus before the last
+    tr.reset()
+    for k in range(tr.cfg.every - 1):
+        whole.append(float(tr.train_step(k)))
+    state = [p.detach().clone() for p in tr.params]
+    assert whole == pre["losses"]
+    c1, c2 = G.cycle(tr, "batched", pre), G.cycle(tr, "batched", pre)
+    assert c1["losses"][:-1] == c2["losses"][:-1] == pre["losses"]
+    assert c1["losses"][-1] == c2["losses"][-1]            # the restore is exact, and leaves the snapshot as it was
+    assert all(torch.equal(a, b) for a, b in zip(pre["state"]["params"], state))
+    assert c1["seconds"]["training"] > pre["seconds"] and c1["seconds"]["generation"] > 0
+    # the step after the bonus moves the weights from the snapshot: restore must undo it
+    assert not all(torch.equal(p, q) for p, q in zip(tr.params, state))
+    tr.restore(pre["state"])
+    assert all(torch.equal(p, q) for p, q in zip(tr.params, state))
+
+
 def test_the_seed_bonus_has_no_gradient_and_the_policy_gradient_has_one(tr):
     g0 = pc.seed_objective_grads(tr, 0.0, 0.7)
     g3 = pc.seed_objective_grads(tr, 0.3, 0.7)

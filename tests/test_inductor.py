@@ -112,6 +112,42 @@ def test_one_knob_runs_through_the_ablation_on_a_cpu_and_records_compile_time_an
     assert inductor.SMOKE_KNOB in inductor.prose(rows, 0.9, on_gpu=False)
 
 
+def test_a_combination_is_compiled_only_where_one_of_its_parts_was_kept():
+    combo = inductor.KNOBS["max_autotune_coordinate_descent"]
+    assert set(combo.parts) == {"max_autotune", "coordinate_descent"}
+    order = list(inductor.KNOBS)
+    assert all(order.index(p) < order.index(combo.name) for p in combo.parts)   # its parts are measured first
+
+    def part(knob, verdict, status="ok"):
+        return {"knob": knob, "status": status, "verdict": verdict}
+
+    dropped = [part("max_autotune", "drop (slower)"), part("coordinate_descent", "drop (within noise)")]
+    why = inductor.combination_skip(combo, dropped)
+    assert "none of its parts was kept" in why and "max_autotune: drop (slower)" in why
+    assert inductor.combination_skip(combo, [dropped[0], part("coordinate_descent", "keep")]) is None
+    # a part not measured (skipped, or not asked for) leaves the question open: measure the combination
+    assert inductor.combination_skip(combo, [dropped[0], part("coordinate_descent", "not measured", "skipped")]) is None
+    assert inductor.combination_skip(combo, dropped[:1]) is None
+    assert inductor.combination_skip(inductor.KNOBS["max_autotune"], dropped) is None   # not a combination
+
+
+def test_a_skipped_combination_is_a_row_with_its_reason_and_no_work(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_measure(workload, step, toggles, **kw):
+        calls.append(toggles)
+        return [ablation._row(workload, step, ablation.get_toggle(toggles[0]), "in_process", status="ok",
+                              effect="within noise", same_math={"ok": True})]
+
+    monkeypatch.setattr(ablation, "measure", fake_measure)
+    rows = inductor.measure(["max_autotune", "coordinate_descent", "max_autotune_coordinate_descent"],
+                            profile="smoke", device="cpu", window=TINY, run=tmp_path / "r")
+    assert calls == [["inductor_max_autotune"], ["inductor_coordinate_descent"]]
+    last = rows[-1]
+    assert last["knob"] == "max_autotune_coordinate_descent" and last["status"] == "skipped"
+    assert "none of its parts was kept" in last["reason"] and last["verdict"] == "not measured (skipped)"
+
+
 def test_same_math_check_and_verdicts():
     ok = ablation.same_math_check({"without": [10.0, 9.0], "with": [10.0, 9.05]}, "17_fused_lm_head")
     assert ok["ok"] and ok["max_rel"] == pytest.approx(0.05 / 9.0) and ok["k"] == 2

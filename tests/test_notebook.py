@@ -142,3 +142,14 @@ def test_bf16_check_allows_what_tf32_shows_the_training_amplifies(monkeypatch, t
     monkeypatch.setattr(notebook.query, "saved_curve", lambda w, step, key, run=None: {
         "03_bf16_autocast": c02, "02_tf32": c02, "01_baseline_fp32": c01}.get(step))
     assert "amplifies rounding" not in str(notebook.check_math(later))
+
+
+def test_setup_puts_the_compile_caches_in_the_run_folder_unless_they_are_set(isolated_run, monkeypatch, tmp_path):
+    from hwlib.paths import run_dir
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))   # a user's own setting stays
+    notebook.setup("smoke", "cpu", "caches")
+    import os
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir("caches") / ".cache" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")

@@ -6,9 +6,13 @@ score study. Each function returns rows; ``*_records`` turn rows into records (w
 A cycle is what the seed's trainer repeats: ``every`` trainer steps, the last with the diversity
 bonus. Every phase is timed by ``hwlib.bench.wall_s`` (a sync before and after): the phases run one
 after another and the bonus's phases end in host work (``.tolist()``, ``.item()``), so device time
-alone would miss what the seed's loop waits for. Each ladder rung starts its cycles from the same
-LoRA weights and optimizer state (``Trainer.reset``), so its trainer losses must equal the first
-rung's: the ladder changes how replies are generated, never the training.
+alone would miss what the seed's loop waits for. The cycle's first ``every - 1`` trainer steps come
+before any bonus, so no rung changes them: ``prefix`` runs them once from the start state, times
+them and keeps the state after them; each rung's cycles start from that state (``Trainer.restore``)
+with the bonus and the step it feeds, and count the prefix's time as the cycle's first steps. The
+trainer losses of every rung must equal the first rung's: the ladder changes how replies are
+generated, never the training (the step after the bonus is where a rung that disturbed the model
+would show).
 
 Decode bandwidth: bytes one decode step must read (every weight once, the input embedding only for
 its rows; plus the KV cache of all rows at the mean length L + T/2 where a cache is used) over the
@@ -70,25 +74,30 @@ def bonus(tr: pc.Trainer, way: str) -> tuple[float, dict, torch.Tensor]:
     return v, t, replies
 
 
-def cycle(tr: pc.Trainer, way: str) -> dict:
-    """One cycle from the start state: ``every`` trainer steps, the bonus before the last.
-    Returns seconds per phase, the cycle's trainer losses and the bonus's score."""
+def prefix(tr: pc.Trainer) -> dict:
+    """The cycle's first ``every - 1`` trainer steps from the start state (``Trainer.reset``), which
+    no rung changes: their seconds, their losses and the state after them (``Trainer.snapshot``)."""
     tr.reset()
-    cfg = tr.cfg
+    seconds, losses = 0.0, []
+    for k in range(tr.cfg.every - 1):
+        s, ce = bench.wall_s(lambda: tr.train_step(k), tr.device)
+        seconds += s
+        losses.append(float(ce))
+    return {"seconds": seconds, "losses": losses, "state": tr.snapshot()}
+
+
+def cycle(tr: pc.Trainer, way: str, pre: dict) -> dict:
+    """One cycle: the ``prefix`` ``pre`` (its state restored, its time counted), then the bonus by
+    ``way`` and the trainer step it feeds. Returns seconds per phase, the cycle's trainer losses and
+    the bonus's score."""
+    tr.restore(pre["state"])
     out = {p: 0.0 for p in pc.PHASES}
-    losses = []
-    score = None
-    for k in range(cfg.every):
-        b = None
-        if k == cfg.every - 1:
-            score, t, _ = bonus(tr, way)
-            for p, s in t.items():
-                out[p] += s
-            b = score
-        s, ce = bench.wall_s(lambda: tr.train_step(k, b), tr.device)
-        out["training"] += s
-        losses.append(ce)
-    return {"seconds": out, "losses": [float(x) for x in torch.stack(losses).tolist()], "score": score}
+    score, t, _ = bonus(tr, way)
+    for p, s in t.items():
+        out[p] += s
+    s, ce = bench.wall_s(lambda: tr.train_step(tr.cfg.every - 1, score), tr.device)
+    out["training"] = pre["seconds"] + s
+    return {"seconds": out, "losses": pre["losses"] + [float(ce)], "score": score}
 
 
 def warm_up(tr: pc.Trainer, way: str, full: bool) -> float:
@@ -104,17 +113,19 @@ def kv_bytes_per_step(cfg: pc.PolyConfig, rows: int) -> float:
     return rows * cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * elem * (cfg.prompt_len + cfg.new_tokens / 2)
 
 
-def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, copy_gbps: float | None = None,
-                 base_losses: list | None = None) -> dict:
-    """``cycles`` cycles of a rung after its warm-up; one row with the median cycle's shares, the
-    generation rate and decode bandwidth, the compile/warm-up time and the loss check against
-    ``base_losses``. A rung that fails (e.g. compilation) returns status 'failed' with the reason."""
+def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = None,
+                 copy_gbps: float | None = None, base_losses: list | None = None) -> dict:
+    """``cycles`` cycles of a rung after its warm-up, each from the ``prefix`` ``pre`` (None: run it
+    here); one row with the median cycle's shares, the generation rate and decode bandwidth, the
+    compile/warm-up time and the loss check against ``base_losses``. A rung that fails (e.g.
+    compilation) returns status 'failed' with the reason."""
     way, change = RUNGS[step]
     cfg = tr.cfg
     row = {"step": step, "way": way, "change": change, "cycles": cycles, "status": "ok", "reason": None}
     try:
         row["warmup_s"] = warm_up(tr, way, full=way in ("static_hf", "static_own"))
-        runs = [cycle(tr, way) for _ in range(cycles)]
+        pre = pre or prefix(tr)
+        runs = [cycle(tr, way, pre) for _ in range(cycles)]
     except Exception as e:     # a rung that cannot run here is a row with its reason, not a crash
         if isinstance(e, (KeyboardInterrupt, ValueError)):
             raise
@@ -149,16 +160,18 @@ def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, copy_gbps: float | N
     return row
 
 
-def attention_rows(tr: pc.Trainer, step: str = "14c_batched", cycles: int = 1) -> list[dict]:
+def attention_rows(tr: pc.Trainer, step: str = "14c_batched", cycles: int = 1, pre: dict | None = None) -> list[dict]:
     """One rung's cycle with eager (matmul + softmax) attention and with SDPA: what the seed's
-    FlashAttention tier could change in this trainer (SDPA runs flash kernels on an H100)."""
+    FlashAttention tier could change in this trainer (SDPA runs flash kernels on an H100). The cycle
+    runs whole for each (its own ``prefix``, ``pre`` ignored under eager): the prefix's steps train
+    through attention too."""
     base = tr.lm.get_base_model()
     was = base.config._attn_implementation
     rows = []
     try:
         for attn in ("eager", "sdpa"):
             base.set_attn_implementation(attn)
-            r = measure_rung(tr, step, cycles)
+            r = measure_rung(tr, step, cycles, pre=pre if attn == was else None)
             rows.append({"attn": attn, **r})
     finally:
         base.set_attn_implementation(was)

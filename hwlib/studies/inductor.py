@@ -23,9 +23,14 @@ and the same-math check: the arms' first K losses, from the same seed and batche
 within the step's tolerance (an autotuned GEMM or another block size changes rounding only). A knob
 is kept only when its interval lies above 1 and its math held.
 
-Compile seconds are those of this machine's inductor caches as they stand: a first run compiles and
-autotunes from nothing; a later one finds the kernels and the autotuning choices on disk and
-compiles faster. Both arms of a toggle see the same caches.
+Compile seconds are those of the inductor caches as they stand: a first run compiles and autotunes
+from nothing; a later one finds the kernels and the autotuning choices on disk and compiles faster.
+Under ``hwlib reproduce`` the run's notebooks share one cache, so the arm *without* (the step's own
+options) finds the graph notebook 17 compiled, while the arm *with* compiles under its new options:
+the gap between the two is what the knob costs a user whose step is already compiled.
+
+A combination of knobs (``Knob.parts``) is measured only where one of its parts was kept: each part
+already answered whether its options gain anything here.
 
 The step (``best_step``): 17 (the fused LM head) where it runs with its Triton row pass, else 09
 (the recipe's last step). On a CPU, inductor writes C++ rather than Triton: the knobs that tune
@@ -37,6 +42,7 @@ has, at the smoke model's compiled step 17.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +50,7 @@ import torch
 from .. import bench, noise
 from ..device import ChoiceError, Unavailable, info, resolve_device, supports_compile
 from ..steps import get_step, not_applicable, unavailable
+from ..workloads import get_workload
 from . import ablation
 
 NOTEBOOK = "20_inductor"
@@ -71,6 +78,9 @@ class Knob:
     title: str
     why: str           # what in GPT-2's step it could make faster
     triton: bool       # acts only on the Triton kernels inductor writes for a GPU
+    # knobs this one combines: measured only where one of them was kept (a combination of options that
+    # each measured no gain is minutes of compilation for a question the parts already answered)
+    parts: tuple = ()
 
     def __post_init__(self):
         if set(self.on) != set(self.off) or self.on == self.off:
@@ -108,7 +118,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          {"max_autotune": False, "coordinate_descent_tuning": False},
          "max-autotune and coordinate-descent tuning together",
          "what torch.compile's mode='max-autotune' adds to a step that already replays CUDA graphs: the GEMM "
-         "templates above and the block sizes of every pointwise and reduction kernel tuned too.", triton=True),
+         "templates above and the block sizes of every pointwise and reduction kernel tuned too.", triton=True,
+         parts=("max_autotune", "coordinate_descent")),
 )}
 SMOKE_KNOB = "aggressive_fusion"
 
@@ -232,12 +243,34 @@ def measure(knobs: list[str] | None = None, *, workload: str = "gpt", step: str 
     dev = resolve_device(device)
     if supports_compile(info(dev))[0]:
         warm_compiler(dev.type)
-    rows = ablation.measure(workload, step, toggles, profile=profile, device=device,
-                            window=window, level=level, seed=seed, config=config, budget_s=budget_s,
-                            notebook=NOTEBOOK, run=run, progress=progress)
-    for r, k in zip(rows, names):
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    for k in names:   # one knob at a time: a combination's rule reads the verdicts of the knobs before it
+        left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
+        skip = combination_skip(KNOBS[k], rows)
+        if skip or (left is not None and left <= 0):
+            r = ablation._row(get_workload(workload).name, step, TOGGLES[k], "in_process", status="skipped",
+                              reason=skip or f"the time budget ({budget_s:g} s) was spent before this knob")
+        else:
+            r = ablation.measure(workload, step, [PREFIX + k], profile=profile, device=device, window=window,
+                                 level=level, seed=seed, config=config, budget_s=None, notebook=NOTEBOOK, run=run,
+                                 progress=progress)[0]
         r.update(knob=k, changes=KNOBS[k].on, fallback=why, verdict=verdict(r))
+        rows.append(r)
     return rows
+
+
+def combination_skip(knob: Knob, rows: list[dict]) -> str | None:
+    """Why ``knob``, a combination, is not measured (None: measure it): none of its parts was kept
+    among ``rows`` (each part measured before it, in ``KNOBS``'s order). A part not measured at all
+    leaves the question open: the combination is measured."""
+    if not knob.parts:
+        return None
+    got = {r["knob"]: r for r in rows if r.get("knob") in knob.parts}
+    if len(got) < len(knob.parts) or any(r["status"] != "ok" or r["verdict"] == "keep" for r in got.values()):
+        return None
+    said = "; ".join(f"{k}: {got[k]['verdict']}" for k in knob.parts)
+    return f"not compiled: none of its parts was kept ({said}), so their combination asks nothing new"
 
 
 # --- the breakdown this study starts from ----------------------------------------------------------------

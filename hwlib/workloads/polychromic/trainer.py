@@ -88,6 +88,21 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.params, lr=self.cfg.lr)
         self.lm.train()
 
+    def snapshot(self) -> dict:
+        """The trained state (LoRA weights and AdamW's moments and step counts), copied."""
+        return {"params": [p.detach().clone() for p in self.params],
+                "opt": copy.deepcopy(self.opt.state_dict())}
+
+    def restore(self, snap: dict) -> None:
+        """Back to ``snap`` exactly; the snapshot stays as it was (AdamW's load_state_dict keeps the
+        tensors it is given when device and dtype match, and its steps would update them in place)."""
+        with torch.no_grad():
+            for p, p0 in zip(self.params, snap["params"]):
+                p.copy_(p0)
+        self.opt = torch.optim.AdamW(self.params, lr=self.cfg.lr)
+        self.opt.load_state_dict(copy.deepcopy(snap["opt"]))
+        self.lm.train()
+
     # --- training -----------------------------------------------------------------------------------
     def ce(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=x, labels=x, use_cache=False).loss
