@@ -157,6 +157,160 @@ def test_finder_errors():
         search_batch(lambda b: 1.0, capacity_gib=10.0, start=0.5)
 
 
+# The H100 reference run of notebook 13 (outputs/reference/h100): each search's trials from batch 1
+# (reserved peak GiB, None = out of memory), the peak at the profile's batch 16 that the technique
+# study measured before, and the batch found. Budget 70.51 GiB: capacity 78.34 GiB less 10%.
+H100_CAPACITY = 78.34
+H100_SEARCHES = {
+    "bf16": ({1: 2.673828125, 2: 3.533203125, 4: 5.33203125, 8: 9.533203125, 16: 16.123046875,
+              32: 30.51171875, 64: 59.345703125, 128: None, 76: 70.150390625}, 16.12109375, 76, 8),
+    "checkpointing": ({1: 2.439453125, 2: 3.123046875, 4: 3.181640625, 8: 3.298828125, 16: 3.630859375,
+                       32: 4.39453125, 64: 6.484375, 128: 11.154296875, 256: 20.48828125, 512: 38.865234375,
+                       1024: 75.642578125, 950: 70.193359375}, 7.126953125, 950, 16),
+    "checkpointing + offload": ({1: 1.521484375, 2: 2.146484375, 4: 2.322265625, 8: 2.478515625,
+                                 16: 2.830078125, 32: 3.572265625, 64: 5.46875, 128: 10.099609375,
+                                 256: 19.47265625, 512: 38.240234375, 1024: 75.759765625, 952: 70.486328125},
+                                7.244140625, 952, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(H100_SEARCHES))
+def test_a_start_from_the_measured_peak_finds_what_a_start_from_1_found(name):
+    """The informed start skips the small batches and nothing else: same trials from it on, same line,
+    same batch, same prediction as the reference's search from 1."""
+    from hwlib.memory.finder import budget_of, informed_start
+    peaks, peak16, found, expected_start = H100_SEARCHES[name]
+    lookup = lambda b: peaks[b]          # a batch the reference never ran is a KeyError: the test fails
+    whole = search_batch(lookup, H100_CAPACITY, margin=0.1, max_batch=1024)
+    assert [t["batch"] for t in whole.trials] == list(peaks) and whole.batch == found and whole.start == 1
+    start = informed_start(budget_of(H100_CAPACITY, 0.1), 16, peak16)
+    assert start == expected_start
+    part = search_batch(lookup, H100_CAPACITY, margin=0.1, start=start, max_batch=1024)
+    assert (part.batch, part.fit, part.predicted_peak_gib, part.measured_peak_gib) == \
+        (whole.batch, whole.fit, whole.predicted_peak_gib, whole.measured_peak_gib)
+    assert part.trials == [t for t in whole.trials if t["batch"] >= start] and part.start == start
+
+
+def test_a_start_too_high_runs_the_smaller_batches_the_line_needs():
+    """Batches 8, 16 and 32 fit the 36 GiB budget, 64 does not: whatever the start, the line goes
+    through those three; the batches below them are never run."""
+    peak = lambda b: None if b > 100 else 2.0 + 0.5 * b + 0.001 * b * b   # not quite straight
+    whole = search_batch(peak, capacity_gib=40.0, margin=0.1)
+    assert [t["batch"] for t in whole.trials][:7] == [1, 2, 4, 8, 16, 32, 64] and not whole.trials[6]["fits"]
+    for start in (16, 32, 64, 128, 1024):
+        calls = []
+        r = search_batch(lambda b: calls.append(b) or peak(b), capacity_gib=40.0, margin=0.1, start=start)
+        assert (r.batch, r.fit, r.predicted_peak_gib) == (whole.batch, whole.fit, whole.predicted_peak_gib), start
+        assert not {1, 2, 4} & set(calls), (start, calls)
+    assert [t["batch"] for t in search_batch(peak, 40.0, start=64).trials][:4] == [64, 32, 16, 8]
+    assert [t["batch"] for t in search_batch(peak, 40.0, start=128).trials][:5] == [128, 64, 32, 16, 8]
+    with pytest.raises(MemoryError, match="batch 1 does not fit"):
+        search_batch(lambda b: None, capacity_gib=10.0, start=16)
+
+
+def test_informed_start():
+    from hwlib.memory.finder import informed_start
+    assert informed_start(64.0, 16, 16.0) == 8          # 64 samples fit: an eighth of them
+    assert informed_start(64.0, 16, 16.0, headroom=4) == 16
+    assert informed_start(63.9, 16, 16.0) == 4          # a power of two at most the eighth
+    assert informed_start(1.0, 16, 16.0) == 1           # less than one sample: start at 1
+    for kw, err, match in (({"budget_gib": float("nan")}, ValueError, "budget_gib"),
+                           ({"peak_gib": 0.0}, ValueError, "peak_gib"), ({"batch": 0}, ValueError, "batch"),
+                           ({"headroom": 0}, ValueError, "headroom")):
+        with pytest.raises(err, match=match):
+            informed_start(**{"budget_gib": 10.0, "batch": 4, "peak_gib": 1.0, **kw})
+
+
+def test_run_steps_stops_after_a_step_over_the_budget():
+    from hwlib.studies.batch_finder import run_steps
+    ran = []
+    assert run_steps(ran.append, 2, lambda: 5.0 * (len(ran)), budget_gib=6.0) == 2 and ran == [0, 1]
+    ran.clear()
+    assert run_steps(ran.append, 2, lambda: 7.0, budget_gib=6.0) == 1 and ran == [0]
+    ran.clear()
+    assert run_steps(ran.append, 3, lambda: 3.0 * len(ran), budget_gib=4.0) == 2 and ran == [0, 1]
+
+
+@pytest.fixture
+def fake_cuda_session(monkeypatch):
+    """find_batch_size on a CPU: a 40 GiB device whose reserved peak after n steps of batch b is
+    2 + 0.5 b + 0.25 (n - 1) GiB (the second step adds the optimizer states), and a Session that
+    only steps that figure; a batch of ``state["oom_from"]`` or more runs out of memory building it."""
+    from hwlib.studies import batch_finder
+    state = {"peak": 0.0, "steps": {}, "closed": 0, "freed": 0, "oom_from": None}
+
+    class FakeSession:
+        def __init__(self, workload, cfg, settings, device):
+            self.b = cfg.batch
+            if state["oom_from"] and self.b >= state["oom_from"]:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            state["steps"][self.b] = 0
+
+        def step(self, i):
+            state["steps"][self.b] += 1
+            state["peak"] = max(state["peak"], 2.0 + 0.5 * self.b + 0.25 * (state["steps"][self.b] - 1))
+
+        def close(self):
+            state["closed"] += 1
+
+    gib = 2**30
+    monkeypatch.setattr(batch_finder, "Session", FakeSession)
+    monkeypatch.setattr(batch_finder, "usable_memory_gib", lambda device: 40.0)
+    monkeypatch.setattr(batch_finder, "free", lambda device: state.update(freed=state["freed"] + 1))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 40 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(peak=0.0))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["peak"] * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0.9 * state["peak"] * gib)
+    return state
+
+
+def test_find_batch_size_from_a_hint_and_stopping_early(fake_cuda_session):
+    from hwlib.studies import batch_finder
+    state, st = fake_cuda_session, settings_for("05_fused_optimizer")
+    whole = batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke")
+    # budget 36 GiB: 64 fits, 128 is over it after its first step (66 GiB) and runs no second one
+    assert whole.batch == 67 and whole.start == 1 and state["steps"][128] == 1
+    by_batch = {t["batch"]: t for t in whole.trials}
+    assert by_batch[128]["steps"] == 1 and by_batch[128]["peak_is_lower_bound"] and not by_batch[128]["fits"]
+    assert by_batch[128]["peak_gib"] == pytest.approx(66.0)
+    assert all(t["steps"] == 2 and not t["peak_is_lower_bound"] for b, t in by_batch.items() if b != 128)
+    assert state["closed"] == len(whole.trials) and state["freed"] == 0     # closing a session frees
+    state["steps"].clear()
+    hinted = batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke", hint=(8, 6.25))
+    assert hinted.start == 4 and min(state["steps"]) == 4         # 36 * 8 / 6.25 / 8 = 5.8: from 4
+    assert (hinted.batch, hinted.fit, hinted.predicted_peak_gib) == (whole.batch, whole.fit, whole.predicted_peak_gib)
+    state["oom_from"] = 128                 # a session that never built: its trial frees what it left
+    oom = batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke", start=32)
+    assert oom.batch == 67 and {t["batch"]: t["steps"] for t in oom.trials}[128] is None
+    assert state["freed"] == 1              # the session that never built: nothing to close
+    with pytest.raises(ValueError, match="start must be a power of two"):
+        batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke", start=12)
+    with pytest.raises(ValueError, match="pass start \\(8\\) or hint, not both"):
+        batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke", start=8, hint=(8, 6.25))
+    with pytest.raises(TypeError, match="hint must be a \\(batch, reserved peak GiB\\) pair"):
+        batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke", hint=6.25)
+    with pytest.raises(ValueError, match="hint peak GiB"):
+        batch_finder.find_batch_size("gpt", st, "cuda", profile="smoke", hint=(8, 0.0))
+
+
+def test_max_batches_start_from_the_study_peaks(fake_cuda_session, monkeypatch):
+    from hwlib.studies import batch_finder
+    recs = []    # a record names its device's properties: there is no CUDA device here to read them from
+    monkeypatch.setattr(batch_finder.results, "make_record", lambda **kw: kw)
+    monkeypatch.setattr(batch_finder.results, "append", lambda rec, run=None: recs.append(rec))
+    rows = [{"technique": "bf16", "status": "ok", "micro_batches": 1, "peak_reserved_gib": 6.25},
+            {"technique": "bf16 + accumulation x4", "status": "ok", "micro_batches": 4, "peak_reserved_gib": 3.0}]
+    found = batch_finder.max_batches("gpt", "05_fused_optimizer", ["bf16", "bf16 + accumulation x4", "fp32 (TF32)"],
+                                     "cuda", profile="smoke", measured=rows)
+    assert {n: f.start for n, f in found.items()} == {"bf16": 4, "bf16 + accumulation x4": 1, "fp32 (TF32)": 1}
+    assert {f.batch for f in found.values()} == {67}
+    assert [(r["metric"], r["fields"]["technique"], r["params"]["start"]) for r in recs] == [
+        ("max_batch", "bf16", 4), ("max_batch", "bf16 + accumulation x4", 1), ("max_batch", "fp32 (TF32)", 1)]
+
+
 def test_expandable_segments_keeps_other_allocator_options(monkeypatch):
     from hwlib.memory import allocator
     monkeypatch.setenv(allocator.ENV, "max_split_size_mb:256,expandable_segments:False")
@@ -542,6 +696,8 @@ def test_run_step_accumulates_with_micro_batch_alone():
     ({"capacity_gib": float("nan")}, ValueError, "capacity_gib"), ({"capacity_gib": -1.0}, ValueError, "capacity_gib"),
     ({"capacity_gib": "10"}, TypeError, "capacity_gib"), ({"margin": "0.1"}, TypeError, "margin"),
     ({"margin": float("nan")}, ValueError, "margin"), ({"start": 8, "max_batch": 4}, ValueError, "start \\(8\\)"),
+    ({"start": 3}, ValueError, "start must be a power of two"), ({"start": 0}, ValueError, "start must be at least"),
+    ({"start": "8"}, TypeError, "start must be a whole number"),
     ({"try_batch": None}, TypeError, "try_batch must be callable"),
     ({"try_batch": lambda b: float("nan")}, ValueError, r"try_batch\(1\)"),
     ({"try_batch": lambda b: "1"}, TypeError, r"try_batch\(1\)"),
