@@ -917,3 +917,58 @@ def test_a_sweep_draws_each_sizes_inputs_once(monkeypatch):
         bk_study.time_backend("torch", 4, 9, "cpu", iters=1, warmup=0, sets=sets)
     with pytest.raises(ValueError, match="sets: need at least"):
         bk_study.time_backend("torch", 3, 9, "cpu", iters=1, warmup=0, sets=sets[:1])
+
+
+def test_a_sweep_computes_each_reference_once_and_still_checks_every_timing(monkeypatch):
+    """The float64 loop reference is computed once per size and direction and shared by every
+    backend timed there (the incoming gradients are seeded, so the same for each); every timing is
+    still checked against it, a wrong result still fails, and the torch loop reuses the first size's
+    input sets instead of drawing them again."""
+    from hwlib.studies import bk_core as bk_study
+    refs, checks, drawn = [], [], []
+    for name in ("forward_loop", "backward_loop"):
+        real = getattr(bk_study, name)
+        monkeypatch.setattr(bk_study, name, lambda *a, _real=real, _name=name: refs.append(_name) or _real(*a))
+    real_check, real_draw = bk_study.check_output, bk_study.random_inputs
+    monkeypatch.setattr(bk_study, "check_output", lambda *a, **k: checks.append(a[:2]) or real_check(*a, **k))
+    monkeypatch.setattr(bk_study, "random_inputs", lambda *a, **k: drawn.append((a[:2], k.get("seed"))) or real_draw(*a, **k))
+    rows = bk_study.speed_rows([(3, 9), (4, 9)], ["torch_loop", "torch"], "cpu", loop_iters=1)
+    assert [(r["backend"], r["B"], r["direction"]) for r in rows] == [
+        (be, B, d) for B, be in [(3, "torch"), (4, "torch")] for d in bk_study.DIRECTIONS] + [
+        ("torch_loop", 3, d) for d in bk_study.DIRECTIONS]
+    assert sorted(refs) == ["backward_loop"] * 2 + ["forward_loop"] * 2            # 2 sizes x 2 directions
+    assert len(checks) == len(rows)
+    per_size = max(bk_study.sets_needed(3, 9, direction=d) for d in bk_study.DIRECTIONS)
+    assert drawn == [((B, 9), i) for B in (3, 4) for i in range(per_size)]         # none for the loop's rows
+    assert [r["draw_s"] for r in rows if r["backend"] == "torch_loop"] == [rows[0]["draw_s"]] * 2
+
+    # the shared reference is the one each check would compute, and a wrong result still fails against it
+    sets, shared = bk_study.input_sets(3, 9, torch.float32, "cpu", per_size), {}
+    for d in bk_study.DIRECTIONS:
+        bk_study.time_backend("torch", 3, 9, "cpu", direction=d, iters=1, warmup=0, sets=sets, refs=shared)
+    grads = bk_study.timing_grads(3, 9, torch.float32, "cpu", 2)
+    assert torch.equal(grads[0], bk_study.timing_grads(3, 9, torch.float32, "cpu", 1)[0])   # seeded: every backend's
+    for d in bk_study.DIRECTIONS:
+        want = bk_study.reference_output(d, *sets[0], grads[0])
+        assert all(torch.equal(x, y) for x, y in zip(shared[(d, 3, 9, "torch.float32")], want))
+    real_b = bk_core._backward
+    monkeypatch.setattr(bk_core, "_backward", lambda name, *a: [g * 1.01 for g in real_b(name, *a)])
+    with pytest.raises(RuntimeError, match="forward\\+backward\\) differs"):
+        bk_study.time_backend("torch", 3, 9, "cpu", direction="forward+backward", iters=1, warmup=0, sets=sets,
+                              refs=shared)
+
+
+def test_the_accuracy_sweep_reuses_its_float64_reference(monkeypatch):
+    """The complex128 stable form is the reference's own call: computed once, its row kept (0)."""
+    from hwlib.studies import bk_core as bk_study
+    calls = []
+    real = bk_study.resolvent_diagonal
+    monkeypatch.setattr(bk_study, "resolvent_diagonal", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    rows = bk_study.accuracy_sweep([16, 96])
+    assert calls == [torch.float64, torch.float32] * 2
+    assert [(r["N"], r["method"], r["dtype"]) for r in rows] == [
+        (n, m, dt) for n in (16, 96) for m, dt in [("stable form vs dense inverse", "complex128"),
+                                                    ("theta/phi (seed)", "complex64"), ("stable form", "complex64"),
+                                                    ("theta/phi (seed)", "complex128"), ("stable form", "complex128")]]
+    assert all(r["rel_err"] == 0.0 for r in rows if r["method"] == "stable form" and r["dtype"] == "complex128")
+    assert all(0 < r["rel_err"] < 1e-5 for r in rows if r["method"] == "stable form" and r["dtype"] == "complex64")

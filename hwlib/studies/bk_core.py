@@ -9,8 +9,14 @@ Minimal bytes (each input read once, each output written once), s = bytes of the
 so 20 B per element forward in float32. ``gbps`` divides those bytes by the measured time: the share
 of the measured copy ceiling (handed in by the caller; n/a without one) says how close to the memory
 floor a kernel runs. Every timing is of a call whose output was checked against the float64
-reference first. Records: workload "bk_core", step None, x-values in fields (``speed_records``,
-``first_failing_records``, ``target_records``).
+reference first (computed once per size and direction, shared by the backends timed on the same
+inputs and incoming gradients). Records: workload "bk_core", step None, x-values in fields
+(``speed_records``, ``first_failing_records``, ``target_records``, ``prebuild_records``).
+
+On a GPU the Triton kernels the notebook launches compile in background processes from its start
+(``prebuild_kernels``, ``hwlib.ops.bk_prebuild``): the untimed cells take the handle (``prebuilt``)
+and wait for a kernel's build only just before its first launch; the speed sweep waits for every
+build before its first timing, so that no compiler competes for the host while anything is timed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from .. import bench
 from ..ops.bk_core import resolvent_diagonal
+from ..ops.bk_prebuild import Build, Prebuild, prebuild, why_not
 from ..ops.bk_reference import (backward_loop, forward_loop, resolvent_diagonal_dense,
                                 resolvent_diagonal_theta_phi)
 from ..results import make_record
@@ -100,17 +107,25 @@ def _timed_call(backend: str, direction: str, inputs: list, grads: list, kernel_
     return fn
 
 
-def check_output(backend: str, direction: str, out, a, b, c, grad, rows: int = 4) -> float:
-    """The timed call's output against the float64 loop reference on its first ``rows`` sequences;
-    returns the relative error, raises RuntimeError past the dtype's tolerance: a time is only
-    worth recording for a call that computes G."""
+def reference_output(direction: str, a, b, c, grad, rows: int = 4) -> list[torch.Tensor]:
+    """The float64 loop reference of a timed call on its first ``rows`` sequences: [G] forward, the
+    three gradients forward+backward (for the incoming ``grad``)."""
     k = min(rows, a.shape[0])
     a64, b64, c64 = (x[:k].detach().cpu().double() for x in (a, b, c))
     if direction == "forward":
-        got, want = [out[:k]], [forward_loop(a64, b64, c64, Z)]
-    else:
-        got = [x[:k] for x in out]
-        want = list(backward_loop(a64, b64, c64, Z, grad[:k].cpu().to(torch.complex128)))
+        return [forward_loop(a64, b64, c64, Z)]
+    return list(backward_loop(a64, b64, c64, Z, grad[:k].cpu().to(torch.complex128)))
+
+
+def check_output(backend: str, direction: str, out, a, b, c, grad, rows: int = 4, want: list | None = None) -> float:
+    """The timed call's output against the float64 loop reference on its first ``rows`` sequences;
+    returns the relative error, raises RuntimeError past the dtype's tolerance: a time is only
+    worth recording for a call that computes G. ``want``: that reference (``reference_output``)
+    where the caller has it already, else computed here."""
+    k = min(rows, a.shape[0])
+    got = [out[:k]] if direction == "forward" else [x[:k] for x in out]
+    if want is None:
+        want = reference_output(direction, a, b, c, grad, rows)
     tol = 1e-3 if a.dtype == torch.float32 else 1e-9
     err = 0.0
     for x, ref in zip(got, want):
@@ -123,9 +138,22 @@ def check_output(backend: str, direction: str, out, a, b, c, grad, rows: int = 4
     return err
 
 
+GRAD_SEED = 12                # the timings' incoming gradients (``timing_grads``)
+
+
+def timing_grads(batch: int, n: int, dtype, device, count: int) -> list[torch.Tensor]:
+    """The incoming complex gradients of the forward+backward timings, one per input set: seeded,
+    so every backend's backward at a size gets the same ones and one float64 reference serves all."""
+    dev = torch.device(device)
+    cplx = torch.complex64 if dtype == torch.float32 else torch.complex128
+    g = torch.Generator(device=dev).manual_seed(GRAD_SEED)
+    return [torch.randn(batch, n, dtype=cplx, device=dev, generator=g) for _ in range(count)]
+
+
 def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "forward",
                  dtype=torch.float32, iters: int = 20, warmup: int = 3, group: int | None = None,
-                 kernel_only: bool = False, verify: bool = True, sets: list | None = None) -> bench.Timing:
+                 kernel_only: bool = False, verify: bool = True, sets: list | None = None,
+                 refs: dict | None = None) -> bench.Timing:
     """Median time of one call (``forward``) or one call and its backward (``forward+backward``).
     Inputs rotate among enough sets to exceed twice the L2 cache, so DRAM, not L2, is measured.
     Each timed sample queues ``group`` calls back to back (default 4 for the kernel backends on a
@@ -136,7 +164,10 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
     time, where a short kernel would otherwise be timed by the host's speed at running that Python.
     ``verify`` checks the timed call's output against the float64 reference (``check_output``).
     ``sets``: input sets already drawn at this size (``input_sets``, at least ``sets_needed``), so
-    that a sweep timing every backend and direction at one size draws them once; else drawn here."""
+    that a sweep timing every backend and direction at one size draws them once; else drawn here.
+    ``refs``: a dict the caller shares among the timings on the same ``sets``, where the float64
+    reference of each direction is kept once computed (the incoming gradients are seeded: the same
+    for every backend), so that the backends timed at one size share one reference."""
     from ..ops.bk_core import select_backend
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'forward' or 'forward+backward', got {direction!r}")
@@ -158,8 +189,7 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
                          f"{len(sets)} with a {[tuple(a.shape) for a, _, _ in sets[:2]]}")
     else:
         inputs = sets[:need]
-    cplx = torch.complex64 if dtype == torch.float32 else torch.complex128
-    grads = [torch.randn(batch, n, dtype=cplx, device=dev) for _ in inputs]
+    grads = timing_grads(batch, n, dtype, dev, len(inputs)) if direction != "forward" else [None] * len(inputs)
     fn = _timed_call(backend, direction, inputs, grads, kernel_only)
 
     def fn_group(i):
@@ -167,7 +197,13 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
             fn(i * group + j)
     t = per_call(bench.time_fn(fn_group, dev, warmup=warmup, iters=iters), group)
     if verify:
-        check_output(backend, direction, fn(0), *inputs[0], grads[0])
+        want = None
+        if refs is not None:
+            key = (direction, batch, n, str(dtype))
+            if key not in refs:
+                refs[key] = reference_output(direction, *inputs[0], grads[0])
+            want = refs[key]
+        check_output(backend, direction, fn(0), *inputs[0], grads[0], want=want)
     return t
 
 
@@ -249,7 +285,9 @@ def accuracy_sweep(ns: list[int], *, batch: int = 4, z: complex = 1j, seed: int 
         for dt, real in (("complex64", torch.float32), ("complex128", torch.float64)):
             tp = resolvent_diagonal_theta_phi(a.to(real), b.to(real), c.to(real), z,
                                               dtype=torch.complex64 if dt == "complex64" else torch.complex128)
-            st = resolvent_diagonal(a.to(real), b.to(real), c.to(real), z, backend="torch_loop")
+            # in float64 the stable form is the reference's own call (error 0 by construction): reuse it
+            st = ref if real == a.dtype else resolvent_diagonal(a.to(real), b.to(real), c.to(real), z,
+                                                                backend="torch_loop")
             rows.append({"N": n, "method": "theta/phi (seed)", "dtype": dt, "rel_err": rel_err(tp, ref)})
             rows.append({"N": n, "method": "stable form", "dtype": dt, "rel_err": rel_err(st, ref)})
     return rows
@@ -272,21 +310,73 @@ def seed_mixed_precision(ns: list[int], *, batch: int = 4, seed: int = 0, potent
 
 NOTEBOOK = "12_bk_core"
 CUSPARSE = "cuSPARSE gtsv2StridedBatch (1 RHS)"
+CORRECTNESS_CASES = [((), 1), ((3,), 2), ((2, 5), 17), ((3,), 257)]    # (batch shape, N)
+CORRECTNESS_DTYPES = [torch.float32, torch.float64]
+GRADIENT_BATCH, GRADIENT_N = 2, 13                                     # gradient_rows' inputs (float64)
 
 
-def correctness_rows(backends: list[str], device, *, seed: int = 0) -> list[dict]:
+def launch_builds(direction: str, dtype, batch: int, n: int) -> list[Build]:
+    """The Triton builds a triton call of ``direction`` on [batch, n] inputs of ``dtype`` launches:
+    the forward, and for forward+backward the backward."""
+    kernels = ("forward",) if direction == "forward" else ("forward", "backward")
+    return [Build.of(k, dtype, batch, n) for k in kernels]
+
+
+def triton_builds(sizes: list[tuple[int, int]]) -> list[Build]:
+    """Every Triton build notebook 12 launches on a GPU, in its order of use: ``correctness_rows``'
+    cases, ``gradient_rows``', then ``speed_rows``' at each (B, N) of ``sizes`` (float32, forward and
+    backward); one per Triton specialization (``Build.of``: a batch stands for its class)."""
+    out = [b for (shape, n), dt in itertools.product(CORRECTNESS_CASES, CORRECTNESS_DTYPES)
+           for b in launch_builds("forward", dt, math.prod(shape), n)]
+    out += launch_builds("forward+backward", torch.float64, GRADIENT_BATCH, GRADIENT_N)
+    out += [b for B, N in sizes for b in launch_builds("forward+backward", torch.float32, B, N)]
+    return list(dict.fromkeys(out))
+
+
+def prebuild_kernels(sizes: list[tuple[int, int]], device) -> Prebuild:
+    """Start compiling, in background processes, the Triton kernels this notebook's cells launch
+    (``triton_builds``, speed sweep at ``sizes``): compiled one after another in the notebook they
+    took about half of its time on an H100. Returns the handle at once; a no-op (its ``reason`` says
+    why) where nothing compiles: CPU tensors, Triton interpreted or unavailable."""
+    why = why_not(device)        # before planning: the plan's order needs Triton's chunk plans
+    return Prebuild(reason=why) if why else prebuild(triton_builds(sizes), device)
+
+
+def _ready(prebuilt: Prebuild | None, backend: str, direction: str, dtype, batch: int, n: int) -> None:
+    """Before a triton launch: wait for its background builds, if any (``prebuild_kernels``)."""
+    if prebuilt is not None and prebuilt.builds and backend == "triton":
+        prebuilt.wait(launch_builds(direction, dtype, batch, n))
+
+
+def prebuild_records(prebuilt: Prebuild, *, profile: str, device: str) -> list[dict]:
+    """metric "triton_prebuild_s": the prebuild's wall seconds (start to its last build), with
+    what the cells waited for it (``waited_s``), its builds' states and seconds in ``params``; n/a
+    with the reason where nothing was built in the background."""
+    wall = prebuilt.wall_s
+    built = bool(prebuilt.builds) and wall is not None
+    reason = None if built else (prebuilt.reason or "builds still running when recorded")
+    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric="triton_prebuild_s",
+                        value=wall if built else None, unit="s", profile=profile, device=device,
+                        status="ok" if built else "n/a", reason=reason,
+                        params={"wall_s": wall, "waited_s": prebuilt.waited_s, "kernels": len(prebuilt.builds),
+                                "workers": prebuilt.workers, "states": prebuilt.counts(),
+                                "build_s": prebuilt.seconds(), "failed": prebuilt.failures()})]
+
+
+def correctness_rows(backends: list[str], device, *, seed: int = 0, prebuilt: Prebuild | None = None) -> list[dict]:
     """Every backend on fresh random inputs (asymmetric b, c; odd N; batch shapes; Im z from 1 down
-    to 0.01; float32 and float64) against the float64 dense inverse and SciPy's banded solver."""
+    to 0.01; float32 and float64) against the float64 dense inverse and SciPy's banded solver.
+    ``prebuilt``: the background Triton builds to wait for (``prebuild_kernels``)."""
     dev = torch.device(device)
     rng = torch.Generator().manual_seed(seed)
     rows = []
     for be in backends:
-        for (shape, n), zi, dt in itertools.product([((), 1), ((3,), 2), ((2, 5), 17), ((3,), 257)],
-                                                    [1.0, 0.1, 0.01], [torch.float32, torch.float64]):
+        for (shape, n), zi, dt in itertools.product(CORRECTNESS_CASES, [1.0, 0.1, 0.01], CORRECTNESS_DTYPES):
             if be == "triton" and dev.type != "cuda" and n > 17:
                 continue   # the interpreter is slow; small sizes prove the indexing
             a, b, c = random_inputs(shape, n, dtype=torch.float64, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
             z = complex(0.3, zi)
+            _ready(prebuilt, be, "forward", dt, math.prod(shape), n)
             out = resolvent_diagonal(*(t.to(dev, dt) for t in (a, b, c)), z, backend=be)
             rows.append({"backend": be, "dtype": str(dt).removeprefix("torch."), "shape": str(shape), "N": n,
                          "Im z": zi, "err vs dense": rel_err(out, resolvent_diagonal_dense(a, b, c, z)),
@@ -303,13 +393,17 @@ def worst_errors(rows: list[dict]) -> list[dict]:
     return [{"backend": k[0], "dtype": k[1], "worst relative error": v} for k, v in worst.items()]
 
 
-def gradient_rows(backends: list[str], device, *, seed: int = 7, n: int = 13) -> list[dict]:
-    """Each backend's exact backward against autograd through the dense inverse (float64, odd N)."""
+def gradient_rows(backends: list[str], device, *, seed: int = 7, n: int = GRADIENT_N,
+                  prebuilt: Prebuild | None = None) -> list[dict]:
+    """Each backend's exact backward against autograd through the dense inverse (float64, odd N).
+    ``prebuilt``: the background Triton builds to wait for (``prebuild_kernels``)."""
     dev = torch.device(device)
     rows = []
     for be in backends:
-        a, b, c = (t.to(dev).requires_grad_(True) for t in random_inputs((2,), n, dtype=torch.float64, seed=seed))
-        w = torch.randn(2, n, dtype=torch.complex128, generator=torch.Generator().manual_seed(seed)).to(dev)
+        B = GRADIENT_BATCH
+        a, b, c = (t.to(dev).requires_grad_(True) for t in random_inputs((B,), n, dtype=torch.float64, seed=seed))
+        w = torch.randn(B, n, dtype=torch.complex128, generator=torch.Generator().manual_seed(seed)).to(dev)
+        _ready(prebuilt, be, "forward+backward", torch.float64, B, n)
         got = torch.autograd.grad(resolvent_diagonal(a, b, c, 0.5j, backend=be), (a, b, c), w)
         want = torch.autograd.grad(resolvent_diagonal_dense(a, b, c, 0.5j), (a, b, c), w)
         rows.append({"backend": be, "max relative error of (da, db, dc)": max(rel_err(g, h) for g, h in zip(got, want))})
@@ -322,12 +416,14 @@ def _row(backend: str, batch: int, n: int, direction: str, t: bench.Timing, nbyt
 
 
 def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loop_iters: int = 3,
-               progress: bool = False) -> list[dict]:
+               progress: bool = False, prebuilt: Prebuild | None = None) -> list[dict]:
     """Each backend (and on a GPU each kernel alone) at each (B, N) and direction; the Python loop
-    (``torch_loop``) at the first size only; on a GPU one cuSPARSE solve of that size. Every timed
-    call's output is checked against the float64 reference first (``time_backend``). Each row says
-    what it cost: ``wall_s``, the seconds of its timing and check, and ``draw_s``, the seconds its
-    size's input sets took to draw (shared by that size's rows)."""
+    (``torch_loop``) at the first size only, on that size's input sets; on a GPU one cuSPARSE solve
+    of that size. Every timed call's output is checked against the float64 reference first
+    (``time_backend``; the reference computed once per size and direction). Each row says what it
+    cost: ``wall_s``, the seconds of its timing and check, and ``draw_s``, the seconds its size's
+    input sets took to draw (shared by that size's rows). ``prebuilt``: the background Triton builds
+    (``prebuild_kernels``), all waited for before the first timing."""
     from tqdm.auto import tqdm
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
@@ -346,23 +442,35 @@ def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loo
         bar.set_postfix_str(f"{label} {B}x{N} {d}")
         bar.update()
 
+    if prebuilt is not None:
+        # A compile beside a timing competes for the host (the op rows time Python dispatch too):
+        # time nothing until every background build is done. The sweep's own work (~25 s on an H100)
+        # is short beside the longest build (~130 s), so overlapping them would gain little.
+        prebuilt.wait()
+    first = None     # the first size's (sets, refs, draw_s), kept for the torch loop's rows
     for B, N in sizes:
         # one draw per size for every backend and direction (drawing costs more than timing here)
         t0 = time.perf_counter()
         sets = input_sets(B, N, torch.float32, dev, max(sets_needed(B, N, direction=d) for d in DIRECTIONS))
         draw_s = time.perf_counter() - t0
+        refs: dict = {}   # the float64 reference of each direction, computed by the first check of it
         for d in DIRECTIONS:
             for be, alone in plan:
                 # the torch scan takes 10s of ms a call: fewer iterations of it
                 iters = 20 if alone else (5 if be == "torch" else 20) if on_gpu else 3
                 add(f"{be} (kernel alone)" if alone else be, B, N, d, min_bytes(B, N, direction=d), draw_s,
-                    lambda: time_backend(be, B, N, dev, direction=d, iters=iters, kernel_only=alone, sets=sets))
+                    lambda: time_backend(be, B, N, dev, direction=d, iters=iters, kernel_only=alone, sets=sets,
+                                         refs=refs))
+        if first is None and "torch_loop" in backends:
+            first = (sets, refs, draw_s)
         del sets
     B0, N0 = sizes[0]
     if "torch_loop" in backends:
+        sets, refs, draw_s = first
         for d in DIRECTIONS:
-            add("torch_loop", B0, N0, d, min_bytes(B0, N0, direction=d), None,
-                lambda: time_backend("torch_loop", B0, N0, dev, direction=d, iters=loop_iters, warmup=1))
+            add("torch_loop", B0, N0, d, min_bytes(B0, N0, direction=d), draw_s,
+                lambda: time_backend("torch_loop", B0, N0, dev, direction=d, iters=loop_iters, warmup=1, sets=sets,
+                                     refs=refs))
     if on_gpu:
         try:
             add(CUSPARSE, B0, N0, "solve", 5 * 4 * B0 * N0, None, lambda: cusparse_gtsv_timing(B0, N0))
