@@ -11,6 +11,7 @@ import os
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -134,6 +135,9 @@ class DeviceInfo:
     host: str
     colab: bool
     versions: dict = field(default_factory=dict)
+    # the host CPU: steps that launch many small kernels (eager, accumulation, generation) are bound by
+    # it, so the same GPU reads differently on another host
+    cpu_model: str | None = None
 
     @property
     def short(self) -> str:
@@ -175,9 +179,21 @@ def versions() -> dict:
     return out
 
 
+def cpu_model() -> str | None:
+    """The host CPU's model name (Linux: /proc/cpuinfo; elsewhere what ``platform`` knows), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def info(device: str | torch.device = "auto") -> DeviceInfo:
     dev = resolve_device(device)
-    common = dict(cpu_count=os.cpu_count() or 1, host=platform.node(), colab=in_colab(), versions=versions())
+    common = dict(cpu_count=os.cpu_count() or 1, host=platform.node(), colab=in_colab(), versions=versions(),
+                  cpu_model=cpu_model())
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         return DeviceInfo(kind="cuda", name=p.name, capability=[p.major, p.minor],
@@ -262,7 +278,8 @@ def format_env_report(device: str | torch.device = "auto") -> str:
     lines.append(f"gates       " + ", ".join(f"{k}={'yes' if ok else 'no'}" for k, ok in r["gates"].items()))
     lines.append(f"software    python {v['python']}, torch {v['torch']}, CUDA {v['cuda']}, "
                  f"cuDNN {v['cudnn']}, triton {v['triton']}")
-    lines.append(f"host        {r['host']}, {r['cpu_count']} CPUs{', Colab' if r['colab'] else ''}")
+    cpu = f" ({r['cpu_model']})" if r.get("cpu_model") else ""
+    lines.append(f"host        {r['host']}, {r['cpu_count']} CPUs{cpu}{', Colab' if r['colab'] else ''}")
     return "\n".join(lines)
 
 

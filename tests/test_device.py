@@ -83,3 +83,13 @@ def test_ceilings_include_fp16_for_gpus_without_bf16(tmp_path):
     fp16 = [r for r in recs if r["fields"].get("dtype") == "fp16"]
     assert len(fp16) == 1 and fp16[0]["value"] == c["matmul_tflops"]["fp16"]
     assert len(query.select(query.load("ceil"), metric="matmul_tflops")) == len(ceilings.MATMUL_DTYPES)
+
+
+def test_the_report_names_the_host_cpu_that_bounds_launch_heavy_steps(monkeypatch):
+    from hwlib import device
+    monkeypatch.setattr(device, "cpu_model", lambda: "Example CPU @ 2.0GHz")
+    i = device.info("cpu")
+    assert i.cpu_model == "Example CPU @ 2.0GHz" and i.to_dict()["cpu_model"] == i.cpu_model
+    assert "(Example CPU @ 2.0GHz)" in device.format_env_report("cpu")
+    monkeypatch.setattr(device, "cpu_model", lambda: None)
+    assert "()" not in device.format_env_report("cpu")
