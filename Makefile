@@ -64,7 +64,7 @@ reproduce: setup
 # much of their time starting kernels and processes, so a third keeps both cores busy). The unit
 # tests come in two parts so that the cores stay busy to the end: the subprocess-heavy runner tests
 # start when the first long suite ends.
-UNIT_LATE := tests/test_integrity_cli.py
+UNIT_LATE := tests/test_integrity_cli.py tests/test_bk_core_prebuild.py tests/test_colab.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
