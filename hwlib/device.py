@@ -7,6 +7,7 @@ labelled as datasheet figures wherever they appear and never enter a measured ra
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -179,6 +180,7 @@ def versions() -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_model() -> str | None:
     """The host CPU's model name (Linux: /proc/cpuinfo; elsewhere what ``platform`` knows), or None."""
     try:

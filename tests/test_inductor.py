@@ -118,31 +118,39 @@ def test_a_combination_is_compiled_only_where_one_of_its_parts_was_kept():
     order = list(inductor.KNOBS)
     assert all(order.index(p) < order.index(combo.name) for p in combo.parts)   # its parts are measured first
 
-    def part(knob, verdict, status="ok"):
-        return {"knob": knob, "status": status, "verdict": verdict}
+    def part(knob, effect, status="ok", math_ok=True):   # an ablation row of a knob measured before
+        return {"toggle": f"inductor_{knob}", "status": status, "effect": effect, "same_math": {"ok": math_ok}}
 
-    dropped = [part("max_autotune", "drop (slower)"), part("coordinate_descent", "drop (within noise)")]
+    dropped = [part("max_autotune", "slower"), part("coordinate_descent", "within noise")]
     why = inductor.combination_skip(combo, dropped)
     assert "none of its parts was kept" in why and "max_autotune: drop (slower)" in why
-    assert inductor.combination_skip(combo, [dropped[0], part("coordinate_descent", "keep")]) is None
+    assert inductor.combination_skip(combo, [dropped[0], part("coordinate_descent", "faster")]) is None
+    # faster but with other math is not kept either
+    assert "drop (math changed)" in inductor.combination_skip(
+        combo, [dropped[0], part("coordinate_descent", "faster", math_ok=False)])
     # a part not measured (skipped, or not asked for) leaves the question open: measure the combination
-    assert inductor.combination_skip(combo, [dropped[0], part("coordinate_descent", "not measured", "skipped")]) is None
+    assert inductor.combination_skip(combo, [dropped[0], part("coordinate_descent", None, "skipped")]) is None
     assert inductor.combination_skip(combo, dropped[:1]) is None
     assert inductor.combination_skip(inductor.KNOBS["max_autotune"], dropped) is None   # not a combination
 
 
 def test_a_skipped_combination_is_a_row_with_its_reason_and_no_work(tmp_path, monkeypatch):
-    calls = []
+    built = []
 
-    def fake_measure(workload, step, toggles, **kw):
-        calls.append(toggles)
-        return [ablation._row(workload, step, ablation.get_toggle(toggles[0]), "in_process", status="ok",
-                              effect="within noise", same_math={"ok": True})]
+    def fake_one(workload, step, t, *a):
+        built.append(t.name)
+        return ablation._row(workload, step, t, "in_process", status="ok", effect="within noise",
+                             same_math={"ok": True})
 
-    monkeypatch.setattr(ablation, "measure", fake_measure)
+    monkeypatch.setattr(ablation, "_one", fake_one)
+    monkeypatch.setattr(ablation, "_records", lambda rows, **kw: [])   # the faked rows have no windows to record
+    import dataclasses
+    for k in ("max_autotune", "coordinate_descent", "max_autotune_coordinate_descent"):   # GPU knobs, faked here
+        name = f"inductor_{k}"
+        monkeypatch.setitem(ablation.TOGGLES, name, dataclasses.replace(ablation.TOGGLES[name], skips=None))
     rows = inductor.measure(["max_autotune", "coordinate_descent", "max_autotune_coordinate_descent"],
                             profile="smoke", device="cpu", window=TINY, run=tmp_path / "r")
-    assert calls == [["inductor_max_autotune"], ["inductor_coordinate_descent"]]
+    assert built == ["inductor_max_autotune", "inductor_coordinate_descent"]
     last = rows[-1]
     assert last["knob"] == "max_autotune_coordinate_descent" and last["status"] == "skipped"
     assert "none of its parts was kept" in last["reason"] and last["verdict"] == "not measured (skipped)"

@@ -551,15 +551,17 @@ def _records(rows: list[dict], *, profile, device, notebook, params: dict) -> li
 
 def measure(workload: str, step: str, toggles: list[str], *, profile: str = "auto", device: str = "auto",
             window: Window | None = None, level: float = noise.DEFAULT_LEVEL, seed: int = 0, config: dict | None = None,
-            budget_s: float | None = None, notebook: str = NOTEBOOK, run=None, progress: bool = False) -> list[dict]:
+            budget_s: float | None = None, notebook: str = NOTEBOOK, run=None, progress: bool = False,
+            skip_if: Callable[[Toggle, list], str | None] | None = None) -> list[dict]:
     """Each toggle on ``workload``'s ``step``, its arms interleaved in this process (module doc).
 
     Returns one row per toggle: the median ms/step of each arm, the speed-up (without / with), its
     interval at ``level``, its ``effect`` (faster, slower, within noise), the p20/p80 of the
     per-window ratios, and the order the windows ran in. A toggle that does not apply is an ``n/a``
     row; one whose arm cannot run here (a forced SDPA kernel the shapes do not allow) is ``skipped``
-    with the error; past ``budget_s`` seconds the remaining toggles are ``skipped`` and not recorded.
-    Every argument is checked before the first session is built."""
+    with the error; past ``budget_s`` seconds the remaining toggles are ``skipped`` and not recorded,
+    as is one for which ``skip_if(toggle, rows so far)`` gives a reason (a rule of the caller's that
+    reads the toggles measured before it). Every argument is checked before the first session is built."""
     wl, st, ts = _check(workload, step, toggles, window, level, budget_s)
     dev = resolve_device(device)
     prof = resolve_profile(profile, dev)
@@ -585,6 +587,8 @@ def measure(workload: str, step: str, toggles: list[str], *, profile: str = "aut
         elif budget_s is not None and time.perf_counter() - t0 > budget_s:
             rows.append(_row(wl.name, st.name, t, "in_process", status="skipped",
                              reason=f"the time budget ({budget_s:g} s) was spent before this toggle"))
+        elif skip_if is not None and (rule := skip_if(t, rows)):
+            rows.append(_row(wl.name, st.name, t, "in_process", status="skipped", reason=rule))
         else:
             rows.append(_one(wl.name, st.name, t, cfg, base, dev, di, win, level, seed))
             if rows[-1]["status"] != "skipped" or rows[-1].get("arm_failed"):

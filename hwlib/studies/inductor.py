@@ -42,7 +42,6 @@ has, at the smoke model's compiled step 17.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,6 @@ import torch
 from .. import bench, noise
 from ..device import ChoiceError, Unavailable, info, resolve_device, supports_compile
 from ..steps import get_step, not_applicable, unavailable
-from ..workloads import get_workload
 from . import ablation
 
 NOTEBOOK = "20_inductor"
@@ -243,33 +241,26 @@ def measure(knobs: list[str] | None = None, *, workload: str = "gpt", step: str 
     dev = resolve_device(device)
     if supports_compile(info(dev))[0]:
         warm_compiler(dev.type)
-    t0 = time.perf_counter()
-    rows: list[dict] = []
-    for k in names:   # one knob at a time: a combination's rule reads the verdicts of the knobs before it
-        left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
-        skip = combination_skip(KNOBS[k], rows)
-        if skip or (left is not None and left <= 0):
-            r = ablation._row(get_workload(workload).name, step, TOGGLES[k], "in_process", status="skipped",
-                              reason=skip or f"the time budget ({budget_s:g} s) was spent before this knob")
-        else:
-            r = ablation.measure(workload, step, [PREFIX + k], profile=profile, device=device, window=window,
-                                 level=level, seed=seed, config=config, budget_s=None, notebook=NOTEBOOK, run=run,
-                                 progress=progress)[0]
+    rows = ablation.measure(workload, step, toggles, profile=profile, device=device,
+                            window=window, level=level, seed=seed, config=config, budget_s=budget_s,
+                            notebook=NOTEBOOK, run=run, progress=progress,
+                            skip_if=lambda t, before: combination_skip(get_knob(t.name), before))
+    for r, k in zip(rows, names):
         r.update(knob=k, changes=KNOBS[k].on, fallback=why, verdict=verdict(r))
-        rows.append(r)
     return rows
 
 
 def combination_skip(knob: Knob, rows: list[dict]) -> str | None:
     """Why ``knob``, a combination, is not measured (None: measure it): none of its parts was kept
-    among ``rows`` (each part measured before it, in ``KNOBS``'s order). A part not measured at all
-    leaves the question open: the combination is measured."""
+    among ``rows`` (ablation rows of the knobs measured before it, in ``KNOBS``'s order). A part not
+    measured at all leaves the question open: the combination is measured."""
     if not knob.parts:
         return None
-    got = {r["knob"]: r for r in rows if r.get("knob") in knob.parts}
-    if len(got) < len(knob.parts) or any(r["status"] != "ok" or r["verdict"] == "keep" for r in got.values()):
+    parts = {toggle_name(k): k for k in knob.parts}
+    got = {parts[r["toggle"]]: r for r in rows if r.get("toggle") in parts}
+    if len(got) < len(knob.parts) or any(r["status"] != "ok" or verdict(r) == "keep" for r in got.values()):
         return None
-    said = "; ".join(f"{k}: {got[k]['verdict']}" for k in knob.parts)
+    said = "; ".join(f"{k}: {verdict(got[k])}" for k in knob.parts)
     return f"not compiled: none of its parts was kept ({said}), so their combination asks nothing new"
 
 
