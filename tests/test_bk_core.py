@@ -112,11 +112,12 @@ def test_triton_interleaved_layout(triton_device):
     assert rel_err(out_nb.t().cpu(), resolvent_diagonal_dense(a, b, c, complex(re, 0.3))) < 1e-12
 
 
-# (B, N, chunk): chunks that divide N and that do not, one chunk, chunk counts not a power of 2.
+# (B, N, chunk): chunks (powers of 2) that divide N and that do not, one chunk, chunk counts not a
+# power of 2.
 # The interpreter pays per program, per unrolled position and per scanned chunk: kept small.
 # (B, N, chunk): one position; a chunk longer than N; a remainder chunk; more sequences than a block;
 # several chunks with and without a remainder; the interpreter is slow, so few N = 257 cases.
-CHUNKED_CASES = [(1, 1, 4), (5, 7, 4), (5, 7, 3), (33, 7, 4), (5, 64, 5), (2, 257, 7), (1, 257, 40)]
+CHUNKED_CASES = [(1, 1, 4), (5, 7, 4), (5, 7, 2), (33, 7, 4), (5, 64, 8), (2, 257, 8), (1, 257, 32)]
 
 
 def test_triton_chunked_forward_matches_reference(triton_device):
@@ -135,6 +136,15 @@ def test_triton_chunked_forward_matches_reference(triton_device):
                 assert g.dtype == torch.complex128 and rel_err(g.cpu(), ref) < 1e-12, (B, n, chunk, im)
             g32 = tk.bk_forward_chunked(*(x.float() for x in x64), z, chunk=chunk, lanes=1)
             assert g32.dtype == torch.complex64 and rel_err(g32.cpu(), ref) < tol32, (B, n, chunk, im)
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 12, -4])
+def test_triton_chunked_forward_rejects_a_chunk_that_is_not_a_power_of_2(chunk):
+    """The chunk is split into halves at compile time: a clear error naming ``chunk``, before any launch."""
+    from hwlib.ops.bk_core import _triton
+    a, b, c, re = make((2,), 40, key=("chunk-arg",))
+    with pytest.raises(ValueError, match=f"chunk must be a power of 2, got {chunk}"):
+        _triton().bk_forward_chunked(a, b, c, complex(re, 0.3), chunk=chunk)
 
 
 def test_triton_chunked_interleaved_layout_and_default_plan(triton_device):
@@ -196,7 +206,7 @@ L, PP, BS, W = mod.chunk_plan(2048)
 plans = [("fp32", 4, 16, 8, 4), ("fp64", 4, 16, 8, 4), ("fp32", L, PP, BS, W)]
 kernel = mod._bk_forward_chunked_kernel
 for dt, L, PP, BS, W in plans:
-    consts = {"L": L, "PP": PP, "BS": BS, "san": 1, "sbn": 1, "scn": 1}
+    consts = {"LOG2L": L.bit_length() - 1, "PP": PP, "BS": BS, "OUT_PACKED": True, "san": 1, "sbn": 1, "scn": 1}
     sig = {a: "constexpr" if a in consts else f"*{dt}" if a.endswith("_ptr") else "i32" for a in kernel.arg_names}
     k = compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                 options={"num_warps": W})

@@ -4,8 +4,9 @@ Triton compiles a kernel on its first launch with each specialization (argument 
 argument's class: equal to 1, divisible by 16, other; the constexprs: the chunked forward's plan
 from N), and keeps the result in its on-disk cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``).
 A process that launches the same kernels on inputs of the same specialization fills that cache, so
-the caller's own first launch loads instead of compiling. Notebook 12 compiled its kernels one after
-another in its own process (the chunked forward at N = 8192 alone took ~105 s on an H100);
+the caller's own first launch loads instead of compiling. Notebook 12 launches about a dozen
+specializations, each compiled on first use in its own process, one after another (the chunked
+forward's first call, compile included, takes 4-5 s at L = 16 and 7-11 s at L = 32 on an H100 host);
 ``prebuild`` starts a few worker processes that compile them all at once, longest first, while the
 notebook's other cells run.
 
@@ -99,11 +100,11 @@ class Build:
 
     def estimate_s(self) -> float:
         """Compile seconds, roughly (H100, notebook 12): the chunked forward unrolls its chunk of L
-        positions, ~18 s at L = 16 and ~105 s at L = 32; the sweeping kernels ~1-2 s. Only orders
+        positions, ~5 s at L = 16 and ~10 s at L = 32; the sweeping kernels ~1-2 s. Only orders
         the queue."""
         plan = self.chunk_plan()
         if plan:
-            return 18.0 * (plan[0] / 16) ** 2.5
+            return 5.0 * plan[0] / 16
         return 2.0 if self.kernel == "backward" else 1.0
 
     def __str__(self) -> str:
