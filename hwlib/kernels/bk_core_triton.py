@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-DEFAULT_BLOCK = 128
+DEFAULT_BLOCK = 32      # sequences per program of the two-pass kernels: 8192 / 32 = 256 programs for 132 SMs
 
 
 @triton.jit
