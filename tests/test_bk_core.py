@@ -906,6 +906,17 @@ def test_study_records_keep_x_values_in_fields():
     assert tg[0]["fields"] == {"target": "best forward >= 60% of copy bandwidth"}
 
 
+def test_kernel_gap_compares_the_kernels_timed_alone_at_one_size():
+    from hwlib.studies import bk_core as bk_study
+    row = lambda backend, ms, n=16, direction="forward": {"backend": backend, "ms": ms, "B": 4, "N": n, "direction": direction}
+    rows = [row("triton (kernel alone)", 0.42), row("cuda (kernel alone)", 0.16), row("triton", 0.1),
+            row("cuda (kernel alone)", 9.0, n=32), row("triton (kernel alone)", 9.0, direction="forward+backward")]
+    assert bk_study.kernel_gap(rows, 4, 16).startswith("Timed alone, the Triton forward kernel took 2.62x the CUDA "
+                                                        "kernel's time (0.420 against 0.160 ms)")
+    assert bk_study.kernel_gap(rows, 4, 32) is None                       # no Triton row at that size
+    assert bk_study.kernel_gap(rows, 4, 16, "forward+backward") is None   # no CUDA row in that direction
+
+
 def test_a_sweep_draws_each_sizes_inputs_once(monkeypatch):
     """speed_rows times every backend and direction at one size on the same input sets, drawn once
     per size (drawing them costs more than timing them); time_backend refuses sets of another size."""

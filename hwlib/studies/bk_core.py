@@ -521,6 +521,19 @@ def best(rows: list[dict], direction: str, batch: int, n: int) -> dict | None:
     return min(c, key=lambda r: r["ms"]) if c else None
 
 
+def kernel_gap(rows: list[dict], batch: int, n: int, direction: str = "forward") -> str | None:
+    """One sentence: the Triton kernel's time over the CUDA kernel's (both timed alone) at (batch, n);
+    None unless both were timed there."""
+    alone = {r["backend"]: r for r in rows if r["direction"] == direction and r["B"] == batch and r["N"] == n
+             and r["backend"] in ("triton (kernel alone)", "cuda (kernel alone)")}
+    t, c = alone.get("triton (kernel alone)"), alone.get("cuda (kernel alone)")
+    if not (t and c):
+        return None
+    return (f"Timed alone, the Triton {direction} kernel took {t['ms'] / c['ms']:.2f}x the CUDA kernel's time "
+            f"({t['ms']:.3f} against {c['ms']:.3f} ms): the same chunked algorithm, tiles staged by the compiler "
+            f"against tiles staged by hand.")
+
+
 def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
     """The targets at (batch, n): each {target, value, unit, measured (text), met}; met None (n/a)
     where what it needs was not measured (e.g. no copy ceiling in this run)."""
