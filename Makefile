@@ -63,17 +63,14 @@ reproduce: setup
 # Independent parts: `make test -j3` runs them side by side (CI does, on two cores: the suites spend
 # much of their time starting kernels and processes, so a third keeps both cores busy). The unit
 # tests come in two parts so that the cores stay busy to the end: the subprocess-heavy runner tests
-# start when a long suite ends.
+# start when the first long suite ends.
 UNIT_LATE := tests/test_integrity_cli.py tests/test_bk_core_prebuild.py tests/test_colab.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
 test-unit test-unit-late test-notebooks-ladder test-notebooks-studies test-kernels test-browser: \
     export OMP_WAIT_POLICY := PASSIVE
-# Order matters under -j3: a part starts when a slot frees, in this order. The browser suite (about
-# 190 s on CI) starts when the ladder ends, the short late unit part when the studies end: the other
-# way round the browser suite started last and ended about 40 s after everything else.
-test: setup test-unit test-kernels test-notebooks-ladder test-notebooks-studies test-browser test-unit-late
+test: setup test-unit test-kernels test-notebooks-ladder test-notebooks-studies test-unit-late test-browser
 
 test-unit: setup
 	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_LATE))
