@@ -146,7 +146,7 @@ class Prebuild:
         self.started = time.perf_counter()
         self._state = {b: "queued" for b in self.builds}   # queued, running, done, failed, claimed
         self._seconds: dict[Build, float] = {}
-        self._ended: dict[Build, float] = {}       # when each build a worker took finished
+        self._last_end = self.started              # when a worker last finished a build
         self._error: dict[Build, str] = {}
         self._reported: set[Build] = set()
         self._queue = list(self.builds)
@@ -169,7 +169,7 @@ class Prebuild:
                     if self._state[b] == "queued":
                         self._queue.remove(b)
                         self._state[b] = "claimed"
-                        self._settle()
+                self._cond.notify_all()     # builds changed state: wake the other waiters
             busy = lambda: [b for b in want if self._state[b] in ("queued", "running")]  # noqa: E731
             left = self._cond.wait_for(lambda: not busy(), timeout=timeout)
             late = [] if left else busy()
@@ -190,7 +190,7 @@ class Prebuild:
         with self._cond:
             if any(s in ("queued", "running") for s in self._state.values()):
                 return None
-            return max(self._ended.values(), default=self.started) - self.started
+            return self._last_end - self.started
 
     def counts(self) -> dict[str, int]:
         """How many builds are in each state."""
@@ -226,7 +226,7 @@ class Prebuild:
             for b in self._queue:
                 self._state[b] = "claimed"
             self._queue.clear()
-            self._settle()
+            self._cond.notify_all()
             procs = list(self._procs)
         for p in procs:
             if p.poll() is None:
@@ -286,7 +286,7 @@ class Prebuild:
                         self._state[q] = "failed"
                         self._error[q] = "no background process left to build it"
                     self._queue.clear()
-                self._settle()
+                self._cond.notify_all()
 
     def _take(self) -> Build | None:
         with self._cond:
@@ -312,15 +312,12 @@ class Prebuild:
     def _finish(self, b: Build, seconds: float, error: str | None) -> None:
         with self._cond:
             self._seconds[b] = seconds
-            self._ended[b] = time.perf_counter()
+            self._last_end = time.perf_counter()
             self._state[b] = "failed" if error else "done"
             if error:
                 self._error[b] = error
-            self._settle()
+            self._cond.notify_all()
 
-    def _settle(self) -> None:
-        """(Holding the lock.) A build changed state: wake the waiters."""
-        self._cond.notify_all()
 
 
 def _tail(proc: subprocess.Popen, err, chars: int = 400) -> str:

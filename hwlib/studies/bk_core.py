@@ -335,9 +335,9 @@ def triton_builds(sizes: list[tuple[int, int]]) -> list[Build]:
 
 def prebuild_kernels(sizes: list[tuple[int, int]], device) -> Prebuild:
     """Start compiling, in background processes, the Triton kernels this notebook's cells launch
-    (``triton_builds``, speed sweep at ``sizes``): compiled one after another in the notebook they
-    took about half of its time on an H100. Returns the handle at once; a no-op (its ``reason`` says
-    why) where nothing compiles: CPU tensors, Triton interpreted or unavailable."""
+    (``triton_builds``, speed sweep at ``sizes``) instead of one after another at their first
+    launches. Returns the handle at once; a no-op (its ``reason`` says why) where nothing compiles:
+    CPU tensors, Triton interpreted or unavailable."""
     why = why_not(device)        # before planning: the plan's order needs Triton's chunk plans
     return Prebuild(reason=why) if why else prebuild(triton_builds(sizes), device)
 
@@ -418,8 +418,8 @@ def _row(backend: str, batch: int, n: int, direction: str, t: bench.Timing, nbyt
 def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loop_iters: int = 3,
                progress: bool = False, prebuilt: Prebuild | None = None) -> list[dict]:
     """Each backend (and on a GPU each kernel alone) at each (B, N) and direction; the Python loop
-    (``torch_loop``) at the first size only, on that size's input sets; on a GPU one cuSPARSE solve
-    of that size. Every timed call's output is checked against the float64 reference first
+    (``torch_loop``) at the first size only, after its other rows, on its input sets; on a GPU one
+    cuSPARSE solve of that size. Every timed call's output is checked against the float64 reference first
     (``time_backend``; the reference computed once per size and direction). Each row says what it
     cost: ``wall_s``, the seconds of its timing and check, and ``draw_s``, the seconds its size's
     input sets took to draw (shared by that size's rows). ``prebuilt``: the background Triton builds
@@ -444,11 +444,9 @@ def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loo
 
     if prebuilt is not None:
         # A compile beside a timing competes for the host (the op rows time Python dispatch too):
-        # time nothing until every background build is done. The sweep's own work (~25 s on an H100)
-        # is short beside the longest build (~130 s), so overlapping them would gain little.
+        # time nothing until every background build is done.
         prebuilt.wait()
-    first = None     # the first size's (sets, refs, draw_s), kept for the torch loop's rows
-    for B, N in sizes:
+    for i, (B, N) in enumerate(sizes):
         # one draw per size for every backend and direction (drawing costs more than timing here)
         t0 = time.perf_counter()
         sets = input_sets(B, N, torch.float32, dev, max(sets_needed(B, N, direction=d) for d in DIRECTIONS))
@@ -461,16 +459,13 @@ def speed_rows(sizes: list[tuple[int, int]], backends: list[str], device, *, loo
                 add(f"{be} (kernel alone)" if alone else be, B, N, d, min_bytes(B, N, direction=d), draw_s,
                     lambda: time_backend(be, B, N, dev, direction=d, iters=iters, kernel_only=alone, sets=sets,
                                          refs=refs))
-        if first is None and "torch_loop" in backends:
-            first = (sets, refs, draw_s)
+        if i == 0 and "torch_loop" in backends:       # the Python loop at the first size only
+            for d in DIRECTIONS:
+                add("torch_loop", B, N, d, min_bytes(B, N, direction=d), draw_s,
+                    lambda: time_backend("torch_loop", B, N, dev, direction=d, iters=loop_iters, warmup=1,
+                                         sets=sets, refs=refs))
         del sets
     B0, N0 = sizes[0]
-    if "torch_loop" in backends:
-        sets, refs, draw_s = first
-        for d in DIRECTIONS:
-            add("torch_loop", B0, N0, d, min_bytes(B0, N0, direction=d), draw_s,
-                lambda: time_backend("torch_loop", B0, N0, dev, direction=d, iters=loop_iters, warmup=1, sets=sets,
-                                     refs=refs))
     if on_gpu:
         try:
             add(CUSPARSE, B0, N0, "solve", 5 * 4 * B0 * N0, None, lambda: cusparse_gtsv_timing(B0, N0))
