@@ -20,15 +20,16 @@
 // S sequences x W positions (W = P L, S P = T threads); thread t owns L consecutive positions (a
 // chunk) of one sequence. Per tile:
 //   load     the tile, coalesced (consecutive threads, consecutive addresses; cp.async straight
-//            into shared memory), rows padded one word every 32 so that the chunk-per-thread view
-//            is free of bank conflicts;
+//            into shared memory), the 16-byte vectors of each row permuted (sw below) so that the
+//            chunk-per-thread view is free of bank conflicts and reads 16 bytes per instruction;
 //   maps     each thread composes its chunk's left map N_{L-1}...N_0 and right map R_0...R_{L-1}
 //            (both in one pass over its positions; the 2x2 products are divided by a power of two
 //            near their largest entry every 4 steps: projectively exact, never over- or underflow);
-//   scan     inclusive Hillis-Steele scans of those maps across the P chunks of each sequence in
-//            shared memory (log2 P steps, one barrier each): prefix products on the left, suffix
-//            products on the right, each applied to the value entering the tile, give sL entering
-//            and gR leaving every chunk;
+//   scan     inclusive Hillis-Steele scans of those maps across the P chunks of each sequence, by
+//            warp shuffles (log2 min(P, 32) steps, no barrier), then across the warps of a sequence
+//            through their totals in shared memory (one barrier): prefix products on the left,
+//            suffix products on the right, each applied to the value entering the tile, give sL
+//            entering and gR leaving every chunk;
 //   walk     each thread runs the continued fractions above over its own chunk from those boundary
 //            values (sL_i kept in registers) and writes G_i into shared memory;
 //   store    the tile leaves coalesced (one 8-byte complex per thread and position).
@@ -43,6 +44,11 @@
 //             float32 default); longer N reads the inputs twice (32) plus 16 B per tile and sequence.
 //   backward: a, b, c, grad read (20) + da, db, dc written (12) = 32, the minimum for a backward
 //             that recomputes the forward's values instead of saving them (longer N: 52).
+// Occupancy is what keeps the memory system busy: a block loads its tile and then computes without
+// touching memory, so other resident blocks must cover that time. The float32 forward holds 126
+// registers (launch bound: 8 blocks of 64 threads per SM, no spills) and 25 KB of shared memory (8
+// blocks fit); the backward 167 registers (3 blocks of 128). Without the bounds the compiler takes
+// 146 and 198 registers, 6 and 2 blocks, and both kernels are 10-15% slower on an H100.
 // FLOPs per element: forward about 110 (two map steps ~40, two continued fractions ~30 with three
 // complex reciprocals, the scans ~30 amortized over L positions); backward about 260 (the maps,
 // five complex reciprocals, the tangents and the affine scans). Memory-bound on an H100 at the
@@ -180,6 +186,21 @@ template <> struct MapReal<float> { typedef double type; };
 template <typename R, typename Q> BK_HD cx<R> to_cx(cx<Q> x) { return mk<R>((R)x.re, (R)x.im); }
 
 // --- one thread per chunk on the device; every thread of a phase in turn on the host --------------
+// Lanes of a warp exchange values by shuffles (put: nothing; up/down: the value of the lane off
+// below/above, or the caller's own where there is none). The host runs each phase for every thread in
+// turn, so a put phase writes the values to a scratch array and the next phase reads them there.
+template <class V> BK_HD V shfl_words(V x, int off, bool up) {
+#ifdef __CUDA_ARCH__
+  constexpr int n = sizeof(V) / 4;
+  static_assert(sizeof(V) % 4 == 0, "shuffled values are whole 32-bit words");
+  uint32_t w[n];
+  memcpy(w, &x, sizeof(V));
+#pragma unroll
+  for (int i = 0; i < n; ++i) w[i] = up ? __shfl_up_sync(0xffffffffu, w[i], off) : __shfl_down_sync(0xffffffffu, w[i], off);
+  memcpy(&x, w, sizeof(V));
+#endif
+  return x;
+}
 struct DeviceExec {
   BK_HD int lo() const {
 #ifdef __CUDA_ARCH__
@@ -195,41 +216,76 @@ struct DeviceExec {
     __syncthreads();
 #endif
   }
+  template <class V> BK_HD void put(int, int, const V&) const {}
+  template <class V> BK_HD V up(int, int, const V& x, int off) const { return shfl_words(x, off, true); }
+  template <class V> BK_HD V down(int, int, const V& x, int off) const { return shfl_words(x, off, false); }
 };
 struct HostExec {
   int n;
+  unsigned char* xbuf;                                  // 2 n values of up to XW bytes
+  static constexpr int XW = 64;
   BK_HD int lo() const { return 0; }
   BK_HD int hi() const { return n; }
   BK_HD int slot(int t) const { return t; }
   BK_HD void sync() const {}
+  template <class V> BK_HD void put(int k, int tid, const V& x) const {
+    static_assert(sizeof(V) <= XW, "exchange slot too small");
+    memcpy(xbuf + ((size_t)k * n + tid) * XW, &x, sizeof(V));
+  }
+  template <class V> BK_HD V up(int k, int tid, const V& x, int off) const {
+    V r = x;
+    if ((tid & 31) >= off) memcpy(&r, xbuf + ((size_t)k * n + tid - off) * XW, sizeof(V));
+    return r;
+  }
+  template <class V> BK_HD V down(int k, int tid, const V& x, int off) const {
+    V r = x;
+    if ((tid & 31) + off < 32 && tid + off < n) memcpy(&r, xbuf + ((size_t)k * n + tid + off) * XW, sizeof(V));
+    return r;
+  }
 };
 
-// Global -> shared copy of one element, zero where !ok (cp.async: no registers, all in flight).
-template <typename R> BK_HD void cp_elem(R* dst, const R* src, bool ok) {
+// Global -> shared copy of one element (4, 8 or 16 bytes), zero where !ok (cp.async: no registers,
+// all in flight; the source is not read when !ok).
+template <int BYTES> BK_HD void cp_bytes(void* dst, const void* src, bool ok) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  if (sizeof(R) == 4)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 8 : 0) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(BYTES), "r"(ok ? BYTES : 0)
+               : "memory");
 #else
-  *dst = ok ? *src : R(0);
+  if (ok) memcpy(dst, src, BYTES);
+  else memset(dst, 0, BYTES);
 #endif
 }
+template <typename R> BK_HD void cp_elem(R* dst, const R* src, bool ok) { cp_bytes<sizeof(R)>(dst, src, ok); }
 BK_HD void cp_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
 
-BK_HD int pad(int i) { return i + (i >> 5); }     // one spare word every 32: conflict-free chunk view
+// Tile layout in shared memory: element e of a tile array lives at sw(e). Each 128-byte row holds
+// eight 16-byte vectors, and a row's vectors are permuted by the row's index (XOR), so that both
+// views of the tile are free of bank conflicts with no padding: the coalesced view (a warp touches
+// 32 consecutive 4-byte elements, one row, permuted) and the chunk view (the eight threads of a
+// quarter-warp each read the same 16-byte vector of their own chunk: for chunks of 4 to 32 floats
+// the XOR sends the eight to eight different vectors of banks). The permutation keeps 16-byte
+// vectors whole, so the chunk view moves 16 bytes per instruction.
+template <typename R> struct alignas(16) vq { R x[16 / sizeof(R)]; };
+template <typename R> BK_HD constexpr int vq_n() { return (int)(16 / sizeof(R)); }
+template <typename R> BK_HD int sw(int e) { return e ^ (((e / (8 * vq_n<R>())) & 7) * vq_n<R>()); }
+template <typename R> BK_HD vq<R> ldv(const R* arr, int e) { return *reinterpret_cast<const vq<R>*>(arr + sw<R>(e)); }
+template <typename R> BK_HD void stv(R* arr, int e, const vq<R>& v) { *reinterpret_cast<vq<R>*>(arr + sw<R>(e)) = v; }
 
-// Shared memory of one block: NA tile arrays, the double-buffered scan, the chunk messages.
+// Shared memory of one block: NA tile arrays, the warps' scan totals, the chunk messages. In the
+// backward, arrays 3 and 4 together are one array of 2E reals: w interleaved (Re, Im).
 template <typename R, int T, int L, int NA> struct Smem {
-  static constexpr int E = T * L, EP = E + E / 32;
-  R tile[NA][EP];
-  v4<typename MapReal<R>::type> scan[2][4][T];         // [buffer][left map (2 v4) | right map (2 v4)][thread]; affine: [0], [2]
-  cx<R> msg[4][T];
+  static_assert(T % 32 == 0, "threads per block (T): whole warps");
+  static constexpr int E = T * L, NW = T / 32;
+  typedef typename MapReal<R>::type Q;
+  alignas(16) R tile[NA][E];
+  mat<Q> wl[NW], wr[NW];                     // each warp's total map (left: its last lane, right: its first)
+  aff<R> wal[NW], war[NW];                   // the same for the tangents' affine maps (backward)
+  cx<R> msg[NA == 5 ? 4 : 2][T];
 };
 
 template <typename R, int L> struct FwdThr {
@@ -259,24 +315,41 @@ template <int T, int L> BK_HD Geo geometry(long long blk, long long N, int lp) {
   return g;
 }
 
-// The tile [seq0, seq0 + S) x [tile W, tile W + W) of NA row-major arrays into shared memory.
-// Arrays 0..2 are a [B, N], b, c [B, N-1]; arrays 3, 4 (backward) are Re, Im of w [B, N] complex.
+// The tile [seq0, seq0 + S) x [tile W, tile W + W) of a [B, N], b, c [B, N-1] (and w [B, N] complex in
+// the backward) into shared memory, coalesced: thread t copies elements t, t + T, t + 2T, ... With one
+// sequence per block (S = 1) the element is the position in the tile and every address is the row's
+// base plus a constant; with several, the element splits into (sequence, position) by shifts.
 template <typename R, int T, int L, int NA, class Ex>
 BK_HD void load_tile(const Ex& ex, Smem<R, T, L, NA>& sm, const Geo& g, long long tile, const R* a,
                      const R* b, const R* c, const R* w, long long B, long long N) {
-  constexpr int E = T * L;
+  R* wt = sm.tile[3 % NA];                              // (Re, Im) pairs of w: arrays 3 and 4 as one
+  const long long col0 = tile * g.W;
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
-    for (int e = tid; e < E; e += T) {
-      const long long seq = g.seq0 + (e >> g.lw), pos = tile * g.W + (e & (g.W - 1));
-      const bool ok = seq < B && pos < N, okbc = ok && pos < N - 1;
-      const long long idx = seq * N + pos, ibc = idx - seq;
-      const int pe = pad(e);
-      cp_elem(&sm.tile[0][pe], ok ? a + idx : a, ok);
-      cp_elem(&sm.tile[1][pe], okbc ? b + ibc : a, okbc);
-      cp_elem(&sm.tile[2][pe], okbc ? c + ibc : a, okbc);
-      if (NA == 5) {
-        cp_elem(&sm.tile[3 % NA][pe], ok ? w + 2 * idx : a, ok);
-        cp_elem(&sm.tile[4 % NA][pe], ok ? w + 2 * idx + 1 : a, ok);
+    if (g.S == 1) {
+      const bool in = g.seq0 < B;
+      const long long row = in ? g.seq0 : 0, lim = in ? N - col0 : 0;
+      const R *ar = a + row * N + col0, *br = b + row * (N - 1) + col0, *cr = c + row * (N - 1) + col0;
+      const R* wr = w ? w + 2 * (row * N + col0) : a;
+#pragma unroll 8
+      for (int k = 0; k < L; ++k) {
+        const int e = tid + k * T, pe = sw<R>(e);
+        const bool ok = e < lim, okbc = e + 1 < lim;
+        cp_elem(&sm.tile[0][pe], ar + e, ok);
+        cp_elem(&sm.tile[1][pe], br + e, okbc);
+        cp_elem(&sm.tile[2][pe], cr + e, okbc);
+        if (NA == 5) cp_bytes<2 * sizeof(R)>(&wt[sw<R>(2 * e)], wr + 2 * e, ok);
+      }
+    } else {
+#pragma unroll 4
+      for (int k = 0; k < L; ++k) {
+        const int e = tid + k * T, pe = sw<R>(e);
+        const long long seq = g.seq0 + (e >> g.lw), pos = col0 + (e & (g.W - 1));
+        const bool ok = seq < B && pos < N, okbc = ok && pos < N - 1;
+        const long long idx = ok ? seq * N + pos : 0, ibc = okbc ? idx - seq : 0;
+        cp_elem(&sm.tile[0][pe], a + idx, ok);
+        cp_elem(&sm.tile[1][pe], b + ibc, okbc);
+        cp_elem(&sm.tile[2][pe], c + ibc, okbc);
+        if (NA == 5) cp_bytes<2 * sizeof(R)>(&wt[sw<R>(2 * e)], w + 2 * idx, ok);
       }
     }
     cp_wait();
@@ -284,81 +357,89 @@ BK_HD void load_tile(const Ex& ex, Smem<R, T, L, NA>& sm, const Geo& g, long lon
   ex.sync();
 }
 
-// A chunk is addressed as pad(t L) + j: exact only while it stays inside one 32-word row of the
-// padded tile, so L must be a power of two <= 32 (L = 64 read the padding words as positions).
-template <int L> BK_HD int chunk_base(int t) {
-  static_assert(L >= 1 && L <= 32 && (32 % L) == 0, "positions per thread (L) must be a power of two <= 32");
-  return pad(t * L);
+template <int L, typename R> BK_HD void check_chunk() {
+  static_assert(L >= vq_n<R>() && (L & (L - 1)) == 0, "positions per thread (L): a power of two, whole 16-byte vectors");
 }
 
 // Each thread's chunk maps from its own positions: left N_{L-1}...N_0, right R_0...R_{L-1}.
 // Also turns a into dr = a - Re z in place (and k = b c into array 1 when keep_bc is false).
 template <typename R, int T, int L, int NA, class Thr, class Ex>
 BK_HD void chunk_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, bool right, bool keep_bc, R zr, R zi) {
+  constexpr int V = vq_n<R>();
+  check_chunk<L, R>();
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
     Thr& th = st[ex.slot(tid)];
-    const int base = chunk_base<L>(tid);
+    const int base = tid * L;
     typedef typename MapReal<R>::type Q;
     mat<Q> ml = mident<Q>(), mr = mident<Q>();
 #pragma unroll
-    for (int j = 0; j < L; ++j) {
-      const R dr = sm.tile[0][base + j] - zr, k = sm.tile[1][base + j] * sm.tile[2][base + j];
-      sm.tile[0][base + j] = dr;
-      if (!keep_bc) sm.tile[1][base + j] = k;
-      ml = lstep<Q>(ml, k, dr, -zi);
-      if (right) mr = rstep<Q>(mr, k, dr, -zi);
-      if ((j & 3) == 3) {
-        ml = mscale(ml);
-        if (right) mr = mscale(mr);
+    for (int q = 0; q < L / V; ++q) {
+      vq<R> va = ldv(sm.tile[0], base + q * V), vb = ldv(sm.tile[1], base + q * V);
+      const vq<R> vc = ldv(sm.tile[2], base + q * V);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const int j = q * V + i;
+        const R dr = va.x[i] - zr, k = vb.x[i] * vc.x[i];
+        va.x[i] = dr;
+        vb.x[i] = k;
+        ml = lstep<Q>(ml, k, dr, -zi);
+        if (right) mr = rstep<Q>(mr, k, dr, -zi);
+        if ((j & 3) == 3) {
+          ml = mscale(ml);
+          if (right) mr = mscale(mr);
+        }
       }
+      stv(sm.tile[0], base + q * V, va);
+      if (!keep_bc) stv(sm.tile[1], base + q * V, vb);
     }
     th.ml = ml;
     th.mr = mr;
   }
 }
 
-template <typename R> BK_HD void put_mat(v4<R>* s0, v4<R>* s1, const mat<R>& m) {
-  v4<R> x, y;
-  x.x = m.a.re; x.y = m.a.im; x.z = m.b.re; x.w = m.b.im;
-  y.x = m.c.re; y.y = m.c.im; y.z = m.d.re; y.w = m.d.im;
-  *s0 = x; *s1 = y;
-}
-template <typename R> BK_HD mat<R> get_mat(const v4<R>* s0, const v4<R>* s1) {
-  const v4<R> x = *s0, y = *s1;
-  mat<R> m;
-  m.a = mk(x.x, x.y); m.b = mk(x.z, x.w); m.c = mk(y.x, y.y); m.d = mk(y.z, y.w);
-  return m;
+// Inclusive scans of values x over the chunks of each sequence, x_t <- x_t after x_{t-1} after ... (left,
+// comp(x_t, x_{t-1})) or x_t <- x_t after x_{t+1} after ... (right): within each warp by shuffles
+// (Hillis-Steele, log2 min(P, 32) steps), then, for sequences spread over several warps, each thread
+// applies the totals of the warps before (left) or after (right) it in its sequence.
+template <typename V, int T, class Ex, class Get, class Set, class Comp>
+BK_HD void warp_scan(const Ex& ex, int P, int k, bool right, V* totals, Get get, Set set, Comp comp) {
+  const int PW = P < 32 ? P : 32;
+  for (int off = 1; off < PW; off <<= 1) {
+    for (int tid = ex.lo(); tid < ex.hi(); ++tid) ex.put(k, tid, get(tid));
+    for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
+      const V x = get(tid), y = right ? ex.down(k, tid, x, off) : ex.up(k, tid, x, off);
+      const int cw = tid & (PW - 1);
+      if (right ? cw + off < PW : cw >= off) set(tid, comp(x, y));
+    }
+  }
+  if (P <= 32) return;
+  for (int tid = ex.lo(); tid < ex.hi(); ++tid)
+    if ((tid & 31) == (right ? 0 : 31)) totals[tid >> 5] = get(tid);
+  ex.sync();
+  for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
+    const int ws = (tid & (P - 1)) >> 5, nws = P >> 5, wi = tid >> 5;
+    V x = get(tid);
+    if (right)
+      for (int u = 1; ws + u < nws; ++u) x = comp(x, totals[wi + u]);
+    else
+      for (int u = 1; u <= ws; ++u) x = comp(x, totals[wi - u]);
+    set(tid, x);
+  }
 }
 
-// Inclusive segmented scans of the chunk maps over the P chunks of each sequence, then the
-// messages: s entering every chunk (left) and gR at the first position of the next chunk (right).
+// The chunk maps' scans, then the messages: s entering every chunk (left) and gR at the first position
+// of the next chunk (right).
 template <typename R, int T, int L, int NA, class Thr, class Ex>
 BK_HD void scan_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, const Geo& g, bool right) {
+  typedef typename MapReal<R>::type Q;
+  const auto mcomp = [](const mat<Q>& x, const mat<Q>& y) { return mscale(mmul(x, y)); };
+  warp_scan<mat<Q>, T>(ex, g.P, 0, false, sm.wl, [&](int t) { return st[ex.slot(t)].ml; },
+                       [&](int t, const mat<Q>& m) { st[ex.slot(t)].ml = m; }, mcomp);
+  if (right)
+    warp_scan<mat<Q>, T>(ex, g.P, 1, true, sm.wr, [&](int t) { return st[ex.slot(t)].mr; },
+                         [&](int t, const mat<Q>& m) { st[ex.slot(t)].mr = m; }, mcomp);
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
     const Thr& th = st[ex.slot(tid)];
-    put_mat(&sm.scan[0][0][tid], &sm.scan[0][1][tid], th.ml);
-    if (right) put_mat(&sm.scan[0][2][tid], &sm.scan[0][3][tid], th.mr);
-  }
-  ex.sync();
-  int cur = 0;
-  for (int off = 1; off < g.P; off <<= 1) {
-    for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
-      Thr& th = st[ex.slot(tid)];
-      const int ch = tid & (g.P - 1);
-      if (ch >= off) th.ml = mscale(mmul(th.ml, get_mat(&sm.scan[cur][0][tid - off], &sm.scan[cur][1][tid - off])));
-      if (right && ch + off < g.P)
-        th.mr = mscale(mmul(th.mr, get_mat(&sm.scan[cur][2][tid + off], &sm.scan[cur][3][tid + off])));
-      if (2 * off < g.P) {                      // every entry, changed or not, for the next round
-        put_mat(&sm.scan[cur ^ 1][0][tid], &sm.scan[cur ^ 1][1][tid], th.ml);
-        if (right) put_mat(&sm.scan[cur ^ 1][2][tid], &sm.scan[cur ^ 1][3][tid], th.mr);
-      }
-    }
-    ex.sync();
-    cur ^= 1;
-  }
-  for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
-    const Thr& th = st[ex.slot(tid)];
-    typedef typename MapReal<R>::type Q;
     sm.msg[0][tid] = to_cx<R>(mapply(th.ml, to_cx<Q>(th.xl)));
     if (right) sm.msg[1][tid] = to_cx<R>(mapply(th.mr, to_cx<Q>(th.xr)));
   }
@@ -379,8 +460,8 @@ BK_HD void scan_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, const Geo& g,
 template <typename R, int T, int L, class Ex>
 BK_HD void fwd_block(const Ex& ex, long long blk, Smem<R, T, L, 3>& sm, FwdThr<R, L>* st, const R* a, const R* b,
                      const R* c, R* out, cx<R>* ws, long long B, long long N, int lp, R zr, R zi) {
+  constexpr int V = vq_n<R>();
   const Geo g = geometry<T, L>(blk, N, lp);
-  constexpr int E = T * L;
   // ntiles > 1 only when P = T: one sequence per block, seq0 = blk
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) st[ex.slot(tid)].xl = mk<R>(0, 0);
   for (long long tile = 0; tile + 1 < g.ntiles; ++tile) {           // sweep 1: sL entering each tile
@@ -409,31 +490,56 @@ BK_HD void fwd_block(const Ex& ex, long long blk, Smem<R, T, L, 3>& sm, FwdThr<R
     scan_maps(ex, sm, st, g, true);
     for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
       FwdThr<R, L>& th = st[ex.slot(tid)];
-      const int base = chunk_base<L>(tid);
+      const int base = tid * L;
       cx<R> s = th.s_in;
 #pragma unroll
-      for (int j = 0; j < L; ++j) {                                 // left: sL_j in registers
-        const R dr = sm.tile[0][base + j], k = sm.tile[1][base + j];
-        th.sl[j] = s;
-        const R wr = dr - s.re, wi = -zi - s.im, q = k * rcp(wr * wr + wi * wi);
-        s = mk(wr * q, -wi * q);
+      for (int q = 0; q < L / V; ++q) {                             // left: sL_j in registers
+        const vq<R> vd = ldv(sm.tile[0], base + q * V), vk = ldv(sm.tile[1], base + q * V);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          th.sl[q * V + i] = s;
+          const R wr = vd.x[i] - s.re, wi = -zi - s.im, qq = vk.x[i] * rcp(wr * wr + wi * wi);
+          s = mk(wr * qq, -wi * qq);
+        }
       }
       cx<R> gr = th.g_in;
 #pragma unroll
-      for (int j = L - 1; j >= 0; --j) {                            // right: G_j over the tile
-        const R dr = sm.tile[0][base + j], k = sm.tile[1][base + j];
-        const cx<R> sr = k * gr;
-        const cx<R> gg = inv(mk(dr - th.sl[j].re - sr.re, -zi - th.sl[j].im - sr.im));
-        sm.tile[0][base + j] = gg.re;
-        sm.tile[1][base + j] = gg.im;
-        gr = inv(mk(dr - sr.re, -zi - sr.im));
+      for (int q = L / V - 1; q >= 0; --q) {                        // right: G_j over the tile
+        vq<R> vd = ldv(sm.tile[0], base + q * V), vk = ldv(sm.tile[1], base + q * V);
+#pragma unroll
+        for (int i = V - 1; i >= 0; --i) {
+          const int j = q * V + i;
+          const R dr = vd.x[i], k = vk.x[i];
+          const cx<R> sr = k * gr;
+          const cx<R> gg = inv(mk(dr - th.sl[j].re - sr.re, -zi - th.sl[j].im - sr.im));
+          vd.x[i] = gg.re;
+          vk.x[i] = gg.im;
+          gr = inv(mk(dr - sr.re, -zi - sr.im));
+        }
+        stv(sm.tile[0], base + q * V, vd);
+        stv(sm.tile[1], base + q * V, vk);
       }
     }
     ex.sync();
+    const long long col0 = tile * g.W;
     for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
-      for (int e = tid; e < E; e += T) {
-        const long long seq = g.seq0 + (e >> g.lw), pos = tile * g.W + (e & (g.W - 1));
-        if (seq < B && pos < N) reinterpret_cast<cx<R>*>(out)[seq * N + pos] = mk(sm.tile[0][pad(e)], sm.tile[1][pad(e)]);
+      if (g.S == 1) {                                               // positions e of one row
+        if (g.seq0 < B) {
+          cx<R>* orow = reinterpret_cast<cx<R>*>(out) + g.seq0 * N + col0;
+          const long long lim = N - col0;
+#pragma unroll 8
+          for (int k = 0; k < L; ++k) {
+            const int e = tid + k * T, pe = sw<R>(e);
+            if (e < lim) orow[e] = mk(sm.tile[0][pe], sm.tile[1][pe]);
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int k = 0; k < L; ++k) {
+          const int e = tid + k * T, pe = sw<R>(e);
+          const long long seq = g.seq0 + (e >> g.lw), pos = col0 + (e & (g.W - 1));
+          if (seq < B && pos < N) reinterpret_cast<cx<R>*>(out)[seq * N + pos] = mk(sm.tile[0][pe], sm.tile[1][pe]);
+        }
       }
       st[ex.slot(tid)].xr = st[ex.slot(tid)].xr_next;
     }
@@ -442,44 +548,17 @@ BK_HD void fwd_block(const Ex& ex, long long blk, Smem<R, T, L, 3>& sm, FwdThr<R
 
 // --- backward -------------------------------------------------------------------------------------
 
-template <typename Q, typename R> BK_HD void put_aff(v4<Q>* s, const aff<R>& m) {
-  v4<Q> x;
-  x.x = m.A.re; x.y = m.A.im; x.z = m.B.re; x.w = m.B.im;
-  *s = x;
-}
-template <typename R, typename Q> BK_HD aff<R> get_aff(const v4<Q>* s) {
-  const v4<Q> x = *s;
-  aff<R> m;
-  m.A = mk<R>(x.x, x.y); m.B = mk<R>(x.z, x.w);
-  return m;
-}
-
-// Inclusive segmented scans of the chunks' tangent maps, then the messages: tL entering every chunk
-// and gR' at the first position of the next chunk.
+// The tangents' affine scans, then the messages: tL entering every chunk and gR' at the first position
+// of the next chunk.
 template <typename R, int T, int L, class Ex>
 BK_HD void scan_affine(const Ex& ex, Smem<R, T, L, 5>& sm, BwdThr<R, L>* st, const Geo& g, bool right) {
   ex.sync();
-  for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
-    const BwdThr<R, L>& th = st[ex.slot(tid)];
-    put_aff(&sm.scan[0][0][tid], th.al);
-    if (right) put_aff(&sm.scan[0][2][tid], th.ar);
-  }
-  ex.sync();
-  int cur = 0;
-  for (int off = 1; off < g.P; off <<= 1) {
-    for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
-      BwdThr<R, L>& th = st[ex.slot(tid)];
-      const int ch = tid & (g.P - 1);
-      if (ch >= off) th.al = acomp(th.al, get_aff<R>(&sm.scan[cur][0][tid - off]));
-      if (right && ch + off < g.P) th.ar = acomp(th.ar, get_aff<R>(&sm.scan[cur][2][tid + off]));
-      if (2 * off < g.P) {
-        put_aff(&sm.scan[cur ^ 1][0][tid], th.al);
-        if (right) put_aff(&sm.scan[cur ^ 1][2][tid], th.ar);
-      }
-    }
-    ex.sync();
-    cur ^= 1;
-  }
+  const auto acmp = [](const aff<R>& x, const aff<R>& y) { return acomp(x, y); };
+  warp_scan<aff<R>, T>(ex, g.P, 0, false, sm.wal, [&](int t) { return st[ex.slot(t)].al; },
+                       [&](int t, const aff<R>& m) { st[ex.slot(t)].al = m; }, acmp);
+  if (right)
+    warp_scan<aff<R>, T>(ex, g.P, 1, true, sm.war, [&](int t) { return st[ex.slot(t)].ar; },
+                         [&](int t, const aff<R>& m) { st[ex.slot(t)].ar = m; }, acmp);
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
     const BwdThr<R, L>& th = st[ex.slot(tid)];
     sm.msg[2][tid] = th.al.A * th.xtl + th.al.B;
@@ -497,39 +576,65 @@ BK_HD void scan_affine(const Ex& ex, Smem<R, T, L, 5>& sm, BwdThr<R, L>* st, con
   }
 }
 
+// v_j = conj(w_j) for the chunk positions q V .. q V + V - 1, from the interleaved w array (two vectors).
+template <typename R> struct wv { cx<R> v[16 / sizeof(R)]; };
+template <typename R> BK_HD wv<R> ldw(const R* wt, int e) {
+  constexpr int V = vq_n<R>();
+  wv<R> r;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const vq<R> x = ldv(wt, 2 * e + h * V);
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) r.v[h * (V / 2) + i] = mk(x.x[2 * i], -x.x[2 * i + 1]);
+  }
+  return r;
+}
+
 // The chunk's tangent maps from its boundary values: left tL_in -> tL_out (sL_j kept in registers),
 // right gR'(next chunk) -> gR'(first position).
 template <typename R, int T, int L, class Ex>
 BK_HD void chunk_tangent_maps(const Ex& ex, Smem<R, T, L, 5>& sm, BwdThr<R, L>* st, bool right, R zi) {
+  constexpr int V = vq_n<R>();
+  const R* wt = sm.tile[3];
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
     BwdThr<R, L>& th = st[ex.slot(tid)];
-    const int base = chunk_base<L>(tid);
+    const int base = tid * L;
     aff<R> al, ar;
     al.A = mk<R>(1, 0); al.B = mk<R>(0, 0); ar = al;
     cx<R> s = th.s_in;
 #pragma unroll
-    for (int j = 0; j < L; ++j) {
-      const R dr = sm.tile[0][base + j], k = sm.tile[1][base + j] * sm.tile[2][base + j];
-      const cx<R> v = mk(sm.tile[3][base + j], -sm.tile[4][base + j]);
-      th.sl[j] = s;
-      const cx<R> gl = inv(mk(dr - s.re, -zi - s.im));
-      const cx<R> alpha = k * (gl * gl);
-      al.A = alpha * al.A;
-      al.B = alpha * (al.B + v);
-      s = k * gl;
+    for (int q = 0; q < L / V; ++q) {
+      const vq<R> vd = ldv(sm.tile[0], base + q * V), vb = ldv(sm.tile[1], base + q * V),
+                  vc = ldv(sm.tile[2], base + q * V);
+      const wv<R> vv = ldw(wt, base + q * V);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const R dr = vd.x[i], k = vb.x[i] * vc.x[i];
+        th.sl[q * V + i] = s;
+        const cx<R> gl = inv(mk(dr - s.re, -zi - s.im));
+        const cx<R> alpha = k * (gl * gl);
+        al.A = alpha * al.A;
+        al.B = alpha * (al.B + vv.v[i]);
+        s = k * gl;
+      }
     }
     th.al = al;
     if (right) {
       cx<R> gr = th.g_in;
 #pragma unroll
-      for (int j = L - 1; j >= 0; --j) {
-        const R dr = sm.tile[0][base + j], k = sm.tile[1][base + j] * sm.tile[2][base + j];
-        const cx<R> v = mk(sm.tile[3][base + j], -sm.tile[4][base + j]);
-        const cx<R> sr = k * gr;
-        gr = inv(mk(dr - sr.re, -zi - sr.im));
-        const cx<R> g2 = gr * gr;
-        ar.A = k * (g2 * ar.A);
-        ar.B = g2 * (k * ar.B + v);
+      for (int q = L / V - 1; q >= 0; --q) {
+        const vq<R> vd = ldv(sm.tile[0], base + q * V), vb = ldv(sm.tile[1], base + q * V),
+                    vc = ldv(sm.tile[2], base + q * V);
+        const wv<R> vv = ldw(wt, base + q * V);
+#pragma unroll
+        for (int i = V - 1; i >= 0; --i) {
+          const R dr = vd.x[i], k = vb.x[i] * vc.x[i];
+          const cx<R> sr = k * gr;
+          gr = inv(mk(dr - sr.re, -zi - sr.im));
+          const cx<R> g2 = gr * gr;
+          ar.A = k * (g2 * ar.A);
+          ar.B = g2 * (k * ar.B + vv.v[i]);
+        }
       }
       th.ar = ar;
     }
@@ -540,8 +645,8 @@ template <typename R, int T, int L, class Ex>
 BK_HD void bwd_block(const Ex& ex, long long blk, Smem<R, T, L, 5>& sm, BwdThr<R, L>* st, const R* a, const R* b,
                      const R* c, const R* w, R* ga, R* gb, R* gc, cx<R>* ws, long long B, long long N, int lp,
                      R zr, R zi) {
+  constexpr int V = vq_n<R>();
   const Geo g = geometry<T, L>(blk, N, lp);
-  constexpr int E = T * L;
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) st[ex.slot(tid)].xl = st[ex.slot(tid)].xtl = mk<R>(0, 0);
   for (long long tile = 0; tile + 1 < g.ntiles; ++tile) {           // sweep 1: (sL, tL) entering tiles
     if (g.seq0 < B) {
@@ -586,43 +691,76 @@ BK_HD void bwd_block(const Ex& ex, long long blk, Smem<R, T, L, 5>& sm, BwdThr<R
     scan_affine(ex, sm, st, g, true);
     for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
       BwdThr<R, L>& th = st[ex.slot(tid)];
-      const int base = chunk_base<L>(tid);
+      const int base = tid * L;
+      const R* wt = sm.tile[3];
       cx<R> t = th.t_in;
 #pragma unroll
-      for (int j = 0; j < L; ++j) {                                 // tL_j in registers
-        const R dr = sm.tile[0][base + j], k = sm.tile[1][base + j] * sm.tile[2][base + j];
-        const cx<R> v = mk(sm.tile[3][base + j], -sm.tile[4][base + j]);
-        const cx<R> gl = inv(mk(dr - th.sl[j].re, -zi - th.sl[j].im));
-        th.tl[j] = t;
-        t = k * ((gl * gl) * (v + t));
+      for (int q = 0; q < L / V; ++q) {                             // tL_j in registers
+        const vq<R> vd = ldv(sm.tile[0], base + q * V), vb = ldv(sm.tile[1], base + q * V),
+                    vc = ldv(sm.tile[2], base + q * V);
+        const wv<R> vv = ldw(wt, base + q * V);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const int j = q * V + i;
+          const R k = vb.x[i] * vc.x[i];
+          const cx<R> gl = inv(mk(vd.x[i] - th.sl[j].re, -zi - th.sl[j].im));
+          th.tl[j] = t;
+          t = k * ((gl * gl) * (vv.v[i] + t));
+        }
       }
       cx<R> gr = th.g_in, grp = th.gp_in;                           // gR_{j+1}, gR'_{j+1}
 #pragma unroll
-      for (int j = L - 1; j >= 0; --j) {
-        const R dr = sm.tile[0][base + j], bv = sm.tile[1][base + j], cv = sm.tile[2][base + j], k = bv * cv;
-        const cx<R> v = mk(sm.tile[3][base + j], -sm.tile[4][base + j]);
-        const cx<R> sr = k * gr, tr = k * grp;
-        const cx<R> gg = inv(mk(dr - th.sl[j].re - sr.re, -zi - th.sl[j].im - sr.im));
-        const cx<R> gp = (gg * gg) * (v + th.tl[j] + tr);
-        const R p = (gp * gr).re + (gg * grp).re;
-        sm.tile[0][base + j] = -gp.re;                               // the tile becomes (da, db, dc)
-        sm.tile[1][base + j] = cv * p;
-        sm.tile[2][base + j] = bv * p;
-        const cx<R> gn = inv(mk(dr - sr.re, -zi - sr.im));
-        grp = (gn * gn) * (v + tr);
-        gr = gn;
+      for (int q = L / V - 1; q >= 0; --q) {
+        vq<R> vd = ldv(sm.tile[0], base + q * V), vb = ldv(sm.tile[1], base + q * V), vc = ldv(sm.tile[2], base + q * V);
+        const wv<R> vv = ldw(wt, base + q * V);
+#pragma unroll
+        for (int i = V - 1; i >= 0; --i) {
+          const int j = q * V + i;
+          const R dr = vd.x[i], bv = vb.x[i], cv = vc.x[i], k = bv * cv;
+          const cx<R> sr = k * gr, tr = k * grp;
+          const cx<R> gg = inv(mk(dr - th.sl[j].re - sr.re, -zi - th.sl[j].im - sr.im));
+          const cx<R> gp = (gg * gg) * (vv.v[i] + th.tl[j] + tr);
+          const R p = (gp * gr).re + (gg * grp).re;
+          vd.x[i] = -gp.re;                                         // the tile becomes (da, db, dc)
+          vb.x[i] = cv * p;
+          vc.x[i] = bv * p;
+          const cx<R> gn = inv(mk(dr - sr.re, -zi - sr.im));
+          grp = (gn * gn) * (vv.v[i] + tr);
+          gr = gn;
+        }
+        stv(sm.tile[0], base + q * V, vd);
+        stv(sm.tile[1], base + q * V, vb);
+        stv(sm.tile[2], base + q * V, vc);
       }
     }
     ex.sync();
+    const long long col0 = tile * g.W;
     for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
-      for (int e = tid; e < E; e += T) {
-        const long long seq = g.seq0 + (e >> g.lw), pos = tile * g.W + (e & (g.W - 1));
-        if (seq >= B || pos >= N) continue;
-        const int pe = pad(e);
-        ga[seq * N + pos] = sm.tile[0][pe];
-        if (pos < N - 1) {
-          gb[seq * (N - 1) + pos] = sm.tile[1][pe];
-          gc[seq * (N - 1) + pos] = sm.tile[2][pe];
+      if (g.S == 1) {
+        if (g.seq0 < B) {
+          R *gar = ga + g.seq0 * N + col0, *gbr = gb + g.seq0 * (N - 1) + col0, *gcr = gc + g.seq0 * (N - 1) + col0;
+          const long long lim = N - col0;
+#pragma unroll 8
+          for (int k = 0; k < L; ++k) {
+            const int e = tid + k * T, pe = sw<R>(e);
+            if (e < lim) gar[e] = sm.tile[0][pe];
+            if (e + 1 < lim) {
+              gbr[e] = sm.tile[1][pe];
+              gcr[e] = sm.tile[2][pe];
+            }
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int k = 0; k < L; ++k) {
+          const int e = tid + k * T, pe = sw<R>(e);
+          const long long seq = g.seq0 + (e >> g.lw), pos = col0 + (e & (g.W - 1));
+          if (seq >= B || pos >= N) continue;
+          ga[seq * N + pos] = sm.tile[0][pe];
+          if (pos < N - 1) {
+            gb[seq * (N - 1) + pos] = sm.tile[1][pe];
+            gc[seq * (N - 1) + pos] = sm.tile[2][pe];
+          }
         }
       }
       BwdThr<R, L>& th = st[ex.slot(tid)];
@@ -633,9 +771,9 @@ BK_HD void bwd_block(const Ex& ex, long long blk, Smem<R, T, L, 5>& sm, BwdThr<R
 }
 
 // --- configurations, kernels, launchers -----------------------------------------------------------
-// (T threads, L positions per thread). float32 forward: 64 x 32 (a 2048-position tile, one
-// sequence of the N = 2048 benchmark per block); float32 backward: 128 x 16; float64: 64 x 16
-// forward, 64 x 8 backward (register pressure).
+// (T threads, L positions per thread, M blocks per SM the registers are bounded for). float32
+// forward: 64 x 32 x 8 (a 2048-position tile, one sequence of the N = 2048 benchmark per block);
+// float32 backward: 128 x 16 x 3; float64: 64 x 16 forward, 64 x 8 backward (register pressure).
 
 template <int T, int L> int plan_lp(long long N) {
   const long long chunks = (N + L - 1) / L;
@@ -646,16 +784,24 @@ template <int T, int L> int plan_lp(long long N) {
 
 extern __shared__ __align__(32) unsigned char bk_smem[];
 
-template <typename R, int T, int L>
-__global__ void __launch_bounds__(T) _bk_forward_kernel(const R* a, const R* b, const R* c, R* out, cx<R>* ws,
+// The dynamic shared memory a block needs, and the largest carveout, so that the blocks the
+// registers allow (M) are not held back by a smaller default split of L1 and shared memory.
+template <class K> cudaError_t smem_attributes(K kernel, size_t smem) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, (int)cudaSharedmemCarveoutMaxShared);
+}
+
+template <typename R, int T, int L, int M>
+__global__ void __launch_bounds__(T, M) _bk_forward_kernel(const R* a, const R* b, const R* c, R* out, cx<R>* ws,
                                                         long long B, long long N, int lp, R zr, R zi) {
   Smem<R, T, L, 3>& sm = *reinterpret_cast<Smem<R, T, L, 3>*>(bk_smem);
   FwdThr<R, L> st[1];
   fwd_block<R, T, L>(DeviceExec(), blockIdx.x, sm, st, a, b, c, out, ws, B, N, lp, zr, zi);
 }
 
-template <typename R, int T, int L>
-__global__ void __launch_bounds__(T) _bk_backward_kernel(const R* a, const R* b, const R* c, const R* w, R* ga,
+template <typename R, int T, int L, int M>
+__global__ void __launch_bounds__(T, M) _bk_backward_kernel(const R* a, const R* b, const R* c, const R* w, R* ga,
                                                          R* gb, R* gc, cx<R>* ws, long long B, long long N, int lp,
                                                          R zr, R zi) {
   Smem<R, T, L, 5>& sm = *reinterpret_cast<Smem<R, T, L, 5>*>(bk_smem);
@@ -663,13 +809,13 @@ __global__ void __launch_bounds__(T) _bk_backward_kernel(const R* a, const R* b,
   bwd_block<R, T, L>(DeviceExec(), blockIdx.x, sm, st, a, b, c, w, ga, gb, gc, ws, B, N, lp, zr, zi);
 }
 
-template <int T, int L> long long ws_elems_cfg(long long B, long long N, bool backward) {
+template <int T, int L, int M> long long ws_elems_cfg(long long B, long long N, bool backward) {
   if (N <= (long long)T * L) return 0;
   const long long nt = (N + T * L - 1) / (T * L);
   return B * nt * (backward ? 4 : 2);                             // complex xl (and xtl) per tile
 }
 
-template <typename R, int T, int L>
+template <typename R, int T, int L, int M>
 int launch_forward_cfg(const R* a, const R* b, const R* c, R* out, R* ws, long long B, long long N, double zr,
                        double zi, void* stream) {
   if (B <= 0 || N <= 0) return 0;
@@ -677,16 +823,15 @@ int launch_forward_cfg(const R* a, const R* b, const R* c, R* out, R* ws, long l
   const long long S = T >> lp, blocks = (B + S - 1) / S;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidValue;
   const size_t smem = sizeof(Smem<R, T, L, 3>);
-  cudaError_t err = cudaFuncSetAttribute(_bk_forward_kernel<R, T, L>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)smem);
+  const cudaError_t err = smem_attributes(_bk_forward_kernel<R, T, L, M>, smem);
   if (err != cudaSuccess) return (int)err;
   if (N == 1) b = c = a;                                          // b, c are empty: never read
-  _bk_forward_kernel<R, T, L><<<(unsigned)blocks, T, smem, (cudaStream_t)stream>>>(
+  _bk_forward_kernel<R, T, L, M><<<(unsigned)blocks, T, smem, (cudaStream_t)stream>>>(
       a, b, c, out, reinterpret_cast<cx<R>*>(ws), B, N, lp, (R)zr, (R)zi);
   return (int)cudaGetLastError();
 }
 
-template <typename R, int T, int L>
+template <typename R, int T, int L, int M>
 int launch_backward_cfg(const R* a, const R* b, const R* c, const R* w, R* ga, R* gb, R* gc, R* ws, long long B,
                         long long N, double zr, double zi, void* stream) {
   if (B <= 0 || N <= 0) return 0;
@@ -694,46 +839,49 @@ int launch_backward_cfg(const R* a, const R* b, const R* c, const R* w, R* ga, R
   const long long S = T >> lp, blocks = (B + S - 1) / S;
   if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidValue;
   const size_t smem = sizeof(Smem<R, T, L, 5>);
-  cudaError_t err = cudaFuncSetAttribute(_bk_backward_kernel<R, T, L>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)smem);
+  const cudaError_t err = smem_attributes(_bk_backward_kernel<R, T, L, M>, smem);
   if (err != cudaSuccess) return (int)err;
   if (N == 1) { b = c = a; gb = gc = ga; }
-  _bk_backward_kernel<R, T, L><<<(unsigned)blocks, T, smem, (cudaStream_t)stream>>>(
+  _bk_backward_kernel<R, T, L, M><<<(unsigned)blocks, T, smem, (cudaStream_t)stream>>>(
       a, b, c, w, ga, gb, gc, reinterpret_cast<cx<R>*>(ws), B, N, lp, (R)zr, (R)zi);
   return (int)cudaGetLastError();
 }
 
-template <typename R, int T, int L>
+template <typename R, int T, int L, int M>
 int host_forward_cfg(const R* a, const R* b, const R* c, R* out, R* ws, long long B, long long N, double zr,
                      double zi) {
   const int lp = plan_lp<T, L>(N);
   Smem<R, T, L, 3>* sm = new Smem<R, T, L, 3>;
   FwdThr<R, L>* st = new FwdThr<R, L>[T];
+  unsigned char* xbuf = new unsigned char[2 * T * HostExec::XW];
   if (N == 1) b = c = a;
   for (long long blk = 0; blk * (T >> lp) < B; ++blk)
-    fwd_block<R, T, L>(HostExec{T}, blk, *sm, st, a, b, c, out, reinterpret_cast<cx<R>*>(ws), B, N, lp, (R)zr,
+    fwd_block<R, T, L>(HostExec{T, xbuf}, blk, *sm, st, a, b, c, out, reinterpret_cast<cx<R>*>(ws), B, N, lp, (R)zr,
                        (R)zi);
   delete sm;
   delete[] st;
+  delete[] xbuf;
   return 0;
 }
 
-template <typename R, int T, int L>
+template <typename R, int T, int L, int M>
 int host_backward_cfg(const R* a, const R* b, const R* c, const R* w, R* ga, R* gb, R* gc, R* ws, long long B,
                       long long N, double zr, double zi) {
   const int lp = plan_lp<T, L>(N);
   Smem<R, T, L, 5>* sm = new Smem<R, T, L, 5>;
   BwdThr<R, L>* st = new BwdThr<R, L>[T];
+  unsigned char* xbuf = new unsigned char[2 * T * HostExec::XW];
   if (N == 1) { b = c = a; gb = gc = ga; }
   for (long long blk = 0; blk * (T >> lp) < B; ++blk)
-    bwd_block<R, T, L>(HostExec{T}, blk, *sm, st, a, b, c, w, ga, gb, gc, reinterpret_cast<cx<R>*>(ws), B, N, lp,
+    bwd_block<R, T, L>(HostExec{T, xbuf}, blk, *sm, st, a, b, c, w, ga, gb, gc, reinterpret_cast<cx<R>*>(ws), B, N, lp,
                        (R)zr, (R)zi);
   delete sm;
   delete[] st;
+  delete[] xbuf;
   return 0;
 }
 
-template <int T, int L> constexpr int tile_positions() { return T * L; }
+template <int T, int L, int M> constexpr int tile_positions() { return T * L; }
 
 }  // namespace bk
 
@@ -743,22 +891,28 @@ template <int T, int L> constexpr int tile_positions() { return T * L; }
 #define BK_FWD_F32_T 64
 #define BK_FWD_F32_L 32
 #endif
-#define BK_FWD_F32 BK_FWD_F32_T, BK_FWD_F32_L
+#ifndef BK_FWD_F32_M
+#define BK_FWD_F32_M 8
+#endif
+#define BK_FWD_F32 BK_FWD_F32_T, BK_FWD_F32_L, BK_FWD_F32_M
 #ifndef BK_BWD_F32_T
 #define BK_BWD_F32_T 128
 #define BK_BWD_F32_L 16
 #endif
-#define BK_BWD_F32 BK_BWD_F32_T, BK_BWD_F32_L
+#ifndef BK_BWD_F32_M
+#define BK_BWD_F32_M 3
+#endif
+#define BK_BWD_F32 BK_BWD_F32_T, BK_BWD_F32_L, BK_BWD_F32_M
 #ifndef BK_FWD_F64_T
 #define BK_FWD_F64_T 64
 #define BK_FWD_F64_L 16
 #endif
-#define BK_FWD_F64 BK_FWD_F64_T, BK_FWD_F64_L
+#define BK_FWD_F64 BK_FWD_F64_T, BK_FWD_F64_L, 1
 #ifndef BK_BWD_F64_T
 #define BK_BWD_F64_T 64
 #define BK_BWD_F64_L 8
 #endif
-#define BK_BWD_F64 BK_BWD_F64_T, BK_BWD_F64_L
+#define BK_BWD_F64 BK_BWD_F64_T, BK_BWD_F64_L, 1
 
 // --- C ABI (declared in bk_core.h): raw pointers, row-major, the stream as void* -------------------
 
