@@ -45,10 +45,11 @@
 //   backward: a, b, c, grad read (20) + da, db, dc written (12) = 32, the minimum for a backward
 //             that recomputes the forward's values instead of saving them (longer N: 52).
 // Occupancy is what keeps the memory system busy: a block loads its tile and then computes without
-// touching memory, so other resident blocks must cover that time. The float32 forward holds 126
-// registers (launch bound: 8 blocks of 64 threads per SM, no spills) and 25 KB of shared memory (8
-// blocks fit); the backward 167 registers (3 blocks of 128). Without the bounds the compiler takes
-// 146 and 198 registers, 6 and 2 blocks, and both kernels are 10-15% slower on an H100.
+// touching memory, so other resident blocks must cover that time. The launch bounds hold the float32
+// forward to 71 registers (6 blocks of 128 threads per SM; 26 KB of shared memory each) and the
+// backward to 167 (3 blocks of 128; 45 KB each), with no spills. Left to itself the compiler gives
+// the backward 198 registers (2 blocks), and the forward at 64 threads x 32 positions 146 (6 blocks
+// of 64): on an H100 both ran 10-17% slower than bounded.
 // FLOPs per element: forward about 110 (two map steps ~40, two continued fractions ~30 with three
 // complex reciprocals, the scans ~30 amortized over L positions); backward about 260 (the maps,
 // five complex reciprocals, the tangents and the affine scans). Memory-bound on an H100 at the
@@ -772,7 +773,7 @@ BK_HD void bwd_block(const Ex& ex, long long blk, Smem<R, T, L, 5>& sm, BwdThr<R
 
 // --- configurations, kernels, launchers -----------------------------------------------------------
 // (T threads, L positions per thread, M blocks per SM the registers are bounded for). float32
-// forward: 64 x 32 x 8 (a 2048-position tile, one sequence of the N = 2048 benchmark per block);
+// forward: 128 x 16 x 6 (a 2048-position tile, one sequence of the N = 2048 benchmark per block);
 // float32 backward: 128 x 16 x 3; float64: 64 x 16 forward, 64 x 8 backward (register pressure).
 
 template <int T, int L> int plan_lp(long long N) {
@@ -888,11 +889,11 @@ template <int T, int L, int M> constexpr int tile_positions() { return T * L; }
 // Default configurations: threads per block _T, positions per thread _L (-D overrides both; L a power
 // of two <= 32, see chunk_base).
 #ifndef BK_FWD_F32_T
-#define BK_FWD_F32_T 64
-#define BK_FWD_F32_L 32
+#define BK_FWD_F32_T 128
+#define BK_FWD_F32_L 16
 #endif
 #ifndef BK_FWD_F32_M
-#define BK_FWD_F32_M 8
+#define BK_FWD_F32_M 6
 #endif
 #define BK_FWD_F32 BK_FWD_F32_T, BK_FWD_F32_L, BK_FWD_F32_M
 #ifndef BK_BWD_F32_T
