@@ -40,6 +40,28 @@ def test_quantize_scales_amax_to_the_format_maximum_and_rounds_like_float8():
         fp8.quantize(t[0], fp8.E4M3)
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensor", "row"])
+def test_quantize_both_equals_the_two_quantize_calls(rowwise):
+    """Both layouts from one call: bit for bit what quantize gives for each (one amax pass when the
+    scale is per tensor), on an odd shape with a wide range of magnitudes."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(37, 19, generator=g) * torch.logspace(-3, 3, 19)
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        q, s, qt, st = fp8.quantize_both(t, dtype, rowwise=rowwise)
+        q1, s1 = fp8.quantize(t, dtype, rowwise=rowwise)
+        qt1, st1 = fp8.quantize(t, dtype, transposed=True, rowwise=rowwise)
+        assert q.shape == (37, 19) and qt.shape == (19, 37) and qt.is_contiguous()
+        for got, want in ((q, q1), (qt, qt1)):
+            assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(s, s1) and torch.equal(st, st1)
+        if not rowwise:
+            assert torch.equal(s, st) and torch.equal(qt.float(), q.float().t())
+    with pytest.raises(ValueError, match="dtype"):
+        fp8.quantize_both(t, torch.float16)
+    with pytest.raises(ValueError, match="2-d"):
+        fp8.quantize_both(t[0], fp8.E4M3)
+
+
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
 @pytest.mark.parametrize("shape", [(37, 29, 53), (5, 3, 11)])
 def test_fp8_linear_forward_and_gradients_against_float64(scaling, shape):

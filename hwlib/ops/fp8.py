@@ -26,8 +26,9 @@ Scales are computed on the device from each tensor's amax (no host sync, CUDA-gr
 scale = fmax / amax, and ``_scaled_mm`` gets the inverse. e4m3 (``torch.float8_e4m3fn``) keeps 3
 mantissa bits up to 448, e5m2 2 bits up to 57344: gradients span a wider range than activations.
 
-Bytes: quantizing an [R, C] tensor from bf16 reads it twice (amax, cast) and writes 1 byte an
-element per layout: 6 bytes an element for both layouts, against 8 for a cast then a copy.
+Bytes: quantizing an [R, C] bf16 tensor into both layouts (``quantize_both``, one scale per tensor)
+reads it once for the amax and once per layout for the cast, and writes 1 byte an element per
+layout: 8 bytes an element (10 with an amax pass per layout, as separate ``quantize`` calls do).
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ SCALINGS = ("tensor", "row")
 CUDA_MULTIPLE = 16
 
 
+def _check(t: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype not in FMAX:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"quantize needs a 2-d tensor, got shape {tuple(t.shape)}")
+
+
+def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return FMAX[dtype] / amax.float().clamp(min=EPS)
+
+
+def _cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (src.float() * scale).clamp(-FMAX[dtype], FMAX[dtype]).to(dtype).contiguous()
+
+
 def quantize(t: torch.Tensor, dtype: torch.dtype, *, transposed: bool = False, rowwise: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` ([R, C]) in ``dtype`` (FP8) and the inverse scale that ``_scaled_mm`` multiplies back.
@@ -50,16 +66,24 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, *, transposed: bool = False, r
     ``transposed``: the result is t^T ([C, R]), stored row-major. ``rowwise``: one scale per row of
     the result (the amax over its columns, the matmul's reduction dimension), shape [rows, 1];
     else one per tensor (a 0-d tensor)."""
-    if dtype not in FMAX:
-        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"quantize needs a 2-d tensor, got shape {tuple(t.shape)}")
+    _check(t, dtype)
     src = t.t() if transposed else t
     a = src.abs()
-    amax = a.amax(dim=1, keepdim=True) if rowwise else a.amax()
-    scale = FMAX[dtype] / amax.float().clamp(min=EPS)
-    q = (src.float() * scale).clamp(-FMAX[dtype], FMAX[dtype]).to(dtype)
-    return q.contiguous(), scale.reciprocal()
+    scale = _scale(a.amax(dim=1, keepdim=True) if rowwise else a.amax(), dtype)
+    return _cast(src, scale, dtype), scale.reciprocal()
+
+
+def quantize_both(t: torch.Tensor, dtype: torch.dtype, *, rowwise: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize(t)`` and ``quantize(t, transposed=True)``: (q, inverse scale, q^T, its inverse
+    scale). With one scale per tensor the two layouts share it, so the amax pass over ``t`` runs
+    once, not once per layout (row-wise scales reduce over different dimensions: two passes)."""
+    if rowwise:
+        return (*quantize(t, dtype, rowwise=True), *quantize(t, dtype, transposed=True, rowwise=True))
+    _check(t, dtype)
+    scale = _scale(t.abs().amax(), dtype)
+    inv = scale.reciprocal()
+    return _cast(t, scale, dtype), inv, _cast(t.t(), scale, dtype), inv
 
 
 def _mm(a8, sa, b8_t, sb, out_dtype, fast_accum: bool) -> torch.Tensor:
@@ -76,11 +100,10 @@ class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, out_dtype, rowwise):
         grad_dtype = E4M3 if rowwise else E5M2
-        x8, xs = quantize(x, E4M3, rowwise=rowwise)                       # [M, K], scales per M
-        w8, ws = quantize(weight, E4M3, rowwise=rowwise)                  # [N, K], scales per N
-        # Saved for the backward, already in the layouts its matmuls need (K-major operands).
-        xt8, xts = quantize(x, E4M3, transposed=True, rowwise=rowwise)    # [K, M], scales per K
-        wt8, wts = quantize(weight, E4M3, transposed=True, rowwise=rowwise)  # [K, N], scales per K
+        # [M, K] with scales per M, and [K, M] (per K); [N, K] (per N) and [K, N] (per K). The
+        # transposed ones are saved for the backward, already in the layouts its matmuls need.
+        x8, xs, xt8, xts = quantize_both(x, E4M3, rowwise=rowwise)
+        w8, ws, wt8, wts = quantize_both(weight, E4M3, rowwise=rowwise)
         ctx.save_for_backward(xt8, xts, wt8, wts)
         ctx.grad_dtype, ctx.rowwise, ctx.w_dtype, ctx.x_dtype = grad_dtype, rowwise, weight.dtype, x.dtype
         # Fast accumulation in the forward only (as torchao does): gradients keep full accumulation.
@@ -90,8 +113,7 @@ class FP8Matmul(torch.autograd.Function):
     def backward(ctx, dy):
         xt8, xts, wt8, wts = ctx.saved_tensors
         dy = dy.contiguous()
-        g8, gs = quantize(dy, ctx.grad_dtype, rowwise=ctx.rowwise)                   # [M, N], per M
-        gt8, gts = quantize(dy, ctx.grad_dtype, transposed=True, rowwise=ctx.rowwise)  # [N, M], per N
+        g8, gs, gt8, gts = quantize_both(dy, ctx.grad_dtype, rowwise=ctx.rowwise)   # [M, N] per M, [N, M] per N
         dx = _mm(g8, gs, wt8, wts, ctx.x_dtype, fast_accum=False)                 # [M, N] x [N, K]
         # Row-wise scaled kernels write bf16 only; per-tensor ones write fp32, the weights' gradient dtype.
         dw = _mm(gt8, gts, xt8, xts, torch.bfloat16 if ctx.rowwise else torch.float32, fast_accum=False)
