@@ -85,7 +85,6 @@
 namespace bk {
 
 template <typename R> struct alignas(2 * sizeof(R)) cx { R re, im; };
-template <typename R> struct alignas(4 * sizeof(R)) v4 { R x, y, z, w; };
 
 template <typename R> BK_HD cx<R> mk(R re, R im) { cx<R> w; w.re = re; w.im = im; return w; }
 template <typename R> BK_HD cx<R> operator+(cx<R> x, cx<R> y) { return mk(x.re + y.re, x.im + y.im); }
@@ -409,7 +408,7 @@ BK_HD void chunk_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, bool right, 
 // comp(x_t, x_{t-1})) or x_t <- x_t after x_{t+1} after ... (right): within each warp by shuffles
 // (Hillis-Steele, log2 min(P, 32) steps), then, for sequences spread over several warps, each thread
 // applies the totals of the warps before (left) or after (right) it in its sequence.
-template <typename V, int T, class Ex, class Get, class Set, class Comp>
+template <typename V, class Ex, class Get, class Set, class Comp>
 BK_HD void warp_scan(const Ex& ex, int P, int k, bool right, V* totals, Get get, Set set, Comp comp) {
   const int PW = P < 32 ? P : 32;
   for (int off = 1; off < PW; off <<= 1) {
@@ -441,10 +440,10 @@ template <typename R, int T, int L, int NA, class Thr, class Ex>
 BK_HD void scan_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, const Geo& g, bool right) {
   typedef typename MapReal<R>::type Q;
   const auto mcomp = [](const mat<Q>& x, const mat<Q>& y) { return mscale(mmul(x, y)); };
-  warp_scan<mat<Q>, T>(ex, g.P, 0, false, sm.wl, [&](int t) { return st[ex.slot(t)].ml; },
+  warp_scan<mat<Q>>(ex, g.P, 0, false, sm.wl, [&](int t) { return st[ex.slot(t)].ml; },
                        [&](int t, const mat<Q>& m) { st[ex.slot(t)].ml = m; }, mcomp);
   if (right)
-    warp_scan<mat<Q>, T>(ex, g.P, 1, true, sm.wr, [&](int t) { return st[ex.slot(t)].mr; },
+    warp_scan<mat<Q>>(ex, g.P, 1, true, sm.wr, [&](int t) { return st[ex.slot(t)].mr; },
                          [&](int t, const mat<Q>& m) { st[ex.slot(t)].mr = m; }, mcomp);
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
     const Thr& th = st[ex.slot(tid)];
@@ -562,10 +561,10 @@ template <typename R, int T, int L, class Ex>
 BK_HD void scan_affine(const Ex& ex, Smem<R, T, L, 5>& sm, BwdThr<R, L>* st, const Geo& g, bool right) {
   ex.sync();
   const auto acmp = [](const aff<R>& x, const aff<R>& y) { return acomp(x, y); };
-  warp_scan<aff<R>, T>(ex, g.P, 0, false, sm.wal, [&](int t) { return st[ex.slot(t)].al; },
+  warp_scan<aff<R>>(ex, g.P, 0, false, sm.wal, [&](int t) { return st[ex.slot(t)].al; },
                        [&](int t, const aff<R>& m) { st[ex.slot(t)].al = m; }, acmp);
   if (right)
-    warp_scan<aff<R>, T>(ex, g.P, 1, true, sm.war, [&](int t) { return st[ex.slot(t)].ar; },
+    warp_scan<aff<R>>(ex, g.P, 1, true, sm.war, [&](int t) { return st[ex.slot(t)].ar; },
                          [&](int t, const aff<R>& m) { st[ex.slot(t)].ar = m; }, acmp);
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
     const BwdThr<R, L>& th = st[ex.slot(tid)];
