@@ -32,16 +32,14 @@ TILE = 64
 
 @triton.jit
 def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
-    # NaN propagates (as torch's amax does): the lanes keep it (propagate_nan), the block's maximum
-    # is NaN if any lane holds one (tl.max would drop it), and |NaN| is a positive NaN, above +inf
-    # as an integer, so the atomic maximum keeps it.
+    # NaN propagates (as torch's amax does): |NaN| is a positive NaN, above +inf as an integer, so the
+    # atomic maximum keeps it.
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(tl.program_id(0) * BLOCK, n, BLOCK * tl.num_programs(0)):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-    nan = tl.max((acc != acc).to(tl.int32), 0)
-    tl.atomic_max(amax_ptr, tl.where(nan > 0, float("nan"), tl.max(acc, 0)))
+    tl.atomic_max(amax_ptr, tl.max(acc, 0, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit
