@@ -33,13 +33,8 @@ layout: 8 bytes an element (10 with an amax pass per layout, as separate ``quant
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
-
-from ..device import Unavailable
-from .sources import load_python_kernel, triton_device_problem
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
@@ -82,75 +77,13 @@ def quantize_both(t: torch.Tensor, dtype: torch.dtype, *, rowwise: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize(t)`` and ``quantize(t, transposed=True)``: (q, inverse scale, q^T, its inverse
     scale). With one scale per tensor the two layouts share it, so the amax pass over ``t`` runs
-    once, not once per layout (row-wise scales reduce over different dimensions: two passes). On a
-    CUDA tensor the per-tensor case runs the Triton kernels of ``hwlib/kernels/fp8_quant_triton.py``
-    (one read of ``t`` for both layouts), bit for bit ``quantize_both_reference``."""
+    once, not once per layout (row-wise scales reduce over different dimensions: two passes)."""
     if rowwise:
         return (*quantize(t, dtype, rowwise=True), *quantize(t, dtype, transposed=True, rowwise=True))
-    _check(t, dtype)
-    if _triton_cast_ok(t):
-        q, qt, inv = torch.ops.hwlib.fp8_quantize_both(t, dtype == E5M2)
-        return q, inv, qt, inv
-    return quantize_both_reference(t, dtype)
-
-
-def quantize_both_reference(t: torch.Tensor, dtype: torch.dtype):
-    """The per-tensor ``quantize_both`` in torch ops: one amax, then a cast into each layout."""
     _check(t, dtype)
     scale = _scale(t.abs().amax(), dtype)
     inv = scale.reciprocal()
     return _cast(t, scale, dtype), inv, _cast(t.t(), scale, dtype), inv
-
-
-# --- the Triton path: one op for torch.compile (opaque, CUDA-graph safe: no host sync) ----------------
-
-CAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_usable(device_index: int) -> bool:
-    try:
-        load_python_kernel("fp8_quant_triton.py")
-    except Unavailable:
-        return False
-    return triton_device_problem(torch.device("cuda", device_index)) is None
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@torch.compiler.assume_constant_result
-def _triton_path(device_index: int) -> bool:
-    # torch.compile calls this once while tracing and keeps its answer (loading a kernel module is not
-    # traceable)
-    return _triton_usable(device_index)
-
-
-def _triton_cast_ok(t: torch.Tensor) -> bool:
-    return (t.is_cuda and t.dtype in CAST_DTYPES and t.is_contiguous() and t.numel() > 0
-            and _triton_path(t.device.index if t.device.index is not None else torch.cuda.current_device()))
-
-
-@torch.library.custom_op("hwlib::fp8_quantize_both", mutates_args=())
-def _quantize_both_op(t: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dtype = E5M2 if e5m2 else E4M3
-    k = load_python_kernel("fp8_quant_triton.py")
-    amax = torch.zeros(1, dtype=torch.float32, device=t.device)
-    k.amax(t, amax, _sm_count(t.device.index))
-    scale = _scale(amax.reshape(()), dtype)        # the reference's formula, in torch: the same bits
-    q = torch.empty(t.shape, dtype=dtype, device=t.device)
-    qt = torch.empty((t.shape[1], t.shape[0]), dtype=dtype, device=t.device)
-    k.cast_both(t, scale, q, qt, FMAX[dtype])
-    return q, qt, scale.reciprocal()
-
-
-@_quantize_both_op.register_fake
-def _(t, e5m2):
-    dtype = E5M2 if e5m2 else E4M3
-    return (t.new_empty(t.shape, dtype=dtype), t.new_empty((t.shape[1], t.shape[0]), dtype=dtype),
-            t.new_empty((), dtype=torch.float32))
 
 
 def _mm(a8, sa, b8_t, sb, out_dtype, fast_accum: bool) -> torch.Tensor:
