@@ -246,7 +246,7 @@ struct HostExec {
   }
   template <class V> BK_HD V down(int k, int tid, const V& x, int off) const {
     V r = x;
-    if ((tid & 31) + off < 32 && tid + off < n) memcpy(&r, xbuf + ((size_t)k * n + tid + off) * XW, sizeof(V));
+    if ((tid & 31) + off < 32) memcpy(&r, xbuf + ((size_t)k * n + tid + off) * XW, sizeof(V));
     return r;
   }
 };

@@ -260,21 +260,21 @@ def bk_backward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, grad: torc
 # come through the map products (rounding ~ L + log P matrix products, damped by the contraction).
 # Access pattern: each input is read as one [BS, PP, L] tile (consecutive threads on consecutive
 # positions where the compiler keeps that layout, 16-byte vectors where the rows are aligned) and
-# handed to the lanes by _columns, even / odd halvings (reshape, split) that leave it to the compiler
-# how the tile reaches one thread per chunk; G leaves the same way in reverse (_tile), as one
-# [BS, PP, L, 2] store. A
-# lane reading its own L positions column by column instead (lanes L elements apart) is what this
-# replaced: 0.67 ms against 0.38 ms at B = 8192, N = 2048 on an H100 (Triton 3.6), and 7x the compile
-# time at L = 32, whose fully unrolled loads and stores the compiler scheduled one by one.
-# What keeps it from the CUDA kernel's 0.16 ms (ncu on the same H100, Triton 3.6): the compiler gives
-# the tile loads and the G store the one-thread-per-chunk layout of the arithmetic instead of
-# converting the tile through shared memory, so a warp's store request touches 31 sectors where 8
-# would do (4.1x the sectors written to L2 that the CUDA kernel writes for the same bytes) and its
-# loads 3.1x the sectors (counted on a one-sequence-per-program variant, 5% faster at this size);
-# L2 is 71-78% busy while DRAM is 27-30%. The kernel also holds 136
-# registers (3 programs per SM). Triton 3.9 compiles the same source with the store coalesced (one
-# shared-memory conversion per 4 positions, 96 registers); it has not been timed here. The CUDA
-# kernel stages each tile through shared memory by hand (cp.async into padded rows).
+# handed to the lanes by _columns, even / odd halvings (reshape, split) that leave it to the
+# compiler how the tile reaches one thread per chunk; G leaves the same way in reverse (_tile), as
+# one [BS, PP, L, 2] store. A lane reading its own L positions column by column instead (lanes L
+# elements apart) is what this replaced: 0.67 ms against 0.38 ms at B = 8192, N = 2048 on an H100
+# (Triton 3.6), and 7x the compile time at L = 32, whose fully unrolled loads and stores the
+# compiler scheduled one by one. What keeps it from the CUDA kernel (0.16 ms when profiled, 0.15 ms
+# since; ncu on the same H100, Triton 3.6): the compiler gives the tile loads and the G store the
+# one-thread-per-chunk layout of the arithmetic instead of converting the tile through shared
+# memory, so a warp's store request touches 31 sectors where 8 would do (4.1x the sectors written to
+# L2 that the CUDA kernel writes for the same bytes) and its loads 3.1x the sectors (counted on a
+# one-sequence-per-program variant, 5% faster at this size); L2 is 71-78% busy while DRAM is 27-30%.
+# The kernel also holds 136 registers (3 programs per SM). Triton 3.9 compiles the same source with
+# the store coalesced (one shared-memory conversion per 4 positions, 96 registers); it has not been
+# timed here. The CUDA kernel stages each tile through shared memory by hand (cp.async into rows
+# whose 16-byte vectors are permuted against bank conflicts).
 
 CHUNK = 16              # positions per lane, a power of 2 (registers: ~6 L floats per lane)
 MAX_CHUNKS = 256        # chunks per sequence (lanes per program); longer N gets longer chunks

@@ -319,7 +319,6 @@ class Prebuild:
             self._cond.notify_all()
 
 
-
 def _tail(proc: subprocess.Popen, err, chars: int = 400) -> str:
     """The worker's exit code and the end of its stderr: why a worker died."""
     try:
