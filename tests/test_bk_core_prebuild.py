@@ -57,14 +57,14 @@ def test_builds_are_equal_when_triton_compiles_them_once():
 
 def test_the_plan_holds_what_the_notebook_launches_once_longest_first():
     """For notebook 12's sizes: each (kernel, dtype, N, chunk plan) its cells launch, once, the
-    chunked forward at N = 8192 (chunks of 32: the longest compile) first."""
+    chunked forwards (their unrolled chunks: the longest compiles) first."""
     tk = bk_core._triton()
     plan = bk_study.triton_builds(BENCH_SIZES)
     assert len(plan) == len(set(plan))
     chunked = {(b.dtype, b.n, b.chunk_plan()) for b in plan if b.chunk_plan()}
     assert chunked == {(dt, n, tk.chunk_plan(n)) for dt, n in [("float32", 257), ("float64", 257), ("float32", 2048),
                                                               ("float32", 512), ("float32", 8192)]}
-    assert tk.chunk_plan(8192)[0] == 32 and {tk.chunk_plan(n)[0] for n in (257, 512, 2048)} == {16}
+    assert {tk.chunk_plan(n)[0] for n in (257, 512, 2048, 8192)} == {tk.CHUNK}
     plain = {(b.kernel, b.dtype, b.batch, b.n) for b in plan if not b.chunk_plan()}
     assert plain == {("forward", dt, B, n) for dt in ("float32", "float64") for B, n in [(1, 1), (3, 2), (10, 17)]} | {
         ("forward", "float64", 2, 13), ("backward", "float64", 2, 13), ("backward", "float32", 16, 2048)}
@@ -72,8 +72,8 @@ def test_the_plan_holds_what_the_notebook_launches_once_longest_first():
     for (B, N), d in itertools.product(BENCH_SIZES, bk_study.DIRECTIONS):
         assert set(bk_study.launch_builds(d, torch.float32, B, N)) <= set(plan), (B, N, d)
     order = Prebuild(plan).builds
-    assert (order[0].n, order[0].chunk_plan()[0]) == (8192, 32)
-    assert all(b.chunk_plan() and b.chunk_plan()[0] == 16 for b in order[1:5]) and not any(b.chunk_plan() for b in order[5:])
+    # the 5 chunked forwards first, then the sweeping kernels
+    assert all(b.chunk_plan() for b in order[:5]) and not any(b.chunk_plan() for b in order[5:])
 
 
 class _Spy:
@@ -106,9 +106,9 @@ def test_the_workers_launch_each_specialization_the_notebook_launches(monkeypatc
     for name in ("_bk_forward_kernel", "_bk_forward_chunked_kernel", "_bk_backward_kernel"):
         monkeypatch.setattr(tk, name, _Spy(name, getattr(tk, name), seen,
                                            lambda x: native_specialize_impl(BaseBackend, x, False, True, True)))
-    # chunked (N = 64) on a batch of 16, the class of the GPU's 8192; unchunked (N = 63) on a batch of another
-    # class (the interpreter's time grows with B x N)
-    sizes = [(16, 64), (40, 63)]
+    # chunked (N = 4 chunks) on a batch of 16, the class of the GPU's 8192; unchunked (N = 63) on a batch of
+    # another class (the interpreter's time grows with B x N)
+    sizes = [(16, bk_core.CHUNKED_MIN_CHUNKS * tk.CHUNK), (40, 63)]
     waited = []
 
     class Recorder:          # the handle the cells wait on: each wait must name a planned build
@@ -129,7 +129,7 @@ def test_the_workers_launch_each_specialization_the_notebook_launches(monkeypatc
     plan = bk_study.triton_builds(sizes)
     assert waited and set(waited) <= set(plan)
     for b in plan:
-        if b.n <= 64 or triton_device == "cuda":    # the interpreter is slow; the correctness cell skips N = 257 too
+        if b.n <= sizes[0][1] or triton_device == "cuda":    # the interpreter is slow; the correctness cell skips N = 257 too
             bk_prebuild.run_build(b, triton_device)
     assert notebook and notebook <= seen, sorted(notebook - seen)
     assert {s[0] for s in notebook} == {"_bk_forward_kernel", "_bk_forward_chunked_kernel", "_bk_backward_kernel"}

@@ -258,27 +258,32 @@ def bk_backward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, grad: torc
 # 2x2 map steps (~24) and the scans (O(1) per chunk): about 70 real FLOPs per element.
 # Accuracy: gL / gR inside a chunk are the same recursions as bk_forward; only the boundary values
 # come through the map products (rounding ~ L + log P matrix products, damped by the contraction).
-# Access pattern: each input is read as one [BS, PP, L] tile (consecutive threads on consecutive
-# positions where the compiler keeps that layout, 16-byte vectors where the rows are aligned) and
-# handed to the lanes by _columns, even / odd halvings (reshape, split) that leave it to the
-# compiler how the tile reaches one thread per chunk; G leaves the same way in reverse (_tile), as
-# one [BS, PP, L, 2] store. A lane reading its own L positions column by column instead (lanes L
-# elements apart) is what this replaced: 0.67 ms against 0.38 ms at B = 8192, N = 2048 on an H100
-# (Triton 3.6), and 7x the compile time at L = 32, whose fully unrolled loads and stores the
-# compiler scheduled one by one. What keeps it from the CUDA kernel (0.16 ms when profiled, 0.15 ms
-# since; ncu on the same H100, Triton 3.6): the compiler gives the tile loads and the G store the
-# one-thread-per-chunk layout of the arithmetic instead of converting the tile through shared
-# memory, so a warp's store request touches 31 sectors where 8 would do (4.1x the sectors written to
-# L2 that the CUDA kernel writes for the same bytes) and its loads 3.1x the sectors (counted on a
-# one-sequence-per-program variant, 5% faster at this size); L2 is 71-78% busy while DRAM is 27-30%.
-# The kernel also holds 136 registers (3 programs per SM). Triton 3.9 compiles the same source with
-# the store coalesced (one shared-memory conversion per 4 positions, 96 registers); it has not been
-# timed here. The CUDA kernel stages each tile through shared memory by hand (cp.async into rows
-# whose 16-byte vectors are permuted against bank conflicts).
+# Access pattern: each input is read as one [BS, PP, L] tile (with unit position strides, which a
+# GPU launch specializes as constexprs: consecutive threads on consecutive positions, 16-byte vectors
+# where the rows are aligned) and handed to the lanes by _columns, even / odd halvings (reshape,
+# split) that leave it to the compiler how the tile reaches one thread per chunk. G leaves as one
+# contiguous [BS, PP, 2 L] tile (re, im interleaved), which the compiler stores coalesced in 16-byte
+# vectors after a conversion through shared memory. Stored as [BS, PP, L, 2] instead (what this
+# replaced), the pair dimension was the only contiguous one the compiler could see: it kept the
+# arithmetic's one-thread-per-chunk layout for the store, so each 8-byte store of a warp touched
+# 32 sectors (4.1x the sectors the CUDA kernel writes to L2 for the same bytes; L2 71-78% busy,
+# DRAM 27-30%; ncu, H100, Triton 3.6), and the forward took 0.39-0.42 ms at B = 8192, N = 2048
+# (27-28% of copy bandwidth) against 0.22-0.29 ms with the coalesced store (bench on one H100,
+# interleaved, L = 16). A lane reading its own L positions column by column (lanes L elements
+# apart), before that, took 0.67 ms.
+# Chunks of 32 positions on 2-warp programs (64 lanes: one sequence of 2048 a program) are the
+# default: per position they issue 142 instructions against 200 at L = 16 (the scans and map
+# rescalings shared by twice the positions; SASS, Triton 3.6), at 167 registers (6 programs of
+# 64 threads per SM). WHOLE (N = PP L, the chunks whole) drops the tail masks of the map steps.
+# What still separates it from the CUDA kernel: occupancy (12 warps per SM against 24; the tile and
+# the chunk's sL values live in registers, where the CUDA kernel keeps the tile in shared memory,
+# staged by hand through rows whose 16-byte vectors are permuted against bank conflicts) and the
+# scan, which the compiler runs as a generic associative_scan over 8-float maps, rescaled at every
+# combine.
 
-CHUNK = 16              # positions per lane, a power of 2 (registers: ~6 L floats per lane)
+CHUNK = 32              # positions per lane, a power of 2 (registers: ~5 L floats per lane)
 MAX_CHUNKS = 256        # chunks per sequence (lanes per program); longer N gets longer chunks
-CHUNK_LANES = 128       # lanes per program for short N (several sequences per program)
+CHUNK_LANES = 64        # lanes per program for short N (several sequences per program)
 
 
 @triton.jit
@@ -291,16 +296,19 @@ def _mscale(m0, m1, m2, m3, m4, m5, m6, m7):
 
 
 @triton.jit
-def _mstep(m, k, dr, di, valid):
-    # [[0, 1], [-k, d]] @ m on valid lanes; m = (r00, i00, r01, i01, r10, i10, r11, i11)
+def _mstep(m, k, dr, di, valid, MASKED: tl.constexpr):
+    # [[0, 1], [-k, d]] @ m; m = (r00, i00, r01, i01, r10, i10, r11, i11). MASKED: only on valid
+    # lanes (positions past N leave m as it is); unmasked when every chunk is whole (PP L = N)
     n10r = dr * m[4] - di * m[5] - k * m[0]
     n10i = dr * m[5] + di * m[4] - k * m[1]
     n11r = dr * m[6] - di * m[7] - k * m[2]
     n11i = dr * m[7] + di * m[6] - k * m[3]
-    return (tl.where(valid, m[4], m[0]), tl.where(valid, m[5], m[1]),
-            tl.where(valid, m[6], m[2]), tl.where(valid, m[7], m[3]),
-            tl.where(valid, n10r, m[4]), tl.where(valid, n10i, m[5]),
-            tl.where(valid, n11r, m[6]), tl.where(valid, n11i, m[7]))
+    if MASKED:
+        return (tl.where(valid, m[4], m[0]), tl.where(valid, m[5], m[1]),
+                tl.where(valid, m[6], m[2]), tl.where(valid, m[7], m[3]),
+                tl.where(valid, n10r, m[4]), tl.where(valid, n10i, m[5]),
+                tl.where(valid, n11r, m[6]), tl.where(valid, n11i, m[7]))
+    return m[4], m[5], m[6], m[7], n10r, n10i, n11r, n11i
 
 
 @triton.jit
@@ -383,8 +391,10 @@ def _tile(cols, LOG2L: tl.constexpr):
 def _bk_forward_chunked_kernel(a_ptr, b_ptr, c_ptr, z_ptr, out_ptr, ws_ptr, B, N,
                                sab, san, sbb, sbn, scb, scn, sob, son,
                                LOG2L: tl.constexpr, BS: tl.constexpr, PP: tl.constexpr,
-                               OUT_PACKED: tl.constexpr):
-    # OUT_PACKED: son == 2 (G's rows contiguous), stated at compile time so the stores vectorize
+                               OUT_PACKED: tl.constexpr, WHOLE: tl.constexpr):
+    # OUT_PACKED: son == 2 (G's rows contiguous), stated at compile time so that G leaves as one
+    # contiguous [BS, PP, 2 L] tile per program, which the compiler stores coalesced (through shared
+    # memory) in 16-byte vectors; WHOLE: N = PP L (every chunk whole: the map steps need no mask)
     L: tl.constexpr = 1 << LOG2L
     dt = a_ptr.dtype.element_ty
     seq = (tl.program_id(0) * BS + tl.arange(0, BS)).to(tl.int64)[:, None]       # [BS, 1]
@@ -413,8 +423,8 @@ def _bk_forward_chunked_kernel(a_ptr, b_ptr, c_ptr, z_ptr, out_ptr, ws_ptr, B, N
     mr = (one, zero, zero, zero, zero, zero, one, zero)
     for j in tl.static_range(L):
         kl = kprev if j == 0 else kv[j - 1]
-        ml = _mstep(ml, kl, av[j] - zr, zero - zi, start + j < N)
-        mr = _mstep(mr, kv[L - 1 - j], av[L - 1 - j] - zr, zero - zi, start + (L - 1 - j) < N)
+        ml = _mstep(ml, kl, av[j] - zr, zero - zi, start + j < N, not WHOLE)
+        mr = _mstep(mr, kv[L - 1 - j], av[L - 1 - j] - zr, zero - zi, start + (L - 1 - j) < N, not WHOLE)
         if j % 4 == 3 or j == L - 1:
             ml = _mscale(*ml)
             mr = _mscale(*mr)
@@ -456,12 +466,14 @@ def _bk_forward_chunked_kernel(a_ptr, b_ptr, c_ptr, z_ptr, out_ptr, ws_ptr, B, N
         gim = (g_i,) + gim
         gr_r, gr_i = _crcp(dr - srr, -zi - sri)
     g = tl.join(_tile(gre, LOG2L), _tile(gim, LOG2L))                            # [BS, PP, L, 2]
-    ri = tl.arange(0, 2)[None, None, None, :]
     if OUT_PACKED:
-        o_off = pos3[:, :, :, None] * 2 + ri
+        f2 = tl.arange(0, 2 * L)[None, None, :]
+        tl.store(o_row[:, :, None] + start[:, :, None] * 2 + f2, tl.reshape(g, [BS, PP, 2 * L]),
+                 mask=live3 & (start[:, :, None] * 2 + f2 < 2 * N))
     else:
+        ri = tl.arange(0, 2)[None, None, None, :]
         o_off = pos3[:, :, :, None] * son + ri
-    tl.store(o_row[:, :, None, None] + o_off, g, mask=(live3 & (pos3 < N))[:, :, :, None])
+        tl.store(o_row[:, :, None, None] + o_off, g, mask=(live3 & (pos3 < N))[:, :, :, None])
 
 
 def chunk_plan(N: int, chunk: int = CHUNK, lanes: int = CHUNK_LANES):
@@ -494,5 +506,5 @@ def bk_forward_chunked(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, chu
     _bk_forward_chunked_kernel[(grid,)](
         a, b_, c_, _z_tensor(z, a), o, ws, B, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         c.stride(0), c.stride(1), o.stride(0), o.stride(1), LOG2L=L.bit_length() - 1, BS=bs, PP=pp,
-        OUT_PACKED=o.stride(1) == 2, num_warps=warps)
+        OUT_PACKED=o.stride(1) == 2, WHOLE=pp * L == N, num_warps=warps)
     return out

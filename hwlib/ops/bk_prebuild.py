@@ -100,8 +100,8 @@ class Build:
 
     def estimate_s(self) -> float:
         """Compile seconds, roughly (H100, notebook 12): the chunked forward unrolls its chunk of L
-        positions, ~5 s at L = 16 and ~10 s at L = 32; the sweeping kernels ~1-2 s. Only orders
-        the queue."""
+        positions, ~3-5 s at L = 16 and ~8-10 s at L = 32; the sweeping kernels ~1-2 s. Only
+        orders the queue."""
         plan = self.chunk_plan()
         if plan:
             return 5.0 * plan[0] / 16
