@@ -56,7 +56,12 @@
 // of 24, and end up as fast); in the compute phases an eligible warp waits for the issue slot in
 // most cycles ("not selected": 2.9 cycles per issued instruction), DRAM is 60% busy. Interleaving
 // the two walks (the compiler already overlaps their independent chains) and rescaling the maps
-// by a sum instead of maxima (float adds instead of integer-pipe max) both measured within noise.
+// by a sum instead of maxima (float adds instead of integer-pipe max) both measured within noise;
+// so did two cuts to the scans (0.141-0.145 ms forward before and after, interleaved on one H100):
+// joining the warps of a sequence by carrying the entering value through the warps' totals (one
+// map application each) instead of composing the totals into every thread's map, and rescaling
+// the scanned products at every other shuffle step only; both cost the backward ~1% (79 registers
+// in the forward, 8 more).
 // FLOPs per element: forward about 110 (two map steps ~40, two continued fractions ~30 with three
 // complex reciprocals, the scans ~30 amortized over L positions); backward about 260 (the maps,
 // five complex reciprocals, the tangents and the affine scans). Memory-bound on an H100 at the
