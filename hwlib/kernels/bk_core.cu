@@ -60,8 +60,10 @@
 // so did two cuts to the scans (0.141-0.145 ms forward before and after, interleaved on one H100):
 // joining the warps of a sequence by carrying the entering value through the warps' totals (one
 // map application each) instead of composing the totals into every thread's map, and rescaling
-// the scanned products at every other shuffle step only; both cost the backward ~1% (79 registers
-// in the forward, 8 more).
+// the scanned products at every other shuffle step only. They cut the forward's executed
+// instructions by 4.5% (ncu: 99.0 M to 94.6 M) but took it from 71 to 79 registers, one block per SM
+// fewer; bounded back to 72 (M = 7, no spills) it ran 0.144-0.145 ms against 0.145-0.147 (four
+// interleaved pairs, p20-p80 overlapping): instruction count alone does not set the forward's time.
 // FLOPs per element: forward about 110 (two map steps ~40, two continued fractions ~30 with three
 // complex reciprocals, the scans ~30 amortized over L positions); backward about 260 (the maps,
 // five complex reciprocals, the tangents and the affine scans). Memory-bound on an H100 at the
