@@ -66,8 +66,9 @@
 // interleaved pairs, p20-p80 overlapping): instruction count alone does not set the forward's time.
 // Per issued instruction a warp waits 8.5 cycles: 2.95 not selected, 1.0 fixed-latency dependencies,
 // 0.9 at barriers, 0.85 on a busy math pipe, 0.5 on memory; the schedulers issue in 79% of cycles.
-// The rows of b and c ([B, N-1]) start 4 bytes off 16-byte alignment at every other row: 8% more
-// L2 sectors than the bytes need (ncu), a cost of that layout, not of the kernel.
+// The rows of b and c ([B, N-1], 4 (N - 1) bytes apart) mostly start inside a 32-byte sector, so
+// their warps' requests straddle sectors: 8% more L2 sectors than the bytes need (ncu at N = 2048),
+// a cost of that layout, not of the kernel.
 // FLOPs per element: forward about 110 (two map steps ~40, two continued fractions ~30 with three
 // complex reciprocals, the scans ~30 amortized over L positions); backward about 260 (the maps,
 // five complex reciprocals, the tangents and the affine scans). Memory-bound on an H100 at the
