@@ -252,8 +252,8 @@ def bk_backward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, grad: torc
 #            G_i = 1 / (d_i - sL_i - k_i gR_{i+1}) written once.
 # Bytes per element (float32 in, complex64 out): 12 read (a, b, c, once; plus b, c at one position
 # per chunk, 8 / L, from cache) + 8 written = 20, the minimum; plus the boundary workspace, 16 B
-# written and 16 read per chunk (2 B per element at L = 16, within one program: L2 traffic, at
-# most 1 B per element reaching DRAM). No second pass over the inputs.
+# written and 16 read per chunk (1 B per element at the default L = 32, within one program: L2
+# traffic, at most 0.5 B per element reaching DRAM). No second pass over the inputs.
 # FLOPs per element: ~3 complex reciprocals and ~4 complex multiply-adds as before plus 2 complex
 # 2x2 map steps (~24) and the scans (O(1) per chunk): about 70 real FLOPs per element.
 # Accuracy: gL / gR inside a chunk are the same recursions as bk_forward; only the boundary values
