@@ -147,3 +147,11 @@ def test_a_head_below_its_floor_is_taken_with_the_gemms():
     # a head at or above its floor stays its own category
     recs[recs.index(rec("category_ms", 1.8, "lm_head_ce"))]["value"] = 5.5
     assert not bd.by_step(recs)["17_fused_lm_head"]["head_in_gemms"]
+
+
+def test_only_the_fp8_step_carries_the_floor_caveats():
+    """Step 18 runs its MLP matmuls in FP8: its GEMM floor (16-bit ceiling) is an upper bound and its
+    casts have no floor, which the breakdown says; the 16-bit steps carry no such note."""
+    assert bd.floor_caveats("09_cuda_graphs") == [] and bd.floor_caveats("17_fused_lm_head") == []
+    notes = bd.floor_caveats("18_fp8")
+    assert len(notes) == 1 and "FP8" in notes[0] and "upper bound" in notes[0]
