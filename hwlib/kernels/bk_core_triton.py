@@ -272,10 +272,10 @@ def bk_backward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z, grad: torc
 # interleaved, L = 16). A lane reading its own L positions column by column (lanes L elements
 # apart), before that, took 0.67 ms.
 # Chunks of 32 positions on 2-warp programs (64 lanes: one sequence of 2048 a program) are the
-# default: per position they issue 142 instructions against 200 at L = 16 (the scans and map
-# rescalings shared by twice the positions; SASS, Triton 3.6), at 167 registers (6 programs of
-# 64 threads per SM). WHOLE (N = PP L, the chunks whole) drops the tail masks of the map steps.
-# What still separates it from the CUDA kernel: occupancy (12 warps per SM against 24; the tile and
+# default: a lane's fully unrolled code holds 142 instructions per position against 200 at L = 16
+# (the scans and map rescalings shared by twice the positions; SASS, Triton 3.6), at 167 registers
+# (6 programs of 64 threads per SM). WHOLE (N = PP L, the chunks whole) drops the tail masks of the map steps.
+# What still separates it from the CUDA kernel: occupancy (12 warps per SM against 28; the tile and
 # the chunk's sL values live in registers, where the CUDA kernel keeps the tile in shared memory,
 # staged by hand through rows whose 16-byte vectors are permuted against bank conflicts) and the
 # scan, which the compiler runs as a generic associative_scan over 8-float maps, rescaled at every
