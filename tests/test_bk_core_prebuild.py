@@ -129,7 +129,8 @@ def test_the_workers_launch_each_specialization_the_notebook_launches(monkeypatc
     plan = bk_study.triton_builds(sizes)
     assert waited and set(waited) <= set(plan)
     for b in plan:
-        if b.n <= sizes[0][1] or triton_device == "cuda":    # the interpreter is slow; the correctness cell skips N = 257 too
+        # the interpreter is slow; the correctness cell skips N = 257 too
+        if b.n <= sizes[0][1] or triton_device == "cuda":
             bk_prebuild.run_build(b, triton_device)
     assert notebook and notebook <= seen, sorted(notebook - seen)
     assert {s[0] for s in notebook} == {"_bk_forward_kernel", "_bk_forward_chunked_kernel", "_bk_backward_kernel"}

@@ -47,10 +47,10 @@
 // Occupancy is what keeps the memory system busy: a block loads its tile and then computes without
 // touching memory, so other resident blocks must cover that time. The launch bounds hold the float32
 // forward to 71 registers (bounded for 6 blocks of 128 threads per SM; at 71, 7 fit: 28 warps, 26 KB
-// of shared memory each) and the backward to 167 (3 blocks of 128; 45 KB each), with no spills. Left to itself the compiler gives
-// the backward 198 registers (2 blocks), and the forward at 64 threads x 32 positions 146 (6 blocks
-// of 64): on an H100 both ran 10-17% slower than bounded.
-// What holds the forward at ~78% of copy bandwidth now is instruction issue, not memory (ncu on an
+// of shared memory each) and the backward to 167 (3 blocks of 128; 45 KB each), with no spills.
+// Left to itself the compiler gives the backward 198 registers (2 blocks), and the forward at 64
+// threads x 32 positions 146 (6 blocks of 64): on an H100 both ran 10-17% slower than bounded.
+// What holds the forward at 78-80% of copy bandwidth is instruction issue, not memory (ncu on an
 // H100 at 8192 x 2048): 189 warp-lane instructions per position at 128 x 16 (144 at 64 x 32, whose
 // longer chunks halve the scan work per position but leave 16 warps per SM to hide latency instead
 // of 28, and end up as fast); in the compute phases an eligible warp waits for the issue slot in
