@@ -1,10 +1,12 @@
+import dataclasses
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
 
 from hwlib import query
 from hwlib.device import ChoiceError, info
-from hwlib.steps import settings_for
+from hwlib.steps import Settings, settings_for
 from hwlib.studies import ablation, inductor
 
 TINY = ablation.Window(repeats=2, steps=2, settle=1, warmup=2)
@@ -23,7 +25,14 @@ def test_each_knob_is_a_rebuild_toggle_whose_arms_differ_only_by_the_options_the
     for name, knob in inductor.KNOBS.items():
         t = ablation.get_toggle(f"inductor_{name}")
         assert t is inductor.TOGGLES[name] and t.rebuild and t.same_math and t.fallible
-        assert t.without.settings == t.with_.settings == {} and t.without.model is t.with_.model is None
+        assert t.without.model is t.with_.model is None and len(knob.why) > 80
+        if knob.kind == "settings":
+            # hwlib's own fusion: the arms are built with the step's settings, the knob's fields flipped
+            assert t.without.context is t.with_.context is None
+            assert t.without.settings == knob.off and t.with_.settings == knob.on and knob.on != knob.off
+            assert set(knob.on) <= {f.name for f in dataclasses.fields(Settings)}
+            continue
+        assert t.without.settings == t.with_.settings == {}
         off, on = t.without.context, t.with_.context
         assert isinstance(off, inductor.InductorConfig) and isinstance(on, inductor.InductorConfig)
         assert set(off.changes) == set(on.changes) and off.changes == knob.off and on.changes == knob.on
@@ -51,6 +60,16 @@ def test_on_a_cpu_the_triton_knobs_are_skipped_with_their_reason(tmp_path):
                                         command=lambda spec, out: ["false"])
     assert row["status"] == "skipped" and "C++" in row["reason"]
     assert query.select(query.load(tmp_path / "p"), metric="speedup")[0]["status"] == "skipped"
+
+
+def test_the_fused_layernorm_knob_applies_to_gpt_compiled_steps_only():
+    cpu = info("cpu")
+    t = inductor.TOGGLES["fused_residual_layernorm"]
+    assert t.applies("gpt", settings_for("17"), cpu) is None
+    assert "does not use it" in t.applies("vit_bdh", settings_for("09"), cpu)
+    assert "does not compile" in t.applies("gpt", settings_for("05"), cpu)
+    with pytest.raises(ValueError, match="kind must be"):
+        inductor.Knob("k", {"fused_ln": True}, {"fused_ln": False}, "t", "w", triton=False, kind="other")
 
 
 def test_the_best_step_is_17_on_gpt_and_09_where_17_does_not_apply():

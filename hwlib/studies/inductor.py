@@ -79,10 +79,15 @@ class Knob:
     # knobs this one combines: measured only where one of them was kept (a combination of options that
     # each measured no gain is minutes of compilation for a question the parts already answered)
     parts: tuple = ()
+    # "inductor": ``on``/``off`` are inductor options, patched around the arm; "settings": they are fields of
+    # the step's ``Settings``: a fusion of hwlib's own that takes work away from inductor (GPT only)
+    kind: str = "inductor"
 
     def __post_init__(self):
         if set(self.on) != set(self.off) or self.on == self.off:
             raise ValueError(f"knob {self.name}: 'on' and 'off' must set the same options to different values")
+        if self.kind not in ("inductor", "settings"):
+            raise ValueError(f"knob {self.name}: kind must be 'inductor' or 'settings', got {self.kind!r}")
 
 
 _AUTOTUNE_WHY = ("it times Triton GEMM templates against cuBLAS for each of the step's matmul shapes and, where "
@@ -118,6 +123,15 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "what torch.compile's mode='max-autotune' adds to a step that already replays CUDA graphs: the GEMM "
          "templates above and the block sizes of every pointwise and reduction kernel tuned too.", triton=True,
          parts=("max_autotune", "coordinate_descent")),
+    # Not an inductor option: the fusion inductor is said to leave (llm.c fuses it by hand), made by hwlib's
+    # own op, so that the study answers whether inductor's kernels for it leave anything to take.
+    Knob("fused_residual_layernorm", {"fused_ln": True}, {"fused_ln": False},
+         "residual add + LayerNorm as one hwlib Triton kernel each way (hwlib.ops.add_layernorm)",
+         "each block adds its attention and MLP outputs to the fp32 residual stream and normalises the sum; "
+         "inductor fuses the add into the LayerNorm's forward, but in backward the LayerNorm's gradient, the "
+         "residual gradient's add and cast and the gain and bias reductions can come out as several kernels "
+         "that read the same rows again. hwlib's op does each direction in one pass over the rows (28 d bytes "
+         "a token and call, forward and backward together).", triton=False, kind="settings"),
 )}
 SMOKE_KNOB = "aggressive_fusion"
 
@@ -167,8 +181,19 @@ def _skips(knob: Knob):
     return why
 
 
+def _gpt_compiles(workload, st, di):
+    if workload != "gpt":
+        return f"a fusion inside GPT's blocks: {workload} does not use it"
+    return _compiles(workload, st, di)
+
+
 def knob_toggle(knob: Knob) -> ablation.Toggle:
-    """The knob as an ablation toggle: a session per arm, each compiled under its own options."""
+    """The knob as an ablation toggle: a session per arm, each compiled under its own options (or,
+    for a ``settings`` knob, built with its own settings)."""
+    if knob.kind == "settings":
+        return ablation.Toggle(PREFIX + knob.name, knob.title, without=ablation.Arm(settings=dict(knob.off)),
+                               with_=ablation.Arm(settings=dict(knob.on)), rebuild=True, applies=_gpt_compiles,
+                               fallible=True, same_math=True)
     on, off = (", ".join(f"{k}={v!r}" for k, v in d.items()) for d in (knob.on, knob.off))
     return ablation.Toggle(PREFIX + knob.name, f"inductor {on} at compile (vs {off})",
                            without=ablation.Arm(context=InductorConfig(knob.off)),

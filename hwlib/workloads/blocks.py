@@ -17,6 +17,8 @@ from typing import Callable
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.add_layernorm import add_layer_norm
+
 
 class PreNormBlock(nn.Module):
     def __init__(self, d_model: int, make_mixer: Callable[[], nn.Module], mixer_name: str):
@@ -34,4 +36,19 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x):
         x = x + self.mixer(self.ln_1(x))
-        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))
+        return x + self.mlp_proj(self.mlp(self.ln_2(x)))
+
+    def mlp(self, h):
+        return F.gelu(self.mlp_fc(h), approximate="tanh")
+
+    def forward_fused(self, x, pending=None):
+        """The same block with each residual add fused into the LayerNorm after it
+        (``hwlib.ops.add_layernorm``): takes the stream ``x`` before the previous block's last add and
+        that add's branch output ``pending`` (None for the first block), and returns the stream and
+        this block's MLP output, still to be added by the next fused LayerNorm (or the final one)."""
+        if pending is None:
+            h = self.ln_1(x)
+        else:
+            x, h = add_layer_norm(x, pending, self.ln_1.weight, self.ln_1.bias, self.ln_1.eps)
+        x, h = add_layer_norm(x, self.mixer(h), self.ln_2.weight, self.ln_2.bias, self.ln_2.eps)
+        return x, self.mlp_proj(self.mlp(h))

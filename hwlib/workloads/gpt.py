@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from ..ops.add_layernorm import add_layer_norm
 from ..ops.linear_ce import fused_linear_cross_entropy
 from ..shapes import padded
 from ..steps import Settings
@@ -97,13 +98,18 @@ def gpt_block(cfg: GPTConfig, attention: str) -> PreNormBlock:
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
-                 checkpointing: str = "none", fused_head: bool = False):
+                 checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False):
         super().__init__()
         self.cfg = cfg
+        # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
+        self.fused_ln = fused_ln
         # LM head + cross-entropy as one chunked op (hwlib.ops.linear_ce): no [tokens, V] logits.
         self.fused_head = fused_head
         # Checkpointed blocks keep only their input; their activations are recomputed in backward.
         self.checkpointed, self.checkpoint_head = parse_checkpointing(checkpointing, cfg.n_layer)
+        if fused_ln and (self.checkpointed or self.checkpoint_head):
+            raise ValueError(f"checkpointing={checkpointing!r} with fused_ln: a checkpointed block recomputes from "
+                             f"its whole input, which the fused blocks hand on unsummed; use one or the other")
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
@@ -123,15 +129,14 @@ class GPT(nn.Module):
         if T > self.cfg.context:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        if self.fused_ln:
+            return self._head(self._blocks_fused(x), targets)
         for i, block in enumerate(self.blocks):
             if i in self.checkpointed and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        if targets is not None and self.fused_head:
-            # The tied head weight keeps its padded rows; the op masks them out of the softmax.
-            return fused_linear_cross_entropy(self.ln_f(x), self.wte.weight, targets, vocab=self.cfg.vocab)
-        if targets is not None and self.checkpoint_head and torch.is_grad_enabled():
+        if targets is not None and self.checkpoint_head and not self.fused_head and torch.is_grad_enabled():
             # The [tokens, V] logits are the largest activation: compute loss in chunks whose logits
             # are recomputed in backward, so at most one chunk's logits exist at a time.
             xs, ts = x.reshape(-1, x.size(-1)), targets.reshape(-1)
@@ -139,19 +144,33 @@ class GPT(nn.Module):
                                                           ts[i:i + HEAD_CHUNK], use_reentrant=False)
                         for i in range(0, xs.size(0), HEAD_CHUNK))
             return total / ts.numel()
-        logits = self._logits(x)
+        return self._head(self.ln_f(x), targets)
+
+    def _blocks_fused(self, x):
+        """The blocks with each residual add fused into the LayerNorm after it; returns ln_f's output."""
+        pending = None
+        for block in self.blocks:
+            x, pending = block.forward_fused(x, pending)
+        return add_layer_norm(x, pending, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)[1]
+
+    def _head(self, h, targets):
+        """Logits, or the mean loss, from ``h = ln_f(x)``."""
+        if targets is not None and self.fused_head:
+            # The tied head weight keeps its padded rows; the op masks them out of the softmax.
+            return fused_linear_cross_entropy(h, self.wte.weight, targets, vocab=self.cfg.vocab)
+        logits = self._logits(h)
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
 
-    def _logits(self, x):
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output projection
+    def _logits(self, h):
+        logits = F.linear(h, self.wte.weight)  # tied output projection
         if self.vocab_padded != self.cfg.vocab:
             logits = logits[..., : self.cfg.vocab]
         return logits
 
     def _head_loss_sum(self, x, targets):
-        return F.cross_entropy(self._logits(x), targets, reduction="sum")
+        return F.cross_entropy(self._logits(self.ln_f(x)), targets, reduction="sum")
 
 
 class GPTWorkload(TokenLMWorkload):
@@ -161,7 +180,8 @@ class GPTWorkload(TokenLMWorkload):
 
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
         model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
-                    checkpointing=settings.checkpointing, fused_head=settings.fused_head).init_weights(seed)
+                    checkpointing=settings.checkpointing, fused_head=settings.fused_head,
+                    fused_ln=settings.fused_ln).init_weights(seed)
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)

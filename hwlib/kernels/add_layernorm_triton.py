@@ -1,0 +1,140 @@
+"""Residual add + LayerNorm, forward and backward, one Triton kernel each way.
+
+Loaded from this folder by ``hwlib.ops.sources`` (imported by path, not as a package module); the
+Python face (the autograd op, the torch backend, the float64 reference) is
+``hwlib/ops/add_layernorm.py``.
+
+A pre-LayerNorm block adds a branch's output to the residual stream and normalises the sum for the
+next branch. For rows n of the stream x [M, D] (fp32 under autocast) and the branch output r [M, D]
+(the autocast dtype), with gain w and bias b [D]:
+
+    s_n    = x_n + r_n                                   (fp32: the new residual stream)
+    mu_n   = mean(s_n),   rstd_n = 1 / sqrt(var(s_n) + eps)   (biased variance, as nn.LayerNorm)
+    y_n    = (s_n - mu_n) rstd_n w + b                   (rounded once into the output dtype)
+
+Backward, from dy (the gradient of y) and ds_in (the gradient that reaches s along the residual
+stream; zero where s has no other use), with s_hat = (s - mu) rstd and g = dy w:
+
+    ds   = ds_in + rstd (g - mean(g) - s_hat mean(g s_hat))     -> dx = ds (fp32), dr = ds (r's dtype)
+    dw   = sum_n dy_n s_hat_n,   db = sum_n dy_n                  (partial sums per program, then one sum)
+
+Bytes per row (D wide; fp32 stream, 2-byte branch and output):
+
+    forward   read x 4D + r 2D, write s 4D + y 2D, + 8 (mu, rstd)          = 12 D
+    backward  read dy 2D + s 4D + ds_in 4D, write dx 4D + dr 2D, + 8       = 16 D
+              (the gain once per program, dw/db partials once per program: not per row)
+
+28 D bytes a row for both, the least any implementation that keeps an fp32 residual stream and
+recomputes s_hat from s moves: unfused, the add, the LayerNorm, its backward, the gradient's cast
+and the dw/db reductions each read their inputs again. GPT-2 small (M = 16,384, D = 768): 151 MB
+forward, 201 MB backward per call; 24 calls a step (two per block), 8.4 GB. FLOPs ~10 D a row: no
+compute limit anywhere near.
+
+Each program owns BLOCK_M whole rows (BLOCK_D >= D, the row in registers: one read of every
+input). The backward programs are persistent (a grid of a few per SM, each striding over row
+blocks) so that dw and db are summed in registers over many rows and written once per program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# H100, D = 768 (BLOCK_D 1024): 4 rows per program and 4 warps hold 4 x 1024 fp32 values per input
+# in 128 threads (8 a thread per input), enough loads in flight without spilling. notebook 21
+# sweeps the alternatives (CONFIGS) and records them.
+DEFAULT_BLOCK_M, DEFAULT_WARPS = 4, 4
+CONFIGS = ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8))
+PROGRAMS_PER_SM = 4     # backward: persistent programs per multiprocessor
+
+
+@triton.jit
+def _add_ln_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr, M, D, eps,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < M
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = x + r
+    tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=mask)
+    mean = tl.sum(s, axis=1) / D
+    sc = tl.where(mask, s - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(sc * sc, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = sc * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=rmask)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dr_ptr, dw_ptr, db_ptr,
+                       M, D, HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        s_hat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * s_hat, axis=1) / D
+        c2 = tl.sum(g, axis=1) / D
+        dx = (g - s_hat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(ds_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dr_ptr + offs, dx.to(dr_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * s_hat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(dw_ptr + pid * D + cols, dw, mask=cmask)
+    tl.store(db_ptr + pid * D + cols, db, mask=cmask)
+
+
+def _block_d(D: int) -> int:
+    return max(16, triton.next_power_of_2(D))
+
+
+def add_ln_fwd(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float,
+               s: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+               block_m: int | None = None, num_warps: int | None = None) -> None:
+    """s = x + r and y = LayerNorm(s) into the given buffers (x, r, s, y: contiguous [M, D]; mean,
+    rstd: [M] float32)."""
+    M, D = x.shape
+    if M == 0:
+        return
+    bm = block_m or DEFAULT_BLOCK_M
+    _add_ln_fwd_kernel[(triton.cdiv(M, bm),)](x, r, w, b, s, y, mean, rstd, M, D, eps,
+                                              BLOCK_M=bm, BLOCK_D=_block_d(D), num_warps=num_warps or DEFAULT_WARPS)
+
+
+def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
+               rstd: torch.Tensor, dx: torch.Tensor, dr: torch.Tensor, programs: int,
+               block_m: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (and dr, the same values in r's dtype) into the given buffers; returns the float32 dw, db
+    partial sums [programs, D] (the caller sums them: one small reduction)."""
+    M, D = s.shape
+    dw = torch.empty(programs, D, dtype=torch.float32, device=s.device)
+    db = torch.empty(programs, D, dtype=torch.float32, device=s.device)
+    if M == 0:
+        return dw.zero_(), db.zero_()
+    bm = block_m or DEFAULT_BLOCK_M
+    _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, dw, db, M, D,
+                                    HAS_DS=ds is not None, BLOCK_M=bm, BLOCK_D=_block_d(D),
+                                    num_warps=num_warps or DEFAULT_WARPS)
+    return dw, db

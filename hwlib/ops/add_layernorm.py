@@ -1,0 +1,227 @@
+"""Residual add + LayerNorm as one op: ``s = x + r``, ``y = LayerNorm(s)``, forward and backward fused.
+
+A pre-LayerNorm block (``hwlib.workloads.blocks``) adds each branch's output to the residual stream
+and normalises the sum for the next branch. Compiled, that is an add fused with a LayerNorm in
+forward; in backward the LayerNorm's gradient, the residual gradient's add, its cast for the branch
+and the gain's and bias's reductions, which inductor splits over several kernels that read the
+same rows again. This op does each direction in one pass over the rows
+(``hwlib/kernels/add_layernorm_triton.py``: the formulas, bytes and FLOPs).
+
+Precision is the unfused path's under autocast: ``x`` is the fp32 stream, ``r`` the branch's output
+in the autocast dtype, the sum and the normalisation are fp32 (autocast runs ``layer_norm`` in
+fp32), and ``y`` is rounded once into the autocast dtype, as the next matmul's autocast cast rounds
+the fp32 LayerNorm output. The backward is fp32; the stream's gradient stays fp32 and the branch's
+is rounded into ``r``'s dtype, as autograd rounds the gradient of a promoted add.
+
+Backends (chosen once per call from the device, never switched on failure), as ``hwlib.ops.linear_ce``:
+
+===========  ===========================================================================
+``triton``   the two Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
+``torch``    the same formulas in torch ops: any device (CPU: the smoke ladder)
+``auto``     ``triton`` on CUDA where Triton loads, else ``torch``
+===========  ===========================================================================
+
+Both directions are ``torch.library.custom_op``s (``hwlib::add_layer_norm`` and its backward) with fake
+impls, so torch.compile keeps each as one node and CUDA graphs capture them (no host sync).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from hwlib.device import ChoiceError, Unavailable
+
+from .sources import load_python_kernel, triton_device_problem
+
+BACKENDS = ("auto", "triton", "torch")
+KERNEL_FILE = "add_layernorm_triton.py"
+
+
+def _kernel():
+    return load_python_kernel(KERNEL_FILE)
+
+
+# --- inputs --------------------------------------------------------------------------------------
+
+def check_inputs(x, r, weight, bias, eps) -> None:
+    """A clear ValueError naming the argument unless shapes, dtypes and devices fit."""
+    for name, t in (("x", x), ("r", r), ("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [..., D] with D >= 1, got shape {tuple(x.shape)}")
+    if tuple(r.shape) != tuple(x.shape):
+        raise ValueError(f"r has shape {tuple(r.shape)}; it must be x's, {tuple(x.shape)}")
+    D = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if tuple(t.shape) != (D,):
+            raise ValueError(f"{name} must be [D] = [{D}] (x's last dimension), got {tuple(t.shape)}")
+    if not (x.device == r.device == weight.device == bias.device):
+        raise ValueError(f"x, r, weight and bias must be on one device, got {x.device}, {r.device}, "
+                         f"{weight.device}, {bias.device}")
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    if torch.promote_types(x.dtype, r.dtype) != x.dtype:
+        raise ValueError(f"x ({x.dtype}) is the residual stream and must be at least as wide as r ({r.dtype}): "
+                         f"x + r would promote to {torch.promote_types(x.dtype, r.dtype)}")
+
+
+# --- backends ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _auto(device_type: str) -> str:
+    if device_type != "cuda" or triton_device_problem(torch.device("cuda")):
+        return "torch"
+    try:
+        _kernel()
+        return "triton"
+    except Unavailable:
+        return "torch"
+
+
+def select_backend(backend: str, device: torch.device | str) -> str:
+    """The backend that runs for tensors on ``device``: ``backend`` itself (Unavailable with the
+    reason when it cannot), or ``auto``'s choice, made once per process and device type."""
+    device = torch.device(device)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ChoiceError("backend", backend, BACKENDS)
+    if backend == "auto":
+        return _auto(device.type)
+    if backend == "triton":
+        why = triton_device_problem(device)
+        if why:
+            raise Unavailable(f"backend 'triton': {why}")
+        _kernel()
+    return backend
+
+
+@torch.compiler.assume_constant_result
+def _resolve_backend(backend: str, device_type: str) -> str:
+    # torch.compile calls this once while tracing and keeps its answer (loading a kernel is not traceable)
+    return select_backend(backend, torch.device(device_type))
+
+
+def _programs(M: int, device: torch.device, block_m: int) -> int:
+    """Persistent backward programs: a few per multiprocessor, never more than there are row blocks."""
+    blocks = max(1, -(-M // block_m))
+    if device.type != "cuda":
+        return min(blocks, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(blocks, sms * _kernel().PROGRAMS_PER_SM)
+
+
+def _fwd_torch(x, r, w, b, eps, y_dtype):
+    s = x + r.to(x.dtype)
+    mean = s.mean(-1)
+    sc = s - mean[:, None]
+    rstd = torch.rsqrt((sc * sc).mean(-1) + eps)
+    y = (sc * rstd[:, None] * w.to(s.dtype) + b.to(s.dtype)).to(y_dtype)
+    return s, y, mean.float(), rstd.float()
+
+
+def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype):
+    acc = s.dtype
+    s_hat = (s - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
+    dyf = dy.to(acc)
+    g = dyf * w.to(acc)
+    dx = (g - s_hat * (g * s_hat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True)) * rstd.to(acc)[:, None]
+    if ds is not None:
+        dx = dx + ds.to(acc)
+    return dx, dx.to(r_dtype, copy=True), (dyf * s_hat).sum(0), dyf.sum(0)
+
+
+# --- the ops: one node each for torch.compile, fake impls, the autograd formula ---------------------
+
+@torch.library.custom_op("hwlib::add_layer_norm", mutates_args=())
+def _fwd_op(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+            y_dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "torch":
+        return _fwd_torch(x, r, weight, bias, eps, y_dtype)
+    M = x.shape[0]
+    s, y = torch.empty_like(x), torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    _kernel().add_ln_fwd(x, r, weight, bias, eps, s, y, mean, rstd)
+    return s, y, mean, rstd
+
+
+@_fwd_op.register_fake
+def _(x, r, weight, bias, eps, y_dtype, backend):
+    M = x.shape[0]
+    return (torch.empty_like(x), torch.empty(x.shape, dtype=y_dtype, device=x.device),
+            x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32))
+
+
+@torch.library.custom_op("hwlib::add_layer_norm_backward", mutates_args=())
+def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+            rstd: torch.Tensor, r_dtype: torch.dtype,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "torch":
+        dx, dr, dw, db = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype)
+        return dx, dr, dw.to(weight.dtype), db.to(weight.dtype)
+    k = _kernel()
+    dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
+    dw, db = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
+                          _programs(s.shape[0], s.device, k.DEFAULT_BLOCK_M))
+    return dx, dr, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)
+
+
+@_bwd_op.register_fake
+def _(dy, ds, s, weight, mean, rstd, r_dtype, backend):
+    return (torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device),
+            torch.empty_like(weight), torch.empty_like(weight))
+
+
+def _setup_context(ctx, inputs, output):
+    x, r, weight, bias, eps, y_dtype, backend = inputs
+    s, _, mean, rstd = output
+    ctx.save_for_backward(s, weight, mean, rstd)
+    ctx.r_dtype, ctx.backend = r.dtype, backend
+    ctx.x_dtype, ctx.bias_dtype = x.dtype, bias.dtype
+
+
+def _backward(ctx, ds, dy, _dmean, _drstd):
+    s, weight, mean, rstd = ctx.saved_tensors
+    dx, dr, dw, db = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, ctx.backend)
+    return dx.to(ctx.x_dtype), dr, dw, db.to(ctx.bias_dtype), None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
+                   *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, y)``: the new residual stream ``s = x + r`` (x's dtype) and ``y = layer_norm(s, weight,
+    bias, eps)``, in autocast's dtype when autocast is on for the device, else in x's.
+
+    ``x`` [..., D] is the residual stream, ``r`` the same shape (a branch's output, of x's dtype or
+    narrower); ``weight``, ``bias`` [D]. Non-contiguous inputs are made contiguous (a copy)."""
+    check_inputs(x, r, weight, bias, eps)
+    name = _resolve_backend(backend, x.device.type)
+    dev_type = x.device.type
+    y_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
+    shape, D = x.shape, x.shape[-1]
+    s, y, _, _ = torch.ops.hwlib.add_layer_norm(x.reshape(-1, D).contiguous(), r.reshape(-1, D).contiguous(),
+                                                weight.contiguous(), bias.contiguous(), float(eps), y_dtype, name)
+    return s.view(shape), y.view(shape)
+
+
+def add_layer_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                             eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec in float64, differentiable: ``s = x + r``, ``y = F.layer_norm(s, ...)`` (for reference
+    gradients, pass float64 leaves)."""
+    s = x.double() + r.double()
+    return s, F.layer_norm(s, (s.shape[-1],), weight.double(), bias.double(), eps)
+
+
+def traffic_bytes(rows: int, width: int, stream_bytes: int = 4, branch_bytes: int = 2) -> dict:
+    """Bytes one call moves at its fewest passes (the kernel file's count): forward, backward."""
+    fwd = rows * width * (2 * stream_bytes + 2 * branch_bytes) + 8 * rows
+    bwd = rows * width * (3 * stream_bytes + 2 * branch_bytes) + 8 * rows
+    return {"forward": float(fwd), "backward": float(bwd)}

@@ -1,0 +1,206 @@
+"""Residual add + LayerNorm fused: s, y and the gradients of x, r, weight and bias against float64 on
+fresh random inputs of odd sizes, for the torch backend and the Triton kernels (compiled on CUDA where
+a GPU is visible, else interpreted on CPU tensors: conftest.py sets TRITON_INTERPRET=1 before triton
+is first imported); at least as accurate as the unfused bf16 path; the bad-input paths; the op under
+torch.compile; GPT with the fused blocks against GPT without; the kernels through Triton's sm_90
+compiler. HWLIB_TEST_SEED=<int> draws fresh inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hwlib.device import ChoiceError
+from hwlib.ops import add_layernorm as A
+
+
+def make(m, d, dtype=torch.float64, r_dtype=None, device="cpu", key=()):
+    seed = int(os.environ.get("HWLIB_TEST_SEED", "0")) + zlib.crc32(repr((m, d, str(dtype), *key)).encode())
+    g = torch.Generator().manual_seed(seed)
+    # a stream with an offset and a scale of its own per row, as a residual stream drifts
+    x = torch.randn(m, d, generator=g, dtype=torch.float64) * 3 + torch.randn(m, 1, generator=g, dtype=torch.float64)
+    r = torch.randn(m, d, generator=g, dtype=torch.float64)
+    w = 1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
+    b = 0.3 * torch.randn(d, generator=g, dtype=torch.float64)
+    ds = torch.randn(m, d, generator=g, dtype=torch.float64)
+    dy = torch.randn(m, d, generator=g, dtype=torch.float64)
+    cast = lambda t, dt=dtype: t.to(device, dt)
+    return cast(x), cast(r, r_dtype or dtype), cast(w), cast(b), cast(ds), cast(dy)
+
+
+def run(x, r, w, b, ds, dy, fn, **kw):
+    """(s, y, dx, dr, dw, db) through ``fn`` from fresh leaves, with incoming gradients ds for s and dy for y."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+    s, y = fn(*leaves, **kw)
+    torch.autograd.backward([s, y], [ds.to(s.dtype), dy.to(y.dtype)])
+    return [s.detach(), y.detach()] + [t.grad for t in leaves]
+
+
+def ref(x, r, w, b, ds, dy):
+    return run(*(t.double().cpu() for t in (x, r, w, b, ds, dy)), fn=A.add_layer_norm_reference)
+
+
+def rel(a, b):
+    return float((a.double().cpu() - b).norm() / b.norm())
+
+
+NAMES = ("s", "y", "dx", "dr", "dw", "db")
+
+
+@pytest.mark.parametrize("m,d", [(37, 71), (5, 50), (130, 96), (1, 33)])
+def test_torch_backend_matches_float64(m, d):
+    got = run(*make(m, d, torch.float32), fn=A.add_layer_norm, backend="torch")
+    want = ref(*make(m, d, torch.float32))
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == torch.float32 and rel(g, w) < 1e-5, (name, rel(g, w))
+
+
+@pytest.mark.parametrize("m,d", [(37, 71), (9, 50), (130, 96)])
+def test_triton_kernels_match_float64(m, d, triton_device):
+    got = run(*make(m, d, torch.float32, device=triton_device), fn=A.add_layer_norm, backend="triton")
+    want = ref(*make(m, d, torch.float32))
+    for name, g, w in zip(NAMES, got, want):
+        assert torch.isfinite(g).all() and rel(g, w) < 1e-5, (name, rel(g, w))
+
+
+def test_triton_kernels_with_a_half_precision_branch(triton_device):
+    """The stream in fp32, the branch in fp16 (the interpreter has no bf16): the branch's gradient comes
+    back in fp16, everything else in fp32, within fp16's rounding of float64."""
+    x, r, w, b, ds, dy = make(65, 80, torch.float32, r_dtype=torch.float16, device=triton_device)
+    got = run(x, r, w, b, ds, dy, fn=A.add_layer_norm, backend="triton")
+    want = ref(x, r, w, b, ds, dy)
+    assert [t.dtype for t in got] == [torch.float32] * 3 + [torch.float16] + [torch.float32] * 2
+    for name, g, wt in zip(NAMES, got, want):
+        assert rel(g, wt) < (2e-3 if name == "dr" else 1e-5), (name, rel(g, wt))
+
+
+def test_kernels_write_every_element_and_the_backward_without_a_stream_gradient(triton_device):
+    """Outputs poisoned with NaN first, every element is written; ds = None (s has no other use, as
+    after ln_f) gives the LayerNorm's gradient alone; more programs than row blocks leave zero partials."""
+    k = A._kernel()
+    x, r, w, b, _, dy = make(23, 40, torch.float32, device=triton_device)
+    s, y = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    mean, rstd = torch.full((23,), float("nan")).to(x), torch.full((23,), float("nan")).to(x)
+    k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd)
+    assert torch.isfinite(torch.cat([s.flatten(), y.flatten(), mean, rstd])).all()
+    dx, dr = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    dw, db = k.add_ln_bwd(dy, None, s, w, mean, rstd, dx, dr, programs=40, block_m=2)
+    s64 = (x.double() + r.double()).cpu().requires_grad_()
+    w64, b64 = w.double().cpu().requires_grad_(), b.double().cpu().requires_grad_()
+    F.layer_norm(s64, (40,), w64, b64).backward(dy.double().cpu())
+    assert rel(dx, s64.grad) < 1e-5 and torch.equal(dx, dr)
+    assert rel(dw.sum(0), w64.grad) < 1e-5 and rel(db.sum(0), b64.grad) < 1e-5
+    assert dw.shape == (40, 40) and (dw[12:] == 0).all()    # 12 row blocks of 2: programs 12.. had no rows
+
+
+def test_at_least_as_accurate_as_the_unfused_bf16_path():
+    """Under bf16 autocast (torch backend on a CPU): y rounded once into bf16, the gradients in fp32
+    (the branch's in bf16), each no further from float64 than the unfused add + F.layer_norm path."""
+    x, r, w, b, ds, dy = make(129, 96, torch.float32, r_dtype=torch.bfloat16, key=("bf16",))
+    want = ref(x, r, w, b, ds, dy)
+
+    def unfused(x, r, w, b):
+        s = x + r
+        return s, F.layer_norm(s, (s.shape[-1],), w, b).to(torch.bfloat16)
+
+    with torch.autocast("cpu", torch.bfloat16):
+        ours = run(x, r, w, b, ds, dy, fn=A.add_layer_norm, backend="torch")
+        theirs = run(x, r, w, b, ds, dy, fn=unfused)
+    assert ours[1].dtype == torch.bfloat16 and ours[3].dtype == torch.bfloat16 and ours[2].dtype == torch.float32
+    for name, o, t, wt in zip(NAMES, ours, theirs, want):
+        assert rel(o, wt) <= 1.1 * rel(t, wt) + 1e-6, (name, rel(o, wt), rel(t, wt))
+
+
+def test_under_torch_compile_the_op_is_one_node_and_matches_eager():
+    x, r, w, b, ds, dy = make(33, 48, torch.float32, key=("compile",))
+    eager = run(x, r, w, b, ds, dy, fn=A.add_layer_norm, backend="torch")
+    compiled = run(x, r, w, b, ds, dy, fn=torch.compile(A.add_layer_norm, fullgraph=True), backend="torch")
+    for name, c, e in zip(NAMES, compiled, eager):
+        assert torch.allclose(c, e, rtol=1e-5, atol=1e-6), name
+
+
+def test_bad_inputs_fail_with_the_argument_named():
+    x, r, w, b, _, _ = make(4, 8, torch.float32)
+    cases = [((x, r[:, :7], w, b), "r has shape"), ((x, r, w[:7], b), "weight must be [D] = [8]"),
+             ((x, r, w, b[None]), "bias must be [D]"), ((x.bfloat16(), r, w, b), "x (torch.bfloat16) is the residual"),
+             ((x, r.long(), w, b), "r must be floating point"), ((x, r, "w", b), "weight must be a torch.Tensor"),
+             ((x[:, :0], r[:, :0], w[:0], b[:0]), "D >= 1")]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            A.add_layer_norm(*args)
+    for eps in (0, -1e-5, True, "1e-5"):
+        with pytest.raises(ValueError, match="eps must be a positive number"):
+            A.add_layer_norm(x, r, w, b, eps)
+    with pytest.raises(ChoiceError):
+        A.add_layer_norm(x, r, w, b, backend="cuda")
+
+
+def test_gpt_with_fused_blocks_computes_the_same_loss_and_gradients():
+    """The smoke GPT built from one seed, unfused and fused (fp32, torch backend on a CPU): the same loss
+    and the same gradient for every parameter, to fp32 rounding."""
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    cfg = get_workload("gpt").config("smoke")
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for fused in (False, True):
+        model = GPT(cfg, attention="sdpa", fused_ln=fused).init_weights(0)
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        out[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+        with torch.no_grad():
+            assert model(idx).shape == (2, 16, cfg.vocab)     # logits without targets, fused or not
+    assert torch.allclose(out[True][0], out[False][0], rtol=1e-6)
+    assert out[True][1].keys() == out[False][1].keys()
+    for n, g in out[False][1].items():
+        assert rel(out[True][1][n], g.double()) < 1e-4, n
+
+
+def test_gpt_refuses_fused_blocks_with_checkpointing():
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    with pytest.raises(ValueError, match="checkpointing='all' with fused_ln"):
+        GPT(get_workload("gpt").config("smoke"), checkpointing="all", fused_ln=True)
+
+
+def test_traffic_is_the_kernel_files_count():
+    t = A.traffic_bytes(16384, 768)
+    assert t == {"forward": 16384 * (12 * 768 + 8.0), "backward": 16384 * (16 * 768 + 8.0)}
+
+
+TRITON_SM90 = r"""
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hwlib.ops.sources import load_python_kernel
+mod = load_python_kernel("add_layernorm_triton.py")
+# as a GPU launch specializes GPT-2's blocks: pointers 16-byte aligned, M and D (768) divisible by 16
+for k, dtypes, consts in (
+        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False})):
+    consts = {**consts, "BLOCK_M": mod.DEFAULT_BLOCK_M, "BLOCK_D": 1024}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names) if a.endswith("_ptr") or a in ("M", "D")}
+    sig = {a: "constexpr" if a in consts else dtypes.get(a, "*fp32") if a.endswith("_ptr") else
+           ("fp32" if a == "eps" else "i32") for a in k.arg_names}
+    c = compile(ASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": mod.DEFAULT_WARPS})
+    ptx = c.asm["ptx"]
+    assert c.asm.get("cubin") and "ld.local" not in ptx, (k.fn.__name__, "local memory")
+    # the rows move in 16-byte vectors (fp32 x4, bf16 x8), not element by element
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, (k.fn.__name__, consts)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
+    """The interpreter skips Triton's compiler: compile the real pipeline (TTIR -> PTX -> cubin) for
+    sm_90 at the default launch configuration with GPT-2's dtypes: no local memory, 16-byte accesses."""
+    compile_for_sm90(TRITON_SM90)
