@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 
 from . import query, results, runs
@@ -294,7 +295,7 @@ def reproduce(args) -> int:
 
 def _entry(status: str, seconds: float, reason: str, params: dict | None = None) -> dict:
     e = {"status": status, "seconds": round(seconds, 1), "reason": reason,
-         "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if params:   # a notebook run with other than its own defaults says so
         e["parameters"] = params
     return e

@@ -174,3 +174,22 @@ def test_committed_readme_shows_the_smaller_profiles_runs(monkeypatch):
     start, end = text.index(report.SMALL_START), text.index(report.SMALL_END)
     assert text[start + len(report.SMALL_START):end].strip() == report.small_gpu_block(report.reference_runs()).strip(), \
         "README's smaller-GPU section is stale: run `make readme`"
+
+
+def test_time_table_counts_compile_seconds_made_while_the_notebook_ran(tmp_path):
+    """A study run on its own into a run folder adds rows to its notebook's tables, not compile seconds to
+    that notebook's wall time: only records stamped inside the notebook's run (state.json) count."""
+    from hwlib import runs
+    from hwlib.report.tables import run_window, time_table
+    run = tmp_path / "t"
+    runs.update_state(run, **{"20_inductor": {"status": "ok", "seconds": 100.0, "reason": "",
+                                               "finished": "2026-11-23T04:07:22"}})
+    for when, value in (("2026-11-23T04:06:00+00:00", 20.0), ("2026-11-23T04:05:42+00:00", 1.5),
+                        ("2026-11-25T19:31:34+00:00", 36.0)):
+        results.append([{"notebook": "20_inductor", "metric": "compile_s", "value": value, "unit": "s",
+                         "status": "ok", "fields": {"toggle": str(value)}, "time": when}], run)
+    row = next(line for line in time_table(run).splitlines() if line.startswith("| 20_inductor"))
+    assert row.split("|")[5].strip() == "21.5", row
+    start, end = run_window({"seconds": 100.0, "finished": "2026-11-23T04:07:22"})
+    assert (end - start).total_seconds() == 110.0 and end.tzinfo is not None
+    assert run_window({"seconds": 1.0}) is None and run_window({"finished": "yesterday", "seconds": 1}) is None

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from hwlib.device import ChoiceError, Unavailable
 
-from .sources import load_python_kernel, triton_device_problem
+from .sources import load_python_kernel, read_kernel_source, triton_device_problem
 
 BACKENDS = ("auto", "triton", "torch")
 KERNEL_FILE = "add_layernorm_triton.py"
@@ -43,6 +43,11 @@ KERNEL_FILE = "add_layernorm_triton.py"
 
 def _kernel():
     return load_python_kernel(KERNEL_FILE)
+
+
+def kernel_source() -> str:
+    """The Triton kernels' file, as it runs (for a notebook to print)."""
+    return read_kernel_source(KERNEL_FILE)
 
 
 # --- inputs --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from .. import noise, results
@@ -453,17 +454,45 @@ def multi_gpu_lines(runs: list[str]) -> list[str]:
             *body, ""]
 
 
+def _when(stamp) -> datetime | None:
+    """An ISO time as an aware datetime; a naive one is taken as UTC (the reference machines' clocks)."""
+    try:
+        t = datetime.fromisoformat(stamp)
+    except (TypeError, ValueError):
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+RUN_SLACK_S = 5.0   # state.json's seconds and a record's time are taken a moment apart
+
+
+def run_window(entry: dict) -> tuple[datetime, datetime] | None:
+    """When a notebook's last run in ``state.json`` went on (start, end), or None where its entry does
+    not say."""
+    end, secs = _when(entry.get("finished")), _num(entry.get("seconds"))
+    if end is None or secs is None:
+        return None
+    return end - timedelta(seconds=secs + RUN_SLACK_S), end + timedelta(seconds=RUN_SLACK_S)
+
+
 def time_table(run) -> str:
     """Where the wall time of ``hwlib reproduce`` went, per notebook, from the run's state.json,
     with the compile time that the compiled steps report and the parameters a notebook ran with
-    where they were not its own (``hwlib reproduce --set``)."""
+    where they were not its own (``hwlib reproduce --set``). Compile seconds count only where their
+    record was made while the notebook ran (``run_window``): a study run on its own into the same
+    folder adds rows to the notebook's tables, not seconds to its wall time."""
     state = query.state(run)
     nbs = dict(sorted((k, v) for k, v in state.items() if not k.startswith("_")))
     if not nbs:
         return ""
     compile_s = {}
-    for r in query.load(run):
+    windows = {k: run_window(v) for k, v in nbs.items()}
+    # every record, superseded ones too: a notebook's own run may have been measured again since
+    for r in query.load(run, latest_only=False):
         if r.get("metric") == "compile_s" and _num(r.get("value")) is not None:
+            win, t = windows.get(r["notebook"]), _when(r.get("time"))
+            if win is not None and t is not None and not (win[0] <= t <= win[1]):
+                continue   # measured outside the notebook's timed run (a study called on its own): not its time
             compile_s[r["notebook"]] = compile_s.get(r["notebook"], 0.0) + r["value"]
     total = sum(v["seconds"] for v in nbs.values())
     params = any(v.get("parameters") for v in nbs.values())
