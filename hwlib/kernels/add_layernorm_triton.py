@@ -16,7 +16,7 @@ Backward, from dy (the gradient of y) and ds_in (the gradient that reaches s alo
 stream; zero where s has no other use), with s_hat = (s - mu) rstd and g = dy w:
 
     ds   = ds_in + rstd (g - mean(g) - s_hat mean(g s_hat))     -> dx = ds (fp32), dr = ds (r's dtype)
-    dw   = sum_n dy_n s_hat_n,   db = sum_n dy_n                  (partial sums per program, then one sum)
+    dw   = sum_n dy_n s_hat_n,   db = sum_n dy_n                  (partial sums per program, then one sum of both)
 
 Bytes per row (D wide; fp32 stream, 2-byte branch and output):
 
@@ -74,7 +74,7 @@ def _add_ln_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_
 
 
 @triton.jit
-def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dr_ptr, dw_ptr, db_ptr,
+def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dr_ptr, part_ptr,
                        M, D, HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -102,8 +102,9 @@ def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
         tl.store(dr_ptr + offs, dx.to(dr_ptr.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * s_hat, axis=0)
         db += tl.sum(dy, axis=0)
-    tl.store(dw_ptr + pid * D + cols, dw, mask=cmask)
-    tl.store(db_ptr + pid * D + cols, db, mask=cmask)
+    # one [2, D] slab per program (dw, then db), so that one reduction over the programs sums both
+    tl.store(part_ptr + pid * 2 * D + cols, dw, mask=cmask)
+    tl.store(part_ptr + pid * 2 * D + D + cols, db, mask=cmask)
 
 
 def _block_d(D: int) -> int:
@@ -125,16 +126,15 @@ def add_ln_fwd(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 
 def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
                rstd: torch.Tensor, dx: torch.Tensor, dr: torch.Tensor, programs: int,
-               block_m: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx (and dr, the same values in r's dtype) into the given buffers; returns the float32 dw, db
-    partial sums [programs, D] (the caller sums them: one small reduction)."""
+               block_m: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """dx (and dr, the same values in r's dtype) into the given buffers; returns the float32 partial
+    sums of dw and db, [programs, 2, D] (the caller sums them over the programs: one small reduction)."""
     M, D = s.shape
-    dw = torch.empty(programs, D, dtype=torch.float32, device=s.device)
-    db = torch.empty(programs, D, dtype=torch.float32, device=s.device)
+    part = torch.empty(programs, 2, D, dtype=torch.float32, device=s.device)
     if M == 0:
-        return dw.zero_(), db.zero_()
+        return part.zero_()
     bm = block_m or DEFAULT_BLOCK_M
-    _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, dw, db, M, D,
+    _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, part, M, D,
                                     HAS_DS=ds is not None, BLOCK_M=bm, BLOCK_D=_block_d(D),
                                     num_warps=num_warps or DEFAULT_WARPS)
-    return dw, db
+    return part

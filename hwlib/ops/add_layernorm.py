@@ -166,21 +166,22 @@ def _(x, r, weight, bias, eps, y_dtype, backend):
 @torch.library.custom_op("hwlib::add_layer_norm_backward", mutates_args=())
 def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
             rstd: torch.Tensor, r_dtype: torch.dtype,
-            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (dx, dr, [dw; db]): the gain's and the bias's gradients as one [2, D] tensor, summed in one reduction
     if backend == "torch":
         dx, dr, dw, db = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype)
-        return dx, dr, dw.to(weight.dtype), db.to(weight.dtype)
+        return dx, dr, torch.stack([dw, db]).to(weight.dtype)
     k = _kernel()
     dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
-    dw, db = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
-                          _programs(s.shape[0], s.device, k.DEFAULT_BLOCK_M))
-    return dx, dr, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)
+    part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
+                        _programs(s.shape[0], s.device, k.DEFAULT_BLOCK_M))
+    return dx, dr, part.sum(0).to(weight.dtype)
 
 
 @_bwd_op.register_fake
 def _(dy, ds, s, weight, mean, rstd, r_dtype, backend):
     return (torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device),
-            torch.empty_like(weight), torch.empty_like(weight))
+            weight.new_empty((2, weight.shape[0])))
 
 
 def _setup_context(ctx, inputs, output):
@@ -193,7 +194,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, ds, dy, _dmean, _drstd):
     s, weight, mean, rstd = ctx.saved_tensors
-    dx, dr, dw, db = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, ctx.backend)
+    dx, dr, dwb = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, ctx.backend)
+    dw, db = dwb.unbind(0)
     return dx.to(ctx.x_dtype), dr, dw, db.to(ctx.bias_dtype), None, None, None
 
 
