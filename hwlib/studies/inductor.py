@@ -4,7 +4,10 @@ Notebook 16's breakdown of the recipe leaves its headroom in the memory-bound wo
 near the matmul ceiling, the LayerNorm / elementwise kernels (LayerNorm, bias + GELU, residual adds,
 casts: Triton kernels inductor wrote) far above their one-pass floor. Inductor has options aimed at
 exactly that, off by default because they cost compile time: ``KNOBS`` holds the few that target it,
-each with the reason it could help this step.
+each with the reason it could help this step. One knob is not an inductor option but a fusion of the
+lab's own, the residual add fused into the LayerNorm after it (``hwlib.ops.add_layernorm``, a
+``settings`` knob: its arms are built with ``Settings.fused_ln`` off and on), measured the same way to
+answer whether inductor's kernels for that work leave anything to take.
 
 Each knob is a *rebuild* toggle of the ablation study (a session per arm, each model of its own
 class, so that the compiler never hands one arm the graph it compiled for the other), measured by
