@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .paths import REPO_ROOT, read_dir
 from .results import record_key
-from .steps import LADDER, STEP_NAMES, chain
+from .steps import LADDER, STEP_NAMES
 
 RESULTS_FILE = "results.jsonl"
 
@@ -154,8 +154,7 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
             continue
         by_step.setdefault(r["step"], {})[r["metric"]] = r
     rows = []
-    base = None
-    measured: dict[str, float] = {}   # step -> throughput, for "x vs prev" along each step's chain
+    base = prev = None
     for st in LADDER:
         m = by_step.get(st.name)
         if not m:
@@ -189,11 +188,9 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         # A step whose math changed keeps its measured speed-up; its status says not to trust it.
         if row["throughput"]:
             base = base or row["throughput"]
-            prev = next((measured[s.name] for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
             row["speedup_vs_baseline"] = row["throughput"] / base
             row["speedup_vs_prev"] = row["throughput"] / prev if prev else None
-            row["prev_step"] = next((s.name for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
-            measured[st.name] = row["throughput"]
+            prev = row["throughput"]
         else:
             row["speedup_vs_baseline"] = row["speedup_vs_prev"] = None
         rows.append(row)
