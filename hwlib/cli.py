@@ -308,7 +308,7 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
     env = dict(os.environ, HWLIB_RUN=str(run), HWLIB_PROFILE=profile, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions"))
-    for k, v in compile_cache_env(run).items():   # one compile cache for the run's notebooks
+    for k, v in compile_cache_env(run, results.code_digest()).items():   # one compile cache for the run's notebooks
         env.setdefault(k, v)
     t_all = time.perf_counter()
     bar = tqdm(nbs, unit="nb", dynamic_ncols=True, disable=args.quiet)

@@ -36,7 +36,7 @@ def setup(profile: str = "auto", device: str = "auto", run=None) -> tuple[str, s
     """Resolve the parameters, print the environment report, the profile with the reason it was
     chosen (and, when it was named, what ``auto`` would pick here) and the plan; returns (profile,
     device). ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
-    for k, v in compile_cache_env(run_dir(run)).items():   # the run's compile caches, as reproduce sets them
+    for k, v in compile_cache_env(run_dir(run), results.code_digest()).items():   # as reproduce sets them
         os.environ.setdefault(k, v)
     dev = resolve_device(device)
     profile, why = choose_profile(profile, dev)

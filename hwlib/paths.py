@@ -69,14 +69,19 @@ def run_dir(run: str | os.PathLike | None = None, *, create: bool = True) -> Pat
     return p
 
 
-def compile_cache_env(run: Path) -> dict[str, str]:
+def compile_cache_env(run: Path, code: str | None) -> dict[str, str]:
     """The environment that puts a run's compile caches in its folder: inductor's FX-graph and
     AOT-autograd caches and Triton's kernels are made once per run and reused by every later
     notebook of it (and by a resumed run); a new run starts cold, so its compile times are a cold
     start's. ``hwlib reproduce`` passes it to each notebook; a notebook run on its own sets it for
-    itself (``hwlib.notebook.setup``), where nothing set it before."""
-    return {"TORCHINDUCTOR_CACHE_DIR": str(run / ".cache" / "inductor"),
-            "TRITON_CACHE_DIR": str(run / ".cache" / "triton")}
+    itself (``hwlib.notebook.setup``), where nothing set it before.
+
+    ``code`` (``results.code_digest()``) names the folder: inductor keys a cached graph on the graph,
+    not on the Python behind a custom op it calls (hwlib's ops: their fake implementations give the
+    output shapes the compiled code asserts), so a run resumed after hwlib's code changed must not
+    reuse graphs compiled against the old code."""
+    base = run / ".cache" / (code or "unknown-code")
+    return {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "TRITON_CACHE_DIR": str(base / "triton")}
 
 
 def read_dir(run: str | os.PathLike | None = None) -> Path:

@@ -7,7 +7,7 @@ import sys
 import nbformat as nbf
 import pytest
 
-from hwlib import cli
+from hwlib import cli, results
 
 
 def make_nb(path, body, params=""):
@@ -79,7 +79,9 @@ def test_a_run_compiles_into_one_cache_in_its_folder(tmp_path, outputs, monkeypa
                                   'os.environ["TORCHINDUCTOR_CACHE_DIR"] + "\\n" + os.environ["TRITON_CACHE_DIR"])')
     assert reproduce(d, "cached") == 0
     run = outputs / "cached"
-    assert (run / "cache.txt").read_text().split("\n") == [str(run / ".cache" / "inductor"), str(run / ".cache" / "triton")]
+    code = results.code_digest()
+    assert code and (run / "cache.txt").read_text().split("\n") == [str(run / ".cache" / code / "inductor"),
+                                                                      str(run / ".cache" / code / "triton")]
 
 
 def test_bad_arguments_are_clear_errors(series, tmp_path, capsys):

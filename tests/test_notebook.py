@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from hwlib import notebook, query
+from hwlib import notebook, query, results
 from hwlib.ladder import record as record_mod
 from hwlib.ladder.run import run_step
 from hwlib.ladder.same_math import compare_curves
@@ -151,5 +151,5 @@ def test_setup_puts_the_compile_caches_in_the_run_folder_unless_they_are_set(iso
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))   # a user's own setting stays
     notebook.setup("smoke", "cpu", "caches")
     import os
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir("caches") / ".cache" / "inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir("caches") / ".cache" / results.code_digest() / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
