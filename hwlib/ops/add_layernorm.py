@@ -27,17 +27,14 @@ impls, so torch.compile keeps each as one node and CUDA graphs capture them (no 
 
 from __future__ import annotations
 
-import functools
 import numbers
 
 import torch
 import torch.nn.functional as F
 
-from hwlib.device import ChoiceError, Unavailable
+from .sources import TRITON_BACKENDS, load_python_kernel, read_kernel_source, select_triton_backend
 
-from .sources import load_python_kernel, read_kernel_source, triton_device_problem
-
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = TRITON_BACKENDS
 KERNEL_FILE = "add_layernorm_triton.py"
 
 
@@ -79,31 +76,10 @@ def check_inputs(x, r, weight, bias, eps) -> None:
 
 # --- backends ------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _auto(device_type: str) -> str:
-    if device_type != "cuda" or triton_device_problem(torch.device("cuda")):
-        return "torch"
-    try:
-        _kernel()
-        return "triton"
-    except Unavailable:
-        return "torch"
-
-
 def select_backend(backend: str, device: torch.device | str) -> str:
     """The backend that runs for tensors on ``device``: ``backend`` itself (Unavailable with the
     reason when it cannot), or ``auto``'s choice, made once per process and device type."""
-    device = torch.device(device)
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ChoiceError("backend", backend, BACKENDS)
-    if backend == "auto":
-        return _auto(device.type)
-    if backend == "triton":
-        why = triton_device_problem(device)
-        if why:
-            raise Unavailable(f"backend 'triton': {why}")
-        _kernel()
-    return backend
+    return select_triton_backend(KERNEL_FILE, backend, device)
 
 
 @torch.compiler.assume_constant_result

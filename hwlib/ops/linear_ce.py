@@ -41,17 +41,17 @@ ladder then reports the step ``nonfinite``, never a number).
 
 from __future__ import annotations
 
-import functools
 import numbers
 
 import torch
 import torch.nn.functional as F
 
-from hwlib.device import ChoiceError, Unavailable
+from hwlib.device import ChoiceError
 
-from .sources import load_python_kernel, triton_device_problem, triton_interpreted
+from .sources import TRITON_BACKENDS, load_python_kernel, select_triton_backend
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = TRITON_BACKENDS
+KERNEL_FILE = "linear_ce_triton.py"
 OP_NAME = "hwlib::linear_cross_entropy"
 # Logits of one chunk at most this many bytes: GPT-2 small (16,384 x 50,304, bf16) runs in 4
 # chunks of 4,096 rows (412 MB each, against 1.65 GB for all logits). Fewer, larger chunks keep the
@@ -61,7 +61,7 @@ ROW_ALIGN = 128                 # chunk rows: a multiple of the GEMM tile
 
 
 def _kernel():
-    return load_python_kernel("linear_ce_triton.py")
+    return load_python_kernel(KERNEL_FILE)
 
 
 # --- inputs --------------------------------------------------------------------------------------
@@ -134,36 +134,10 @@ def chunk_rows(n_rows: int, width: int, elem_bytes: int, chunk: int | None = Non
 
 # --- backends ------------------------------------------------------------------------------------
 
-def _check_backend(name: str, device: torch.device) -> None:
-    if name == "torch":
-        return
-    why = triton_device_problem(device)
-    if why:
-        raise Unavailable(f"backend 'triton': {why}")
-    _kernel()
-
-
-@functools.lru_cache(maxsize=None)
-def _auto(device_type: str, interpreted: bool) -> str:
-    if device_type != "cuda":
-        return "torch"
-    try:
-        _check_backend("triton", torch.device("cuda"))
-        return "triton"
-    except Unavailable:
-        return "torch"
-
-
 def select_backend(backend: str, device: torch.device | str) -> str:
     """The backend that runs for tensors on ``device``: ``backend`` itself (Unavailable with the
     reason when it cannot), or ``auto``'s choice, made once per process and device type."""
-    device = torch.device(device)
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ChoiceError("backend", backend, BACKENDS)
-    if backend == "auto":
-        return _auto(device.type, triton_interpreted())
-    _check_backend(backend, device)
-    return backend
+    return select_triton_backend(KERNEL_FILE, backend, device)
 
 
 @torch.compiler.assume_constant_result

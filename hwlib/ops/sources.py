@@ -8,12 +8,13 @@ A clone and an installed copy (a wheel, Colab) both find them at ``hwlib.paths.K
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
 from pathlib import Path
 
-from hwlib.device import Unavailable
+from hwlib.device import ChoiceError, Unavailable
 from hwlib.paths import KERNELS_DIR
 
 _MODULES: dict = {}
@@ -98,3 +99,43 @@ def load_python_kernel(filename: str):
 
 def read_kernel_source(filename: str) -> str:
     return kernel_path(filename).read_text()
+
+
+# --- ops with one Triton kernel file and the same math in torch ---------------------------------------
+
+TRITON_BACKENDS = ("auto", "triton", "torch")
+
+
+def check_triton_backend(filename: str, device) -> None:
+    """Unavailable, with the reason, unless ``filename``'s Triton kernels can run on ``device``'s tensors."""
+    why = triton_device_problem(device)
+    if why:
+        raise Unavailable(f"backend 'triton': {why}")
+    load_python_kernel(filename)
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_backend(filename: str, device_type: str, interpreted: bool) -> str:
+    if device_type != "cuda":
+        return "torch"
+    import torch
+    try:
+        check_triton_backend(filename, torch.device("cuda"))
+        return "triton"
+    except Unavailable:
+        return "torch"
+
+
+def select_triton_backend(filename: str, backend: str, device) -> str:
+    """The backend of an op whose kernels are ``filename`` (one of ``TRITON_BACKENDS``) that runs for
+    tensors on ``device``: ``backend`` itself (Unavailable with the reason when it cannot), or for
+    ``auto`` Triton on CUDA where it loads, else torch, chosen once per process and device type."""
+    import torch
+    device = torch.device(device)
+    if not isinstance(backend, str) or backend not in TRITON_BACKENDS:
+        raise ChoiceError("backend", backend, TRITON_BACKENDS)
+    if backend == "auto":
+        return _auto_backend(filename, device.type, triton_interpreted())
+    if backend == "triton":
+        check_triton_backend(filename, device)
+    return backend
