@@ -188,7 +188,8 @@ for k, dtypes, consts in (
         (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True}),
         (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False})):
     consts = {**consts, "BLOCK_M": mod.DEFAULT_BLOCK_M, "BLOCK_D": 1024}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names) if a.endswith("_ptr") or a in ("M", "D")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names)
+             if a.endswith("_ptr") or a in ("M", "D")}
     sig = {a: "constexpr" if a in consts else dtypes.get(a, "*fp32") if a.endswith("_ptr") else
            ("fp32" if a == "eps" else "i32") for a in k.arg_names}
     c = compile(ASTSource(fn=k, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),

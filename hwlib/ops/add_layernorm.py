@@ -32,7 +32,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from .sources import TRITON_BACKENDS, load_python_kernel, read_kernel_source, select_triton_backend
+from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
+                      select_triton_backend)
 
 BACKENDS = TRITON_BACKENDS
 KERNEL_FILE = "add_layernorm_triton.py"
@@ -80,12 +81,6 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     """The backend that runs for tensors on ``device``: ``backend`` itself (Unavailable with the
     reason when it cannot), or ``auto``'s choice, made once per process and device type."""
     return select_triton_backend(KERNEL_FILE, backend, device)
-
-
-@torch.compiler.assume_constant_result
-def _resolve_backend(backend: str, device_type: str) -> str:
-    # torch.compile calls this once while tracing and keeps its answer (loading a kernel is not traceable)
-    return select_backend(backend, torch.device(device_type))
 
 
 def _programs(M: int, device: torch.device, block_m: int) -> int:
@@ -186,7 +181,7 @@ def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias:
     ``x`` [..., D] is the residual stream, ``r`` the same shape (a branch's output, of x's dtype or
     narrower); ``weight``, ``bias`` [D]. Non-contiguous inputs are made contiguous (a copy)."""
     check_inputs(x, r, weight, bias, eps)
-    name = _resolve_backend(backend, x.device.type)
+    name = resolve_triton_backend(KERNEL_FILE, backend, x.device.type)
     dev_type = x.device.type
     y_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
     shape, D = x.shape, x.shape[-1]

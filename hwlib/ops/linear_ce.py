@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from hwlib.device import ChoiceError
 
-from .sources import TRITON_BACKENDS, load_python_kernel, select_triton_backend
+from .sources import TRITON_BACKENDS, load_python_kernel, resolve_triton_backend, select_triton_backend
 
 BACKENDS = TRITON_BACKENDS
 KERNEL_FILE = "linear_ce_triton.py"
@@ -138,13 +138,6 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     """The backend that runs for tensors on ``device``: ``backend`` itself (Unavailable with the
     reason when it cannot), or ``auto``'s choice, made once per process and device type."""
     return select_triton_backend(KERNEL_FILE, backend, device)
-
-
-@torch.compiler.assume_constant_result
-def _resolve_backend(backend: str, device_type: str) -> str:
-    # torch.compile calls this once while tracing and keeps its answer as a constant (loading the
-    # kernel module is not traceable)
-    return select_backend(backend, torch.device(device_type))
 
 
 def _rows_torch(z: torch.Tensor, t: torch.Tensor, loss_out: torch.Tensor, scale: torch.Tensor, vocab: int,
@@ -318,7 +311,7 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     vocab = check_inputs(h, weight, targets, vocab, ignore_index, chunk)
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ChoiceError("backend", backend, BACKENDS)
-    name = _resolve_backend(backend, h.device.type)
+    name = resolve_triton_backend(KERNEL_FILE, backend, h.device.type)
     dev_type = h.device.type
     if torch.is_autocast_enabled(dev_type):
         # h and W are cast inside, chunk by chunk, and their gradients come back in their own dtypes

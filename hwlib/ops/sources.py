@@ -139,3 +139,15 @@ def select_triton_backend(filename: str, backend: str, device) -> str:
     if backend == "triton":
         check_triton_backend(filename, device)
     return backend
+
+
+def _constant_result(fn):
+    import torch
+    return torch.compiler.assume_constant_result(fn)
+
+
+@_constant_result
+def resolve_triton_backend(filename: str, backend: str, device_type: str) -> str:
+    """``select_triton_backend`` for an op's forward: torch.compile calls it once while tracing and
+    keeps its answer as a constant (loading a kernel module is not traceable)."""
+    return select_triton_backend(filename, backend, device_type)
