@@ -206,10 +206,30 @@ def _workloads(args) -> list[str] | None:
     return workloads
 
 
+# A notebook's kernel dumps every thread's Python stack into this file when sent SIGUSR1
+# (``hwlib.notebook.setup`` arms it): what a notebook that ran past its limit was doing.
+STACKS_ENV = "HWLIB_STACKS_FILE"
+STACKS_WAIT_S = 3.0
+
+
+def _dump_stacks(watch, path: str | None) -> str:
+    """Ask the notebook's processes for their Python stacks before they are ended; the words for the
+    failure's reason (where the dump went), or nothing where none could be asked for."""
+    if not path or not hasattr(signal, "SIGUSR1"):
+        return ""
+    if not watch.signal(signal.SIGUSR1, "ipykernel"):
+        return ""
+    end = time.monotonic() + STACKS_WAIT_S
+    while time.monotonic() < end and not (Path(path).exists() and Path(path).stat().st_size):
+        time.sleep(0.1)
+    return f"; its kernel's stacks at the limit: {path}" if Path(path).exists() and Path(path).stat().st_size else ""
+
+
 def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
              workloads: list[str] | None = None, params: dict | None = None) -> tuple[str, str]:
     executed = run / "executed"
     log = executed / f"{nb.stem}.log"
+    env = {**env, STACKS_ENV: str(executed / f"{nb.stem}.stacks")}
     cmd = [sys.executable, "-m", "papermill", str(nb), str(executed / nb.name), "-k", "python3",
            "--cwd", str(nb.parent), "-p", "profile", profile, "-p", "device", device,
            "--execution-timeout", str(math.ceil(args.cell_timeout)), "--no-progress-bar", "--log-output"]
@@ -229,13 +249,17 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
                     break
                 except subprocess.TimeoutExpired:
                     if time.monotonic() > deadline:
-                        return "timeout", f"exceeded the per-notebook limit of {args.timeout:.0f} s"
+                        return "timeout", (f"exceeded the per-notebook limit of {args.timeout:.0f} s"
+                                           + _dump_stacks(watch, env.get(STACKS_ENV)))
         finally:
             # On a time limit, a signal or any error, and after a normal end too (a kernel that
             # outlived papermill): nothing of the notebook's tree may keep running.
             with shielded():
                 watch.end()
                 proc.wait()
+            stacks = Path(env[STACKS_ENV])
+            if stacks.exists() and not stacks.stat().st_size:
+                stacks.unlink()   # armed, never dumped
     if rc == 0:
         return "ok", ""
     tail = log.read_text(errors="replace").strip().splitlines()[-6:]

@@ -32,10 +32,29 @@ def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
     return choose_profile(profile, dev)[0], dev.type
 
 
+_STACKS: list = []   # the open file faulthandler writes stack dumps to: kept for the process's life
+
+
+def arm_stack_dump() -> str | None:
+    """Under ``hwlib reproduce`` (``$HWLIB_STACKS_FILE``), make SIGUSR1 dump every thread's Python stack
+    into that file: reproduce sends it to a notebook that runs past its time limit, before ending it.
+    Returns the file, or None where nothing was armed."""
+    import faulthandler
+    import signal
+    path = os.environ.get("HWLIB_STACKS_FILE")
+    if not path or not hasattr(signal, "SIGUSR1") or _STACKS:
+        return _STACKS[0].name if _STACKS else None
+    f = open(path, "w")   # noqa: SIM115 (faulthandler writes to its descriptor until the process ends)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+    _STACKS.append(f)
+    return path
+
+
 def setup(profile: str = "auto", device: str = "auto", run=None) -> tuple[str, str]:
     """Resolve the parameters, print the environment report, the profile with the reason it was
     chosen (and, when it was named, what ``auto`` would pick here) and the plan; returns (profile,
     device). ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
+    arm_stack_dump()
     for k, v in compile_cache_env(run_dir(run), results.code_digest()).items():   # as reproduce sets them
         os.environ.setdefault(k, v)
     dev = resolve_device(device)

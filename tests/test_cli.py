@@ -156,3 +156,23 @@ def test_set_option_passes_a_parameter_and_records_it(tmp_path, outputs, capsys)
                       ("00.profile=full", "reproduce sets 'profile' itself; use --profile")):
         assert reproduce(d, "run", "--set", bad) == 2
         assert says in capsys.readouterr().err, bad
+
+
+def test_a_notebook_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
+    """Before a notebook that ran past its time limit is ended, its kernel (armed by
+    ``notebook.setup``, here by ``arm_stack_dump`` alone) dumps every thread's Python stack into
+    executed/<name>.stacks, and the failure's reason says where; a notebook that ends in time leaves none."""
+    d = tmp_path / "hang_nbs"
+    d.mkdir()
+    make_nb(d / "00_quick.ipynb", "from hwlib.notebook import arm_stack_dump\nassert arm_stack_dump()")
+    make_nb(d / "01_hangs.ipynb", "from hwlib.notebook import arm_stack_dump\nassert arm_stack_dump()\n"
+                                  "import time\n\ndef stuck_here():\n    time.sleep(300)\n\nstuck_here()")
+    assert cli.main(["reproduce", "--notebooks", str(d), "--run", "hang", "--profile", "smoke", "--device", "cpu",
+                     "--timeout", "20", "--quiet"]) == 1
+    run = outputs / "hang"
+    state = json.loads((run / "state.json").read_text())
+    assert state["00_quick"]["status"] == "ok" and not (run / "executed" / "00_quick.stacks").exists()
+    stacks = run / "executed" / "01_hangs.stacks"
+    assert state["01_hangs"]["status"] == "timeout" and str(stacks) in state["01_hangs"]["reason"]
+    text = stacks.read_text()
+    assert "stuck_here" in text and "Thread" in text, text
