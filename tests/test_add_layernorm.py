@@ -69,6 +69,17 @@ def test_triton_kernels_match_float64(m, d, triton_device):
         assert torch.isfinite(g).all() and rel(g, w) < 1e-5, (name, rel(g, w))
 
 
+def test_wide_rows_take_fewer_rows_per_program_and_stay_exact(triton_device):
+    """Rows wider than GPT-2's: fewer rows per program, more warps (``launch_config``), the same results."""
+    k = A._kernel()
+    assert k.launch_config(768) == (4, 4) and k.launch_config(50) == (4, 4)
+    assert k.launch_config(2048) == (2, 4) and k.launch_config(5000) == (1, 8) and k.launch_config(20000) == (1, 16)
+    got = run(*make(3, 5000, torch.float32, device=triton_device), fn=A.add_layer_norm, backend="triton")
+    want = ref(*make(3, 5000, torch.float32))
+    for name, g, w in zip(NAMES, got, want):
+        assert rel(g, w) < 1e-5, (name, rel(g, w))
+
+
 def test_triton_kernels_with_a_half_precision_branch(triton_device):
     """The stream in fp32, the branch in fp16 (the interpreter has no bf16): the branch's gradient comes
     back in fp16, everything else in fp32, within fp16's rounding of float64."""

@@ -145,7 +145,7 @@ def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: 
     k = _kernel()
     dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
     part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
-                        _programs(s.shape[0], s.device, k.DEFAULT_BLOCK_M))
+                        _programs(s.shape[0], s.device, k.launch_config(s.shape[1])[0]))
     return dx, dr, part.sum(0).to(weight.dtype)
 
 
