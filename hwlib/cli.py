@@ -215,14 +215,16 @@ STACKS_WAIT_S = 3.0
 def _dump_stacks(watch, path: str | None) -> str:
     """Ask the notebook's processes for their Python stacks before they are ended; the words for the
     failure's reason (where the dump went), or nothing where none could be asked for."""
-    if not path or not hasattr(signal, "SIGUSR1"):
-        return ""
-    if not watch.signal(signal.SIGUSR1, "ipykernel"):
+    if not path or not hasattr(signal, "SIGUSR1") or not watch.signal(signal.SIGUSR1, "ipykernel"):
         return ""
     end = time.monotonic() + STACKS_WAIT_S
-    while time.monotonic() < end and not (Path(path).exists() and Path(path).stat().st_size):
+    while not _written(Path(path)) and time.monotonic() < end:
         time.sleep(0.1)
-    return f"; its kernel's stacks at the limit: {path}" if Path(path).exists() and Path(path).stat().st_size else ""
+    return f"; its kernel's stacks at the limit: {path}" if _written(Path(path)) else ""
+
+
+def _written(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
 
 
 def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
@@ -258,7 +260,7 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
                 watch.end()
                 proc.wait()
             stacks = Path(env[STACKS_ENV])
-            if stacks.exists() and not stacks.stat().st_size:
+            if stacks.exists() and not _written(stacks):
                 stacks.unlink()   # armed, never dumped
     if rc == 0:
         return "ok", ""

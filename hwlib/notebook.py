@@ -41,9 +41,11 @@ def arm_stack_dump() -> str | None:
     Returns the file, or None where nothing was armed."""
     import faulthandler
     import signal
+    if _STACKS:
+        return _STACKS[0].name
     path = os.environ.get("HWLIB_STACKS_FILE")
-    if not path or not hasattr(signal, "SIGUSR1") or _STACKS:
-        return _STACKS[0].name if _STACKS else None
+    if not path or not hasattr(signal, "SIGUSR1"):
+        return None
     f = open(path, "w")   # noqa: SIM115 (faulthandler writes to its descriptor until the process ends)
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
     _STACKS.append(f)

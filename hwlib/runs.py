@@ -205,9 +205,8 @@ class TreeWatch:
         sent = []
         for pid in alive(list(self.procs.items())):
             try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if command.encode() not in f.read():
-                        continue
+                if command.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
                 os.kill(pid, signum)
                 sent.append(pid)
             except OSError:   # gone, not ours, or no /proc here

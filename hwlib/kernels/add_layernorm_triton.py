@@ -120,30 +120,29 @@ def _block_d(D: int) -> int:
 
 
 def add_ln_fwd(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float,
-               s: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-               block_m: int | None = None, num_warps: int | None = None) -> None:
+               s: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> None:
     """s = x + r and y = LayerNorm(s) into the given buffers (x, r, s, y: contiguous [M, D]; mean,
     rstd: [M] float32)."""
     M, D = x.shape
     if M == 0:
         return
     bm, nw = launch_config(D)
-    bm, nw = block_m or bm, num_warps or nw
     _add_ln_fwd_kernel[(triton.cdiv(M, bm),)](x, r, w, b, s, y, mean, rstd, M, D, eps,
                                               BLOCK_M=bm, BLOCK_D=_block_d(D), num_warps=nw)
 
 
 def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
                rstd: torch.Tensor, dx: torch.Tensor, dr: torch.Tensor, programs: int,
-               block_m: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+               block_m: int | None = None) -> torch.Tensor:
     """dx (and dr, the same values in r's dtype) into the given buffers; returns the float32 partial
-    sums of dw and db, [programs, 2, D] (the caller sums them over the programs: one small reduction)."""
+    sums of dw and db, [programs, 2, D] (the caller sums them over the programs: one small reduction).
+    ``block_m`` overrides ``launch_config``'s rows per program (tests: more programs than row blocks)."""
     M, D = s.shape
     part = torch.empty(programs, 2, D, dtype=torch.float32, device=s.device)
     if M == 0:
         return part.zero_()
     bm, nw = launch_config(D)
-    bm, nw = block_m or bm, num_warps or nw
+    bm = block_m or bm
     _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, part, M, D,
                                     HAS_DS=ds is not None, BLOCK_M=bm, BLOCK_D=_block_d(D), num_warps=nw)
     return part

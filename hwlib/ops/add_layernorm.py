@@ -109,7 +109,7 @@ def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype):
     dx = (g - s_hat * (g * s_hat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True)) * rstd.to(acc)[:, None]
     if ds is not None:
         dx = dx + ds.to(acc)
-    return dx, dx.to(r_dtype, copy=True), (dyf * s_hat).sum(0), dyf.sum(0)
+    return dx, dx.to(r_dtype, copy=True), torch.stack([(dyf * s_hat).sum(0), dyf.sum(0)])
 
 
 # --- the ops: one node each for torch.compile, fake impls, the autograd formula ---------------------
@@ -140,8 +140,8 @@ def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: 
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (dx, dr, [dw; db]): the gain's and the bias's gradients as one [2, D] tensor, summed in one reduction
     if backend == "torch":
-        dx, dr, dw, db = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype)
-        return dx, dr, torch.stack([dw, db]).to(weight.dtype)
+        dx, dr, dwb = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype)
+        return dx, dr, dwb.to(weight.dtype)
     k = _kernel()
     dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
     part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
@@ -156,18 +156,17 @@ def _(dy, ds, s, weight, mean, rstd, r_dtype, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    x, r, weight, bias, eps, y_dtype, backend = inputs
+    _, r, weight, bias, _, _, backend = inputs
     s, _, mean, rstd = output
     ctx.save_for_backward(s, weight, mean, rstd)
-    ctx.r_dtype, ctx.backend = r.dtype, backend
-    ctx.x_dtype, ctx.bias_dtype = x.dtype, bias.dtype
+    ctx.r_dtype, ctx.backend, ctx.bias_dtype = r.dtype, backend, bias.dtype
 
 
 def _backward(ctx, ds, dy, _dmean, _drstd):
     s, weight, mean, rstd = ctx.saved_tensors
     dx, dr, dwb = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, ctx.backend)
     dw, db = dwb.unbind(0)
-    return dx.to(ctx.x_dtype), dr, dw, db.to(ctx.bias_dtype), None, None, None
+    return dx, dr, dw, db.to(ctx.bias_dtype), None, None, None   # dx is s's dtype, x's
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from hwlib.device import ChoiceError, Unavailable
 from hwlib.paths import KERNELS_DIR
 
@@ -44,7 +46,6 @@ def triton_interpreted() -> bool:
 def triton_device_problem(device) -> str | None:
     """Why a Triton kernel cannot run on tensors on ``device`` (a torch.device) in this process (the
     kernel itself aside); None when it can. The one device check of every op with a Triton backend."""
-    import torch
     if device.type == "cpu" and not triton_interpreted():
         return "Triton runs CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)"
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -118,7 +119,6 @@ def check_triton_backend(filename: str, device) -> None:
 def _auto_backend(filename: str, device_type: str, interpreted: bool) -> str:
     if device_type != "cuda":
         return "torch"
-    import torch
     try:
         check_triton_backend(filename, torch.device("cuda"))
         return "triton"
@@ -130,7 +130,6 @@ def select_triton_backend(filename: str, backend: str, device) -> str:
     """The backend of an op whose kernels are ``filename`` (one of ``TRITON_BACKENDS``) that runs for
     tensors on ``device``: ``backend`` itself (Unavailable with the reason when it cannot), or for
     ``auto`` Triton on CUDA where it loads, else torch, chosen once per process and device type."""
-    import torch
     device = torch.device(device)
     if not isinstance(backend, str) or backend not in TRITON_BACKENDS:
         raise ChoiceError("backend", backend, TRITON_BACKENDS)
@@ -141,12 +140,7 @@ def select_triton_backend(filename: str, backend: str, device) -> str:
     return backend
 
 
-def _constant_result(fn):
-    import torch
-    return torch.compiler.assume_constant_result(fn)
-
-
-@_constant_result
+@torch.compiler.assume_constant_result
 def resolve_triton_backend(filename: str, backend: str, device_type: str) -> str:
     """``select_triton_backend`` for an op's forward: torch.compile calls it once while tracing and
     keeps its answer as a constant (loading a kernel module is not traceable)."""
