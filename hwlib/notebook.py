@@ -23,7 +23,7 @@ from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf
                                needs_bf16_floor, same_math)
 from .paths import compile_cache_env, run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
-from .steps import STEP_NAMES, describe, get_step
+from .steps import STEP_NAMES, chain, describe, get_step
 
 
 def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
@@ -215,9 +215,9 @@ def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
 # --- the roofline's prediction, and the measurement against it -------------------------------------
 
 def _before(rows: list[dict], step: str) -> dict | None:
-    """The nearest ladder row before ``step`` with a measured time."""
-    i = STEP_NAMES.index(get_step(step).name)
-    earlier = [r for r in rows if r["throughput"] and STEP_NAMES.index(r["step"]) < i]
+    """The nearest row of the steps ``step`` builds on (its chain) with a measured time."""
+    by = {r["step"]: r for r in rows if r["throughput"]}
+    earlier = [by[s.name] for s in chain(step)[:-1] if s.name in by]
     return earlier[-1] if earlier else None
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .paths import REPO_ROOT, read_dir
 from .results import record_key
-from .steps import LADDER, STEP_NAMES
+from .steps import LADDER, STEP_NAMES, chain
 
 RESULTS_FILE = "results.jsonl"
 
@@ -154,7 +154,8 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
             continue
         by_step.setdefault(r["step"], {})[r["metric"]] = r
     rows = []
-    base = prev = None
+    base = None
+    measured: dict[str, float] = {}   # step -> throughput, for "x vs prev" along each step's chain
     for st in LADDER:
         m = by_step.get(st.name)
         if not m:
@@ -188,9 +189,11 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         # A step whose math changed keeps its measured speed-up; its status says not to trust it.
         if row["throughput"]:
             base = base or row["throughput"]
+            prev = next((measured[s.name] for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
             row["speedup_vs_baseline"] = row["throughput"] / base
             row["speedup_vs_prev"] = row["throughput"] / prev if prev else None
-            prev = row["throughput"]
+            row["prev_step"] = next((s.name for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
+            measured[st.name] = row["throughput"]
         else:
             row["speedup_vs_baseline"] = row["speedup_vs_prev"] = None
         rows.append(row)

@@ -142,6 +142,15 @@ def _counted(workload: str, step: str, profile: str, ceilings: dict | None, elem
                           saved_ms=bytes_ms(nb, ceilings))
     if step == "11_sequence_packing" and workload == "encoder_nli":
         return _packing(cfg, ceilings, precision_of(step))
+    if step == "21_fused_layernorm" and workload == "gpt":
+        # One pass per op (studies.breakdown.gpt_floors' count): the add reads the fp32 stream and the branch
+        # and writes the sum (10 d bytes a token), the LayerNorm reads the sum again (4 d) and writes its output
+        # (2 d); fused, the sum is normalised where it is made: 4 d bytes fewer per LayerNorm with an add before
+        # it (2 L of them), forward, and backward counted as twice the forward.
+        nb = 3.0 * wl.items_per_step(cfg) * 2 * cfg.n_layer * 4 * cfg.d_model
+        return Prediction(workload, step, "estimate", "the LayerNorms' re-read of each residual sum at one pass per "
+                          "op; inductor already fuses the forward add into the LayerNorm, so less may be left",
+                          bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
     return None
 
 

@@ -1,8 +1,10 @@
 """The optimizations as composable settings, and the cumulative ladder.
 
-Step k runs with the changes of steps 01..k. Each step states the tolerance of its "same math"
-check: the largest relative difference allowed between its loss curve and the previous step's
-over the first K steps from the same seed and data. Exact-math changes get a tight bound that only
+Step k runs with the changes of steps 01..k. A step past the recipe may build on an earlier step
+than the one listed before it (``Step.after``: a branch, such as a bf16 step that leaves the FP8
+step out); it then runs with the changes of its own chain. Each step states the tolerance of its
+"same math" check: the largest relative difference allowed between its loss curve and the previous
+step's over the first K steps from the same seed and data. Exact-math changes get a tight bound that only
 reordering of sums can use up; bf16 changes the arithmetic and gets a stated looser bound.
 """
 
@@ -56,6 +58,7 @@ class Step:
     why_na: dict = field(default_factory=dict)  # workload -> why the step does not apply to it
     same_arithmetic: bool = False   # the change leaves every operation as it was (only data delivery differs)
     beyond_recipe: bool = False     # past the standard recipe the seeds describe (notebooks 17+)
+    after: str | None = None        # the step it builds on, where that is not the one listed before it
 
 
 LADDER: tuple[Step, ...] = (
@@ -123,6 +126,18 @@ LADDER: tuple[Step, ...] = (
          workloads=("gpt",), beyond_recipe=True,
          why_na={w: "the FP8 step is built and measured for GPT-2's MLP only"
                  for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear", "resnet_bk")}),
+    # Built on 17, not on 18: FP8 is a branch of its own, and this step stays in bf16 (the same math as 17).
+    Step("21_fused_layernorm", "residual add + LayerNorm fused, one Triton kernel each way", {"fused_ln": True}, 1e-2,
+         after="17_fused_lm_head",
+         why_tolerance="the same sums in fp32, in one pass per direction: the LayerNorm's mean and variance, its "
+                       "backward's row sums and the gain and bias sums are reduced in another order, and the outputs "
+                       "are rounded into bf16 at the points where the unfused path rounds them: other rounding under bf16",
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the fused LayerNorm is measured on GPT-2's blocks",
+                 "encoder_nli": "post-LayerNorm blocks (a LayerNorm after each sum): the fused op is built for GPT's "
+                                "pre-LayerNorm blocks",
+                 **{w: "the fused residual LayerNorm is built into GPT's blocks only"
+                    for w in ("vit_bdh", "vit_bdh_linear")}}),
 )
 RECIPE_NAMES = tuple(s.name for s in LADDER if not s.beyond_recipe)
 
@@ -137,15 +152,27 @@ def get_step(name: str) -> Step:
 
 
 def previous(name: str) -> Step | None:
-    i = STEP_NAMES.index(get_step(name).name)
+    """The step ``name`` builds on: its ``after``, else the one listed before it; None for the first."""
+    step = get_step(name)
+    if step.after is not None:
+        return get_step(step.after)
+    i = STEP_NAMES.index(step.name)
     return LADDER[i - 1] if i else None
 
 
+def chain(name: str) -> list[Step]:
+    """The steps ``name`` builds on, first step first, ending with ``name`` itself."""
+    out, st = [], get_step(name)
+    while st is not None:
+        out.append(st)
+        st = previous(st.name)
+    return out[::-1]
+
+
 def settings_for(name: str) -> Settings:
-    """Cumulative settings of a step: every change up to and including it."""
-    step = get_step(name)
+    """Cumulative settings of a step: every change of its chain, up to and including it."""
     kw: dict = {}
-    for s in LADDER[: STEP_NAMES.index(step.name) + 1]:
+    for s in chain(name):
         kw.update(s.change)
     return Settings(**kw)
 

@@ -14,9 +14,22 @@ def test_ladder_is_cumulative():
     assert s7 == steps.Settings(tf32=True, autocast="bf16", attention="sdpa", fused_adamw=True, compile=True,
                                 vocab_multiple=64)
     assert steps.settings_for("04") == steps.settings_for("04_sdpa_attention")
-    for a, b in zip(steps.LADDER, steps.LADDER[1:]):
-        # each step adds exactly its own change to the step before
+    for b in steps.LADDER[1:]:
+        # each step adds exactly its own change to the step it builds on
+        a = steps.previous(b.name)
         assert steps.settings_for(b.name).diff(steps.settings_for(a.name)).keys() == b.change.keys()
+
+
+def test_a_step_built_on_an_earlier_step_leaves_the_branch_between_out():
+    """21 builds on 17, not on 18 (listed before it): FP8 stays out of its settings and its chain."""
+    assert steps.previous("21_fused_layernorm").name == "17_fused_lm_head"
+    assert [s.name for s in steps.chain("21")][-3:] == ["12_bk_core", "17_fused_lm_head", "21_fused_layernorm"]
+    s21 = steps.settings_for("21")
+    assert s21.fused_ln and s21.fused_head and not s21.fp8
+    assert s21.diff(steps.settings_for("17")) == {"fused_ln": (False, True)}
+    assert all(s.after is None or steps.STEP_NAMES.index(s.after) < steps.STEP_NAMES.index(s.name)
+               for s in steps.LADDER)
+    assert steps.describe("21") == [{"setting": "fused_ln", "before": False, "after": True}]
 
 
 def test_previous_and_describe():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import ChoiceError, DeviceInfo
-from ..ladder.session import make_optimizer
+from ..ladder.session import compile_model, make_optimizer
 from ..steps import LADDER, Settings, Step, get_step, not_applicable, resolve_autocast, settings_for
 from ..workloads import get_workload
 
@@ -158,7 +158,7 @@ def apply(strategy: str, model: torch.nn.Module, cfg, settings: Settings, device
 
 def _compiled(m: torch.nn.Module, settings: Settings) -> torch.nn.Module:
     # Inductor's default mode, as step 06 compiles: CUDA graphs are off under every strategy.
-    return torch.compile(m) if settings.compile else m
+    return compile_model(m) if settings.compile else m
 
 
 def apply_single(model, cfg, settings: Settings) -> Applied:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..steps import LADDER, STEP_NAMES, Step, get_step, not_applicable, previous
+from ..steps import STEP_NAMES, Step, chain, get_step, not_applicable, previous
 from .run import StepResult
 
 BF16_STEP, BF16_BEFORE = "03_bf16_autocast", "02_tf32"
@@ -54,7 +54,9 @@ def earlier_steps(step: str) -> list[str]:
 
 
 def _between(after: str, upto: str) -> list[Step]:
-    return list(LADDER[STEP_NAMES.index(after) + 1: STEP_NAMES.index(upto) + 1])
+    """The steps of ``upto``'s chain after ``after``, ``upto`` included."""
+    steps = chain(upto)
+    return steps[[s.name for s in steps].index(after) + 1:]
 
 
 def needs_bf16_floor(res: StepResult) -> bool:

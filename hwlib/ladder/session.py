@@ -11,6 +11,7 @@ import torch
 from .. import precision
 from ..memory.accumulation import accumulate, batch_size, plan_micro_batches
 from ..memory.offload import OffloadedAdamW
+from ..ops import fallbacks
 from ..steps import Settings
 from ..workloads import get_workload
 
@@ -24,6 +25,13 @@ def make_optimizer(model: torch.nn.Module, cfg, settings: Settings):
     if settings.offload_optimizer:
         return OffloadedAdamW(groups, **kw)
     return torch.optim.AdamW(groups, **kw, **({"fused": True} if settings.fused_adamw else {}))
+
+
+def compile_model(model: torch.nn.Module, mode: str | None = None):
+    """``torch.compile(model, mode=mode)`` after hwlib's custom ops are declared to inductor
+    (``hwlib.ops.fallbacks``: an undeclared op fed by a deep graph can keep inductor busy for minutes)."""
+    fallbacks.declare()
+    return torch.compile(model, mode=mode)
 
 
 class Session:
@@ -45,7 +53,7 @@ class Session:
         if settings.compile or settings.cuda_graphs:
             # reduce-overhead records the forward and backward graphs as CUDA graphs and replays them.
             mode = "reduce-overhead" if settings.cuda_graphs and device.type == "cuda" else None
-            self.fwd = torch.compile(self.model, mode=mode)
+            self.fwd = compile_model(self.model, mode=mode)
 
     def precision(self):
         """The fp32 math mode of these settings (TF32 or IEEE), for the whole session's work."""

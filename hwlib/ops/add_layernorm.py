@@ -32,6 +32,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from . import fallbacks
 from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
                       select_triton_backend)
 
@@ -170,6 +171,8 @@ def _backward(ctx, ds, dy, _dmean, _drstd):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+fallbacks.register(_fwd_op)
+fallbacks.register(_bwd_op)
 
 
 def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from hwlib.device import ChoiceError
 
+from . import fallbacks
 from .sources import TRITON_BACKENDS, load_python_kernel, resolve_triton_backend, select_triton_backend
 
 BACKENDS = TRITON_BACKENDS
@@ -296,6 +297,7 @@ def _backward(ctx, g_loss, _g_gh, _g_gw):
 
 
 _linear_ce_op.register_autograd(_backward, setup_context=_setup_context)
+fallbacks.register(_linear_ce_op)
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,

@@ -93,20 +93,18 @@ def mark_within_noise(rows: list[dict], spreads: dict[str, dict]) -> list[dict]:
     ``within_noise``: True when the step's speed-up over the step before, either way, is smaller
     than that spread; False when larger; None when neither step's spread was measured (nothing
     is said where nothing was measured)."""
-    out, prev = [], None
+    out = []
     for r in rows:
         r = dict(r)
         own = spreads.get(r["step"])
         r["process_spread"] = own["spread"] if own else None
         r["noise_spread"] = r["within_noise"] = None
-        x = r.get("speedup_vs_prev")
+        x, prev = r.get("speedup_vs_prev"), r.get("prev_step")   # the step it was taken against
         if r.get("throughput") and prev is not None and x:
-            known = [s["spread"] for s in (spreads.get(prev["step"]), own) if s]
+            known = [s["spread"] for s in (spreads.get(prev), own) if s]
             if known:
                 r["noise_spread"] = max(known)
                 r["within_noise"] = max(x, 1.0 / x) < r["noise_spread"]
-        if r.get("throughput"):
-            prev = r
         out.append(r)
     return out
 

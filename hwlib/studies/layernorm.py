@@ -1,0 +1,133 @@
+"""Notebook 21's study of the fused residual add + LayerNorm (``hwlib.ops.add_layernorm``): the op
+against float64 at odd sizes, and its two kernels alone at GPT-2 small's shape against the bytes they
+must move.
+
+Kernel timing: each sample is ``LAUNCHES`` back-to-back launches between two CUDA events, over input
+sets that rotate (together larger than L2), divided by ``LAUNCHES``: one launch of a ~50 us kernel
+would time the launch path as much as the kernel (``bench.time_fn`` synchronises every sample).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import bench, results
+from ..ops import add_layernorm as A
+
+NOTEBOOK = "21_fused_layernorm"
+LAUNCHES = 20
+INPUT_SETS = 4          # 4 x (x, r, s, y, ds, dy ...) at 16,384 x 768: ~1.4 GB, far beyond a 50 MB L2
+ODD_SIZES = ((37, 71), (130, 96), (257, 200), (5, 768))
+FP32_TOL = 1e-5     # relative, against float64: fp32 sums over at most a few hundred terms
+
+
+def _draw(m: int, d: int, gen: torch.Generator, device, dtype, r_dtype):
+    x = torch.randn(m, d, generator=gen, dtype=torch.float64) * 3 + torch.randn(m, 1, generator=gen, dtype=torch.float64)
+    r = torch.randn(m, d, generator=gen, dtype=torch.float64)
+    w = 1 + 0.3 * torch.randn(d, generator=gen, dtype=torch.float64)
+    b = 0.3 * torch.randn(d, generator=gen, dtype=torch.float64)
+    ds, dy = (torch.randn(m, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    return [t.to(device, dt) for t, dt in ((x, dtype), (r, r_dtype), (w, dtype), (b, dtype), (ds, dtype), (dy, dtype))]
+
+
+def _grads(fn, x, r, w, b, ds, dy, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+    s, y = fn(*leaves, **kw)
+    torch.autograd.backward([s, y], [ds.to(s.dtype), dy.to(y.dtype)])
+    return {"s": s.detach(), "y": y.detach(), "dx": leaves[0].grad, "dr": leaves[1].grad,
+            "dw": leaves[2].grad, "db": leaves[3].grad}
+
+
+def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
+    """The op (the backend ``auto`` picks on ``device``) in fp32 against float64 on fresh inputs of
+    sizes that are multiples of nothing: the largest relative error of s, y and the four gradients, and
+    whether it is within fp32's bound."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    backend = A.select_backend("auto", device)
+    rows = []
+    for m, d in sizes:
+        x, r, w, b, ds, dy = _draw(m, d, gen, device, torch.float32, torch.float32)
+        got = _grads(A.add_layer_norm, x, r, w, b, ds, dy, backend=backend)
+        ref = _grads(A.add_layer_norm_reference, *(t.double().cpu() for t in (x, r, w, b, ds, dy)))
+        err = {k: float((got[k].double().cpu() - ref[k]).norm() / ref[k].norm()) for k in ref}
+        worst = max(err.values())
+        rows.append({"M": m, "D": d, "backend": backend, **{f"{k} rel err": v for k, v in err.items()},
+                     "worst": worst, "within tolerance": worst < FP32_TOL})
+    return rows
+
+
+def _time_launches(fn, device, iters: int) -> bench.Timing:
+    fn(0)
+    bench.synchronize(device)
+    samples = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for j in range(LAUNCHES):
+            fn(i * LAUNCHES + j)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / LAUNCHES)
+    return bench.Timing.from_samples(samples)
+
+
+def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, seed: int = 0) -> list[dict]:
+    """The forward and backward kernels alone at [m, d] with GPT's dtypes (fp32 stream, bf16 branch and
+    output) at their default launch configuration: median ms per call (p20, p80), GB/s on the bytes
+    each must move (``add_layernorm.traffic_bytes``) and that over the measured copy ceiling."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
+    k = A._kernel()
+    gen = torch.Generator().manual_seed(seed)
+    sets = []
+    for _ in range(INPUT_SETS):
+        x, r, w, b, ds, dy = _draw(m, d, gen, device, torch.float32, torch.bfloat16)
+        s, y = torch.empty_like(x), torch.empty_like(r)
+        mean, rstd = torch.empty(m, device=device), torch.empty(m, device=device)
+        k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd)
+        sets.append(dict(x=x, r=r, w=w, b=b, ds=ds, dy=dy.to(torch.bfloat16), s=s, y=y, mean=mean, rstd=rstd,
+                         dx=torch.empty_like(x), dr=torch.empty_like(r)))
+    programs = A._programs(m, device, k.DEFAULT_BLOCK_M)
+    fwd = lambda i, S=sets: k.add_ln_fwd(*(S[i % INPUT_SETS][n] for n in ("x", "r", "w", "b")), 1e-5,
+                                           *(S[i % INPUT_SETS][n] for n in ("s", "y", "mean", "rstd")))
+    bwd = lambda i, S=sets: k.add_ln_bwd(*(S[i % INPUT_SETS][n] for n in ("dy", "ds", "s", "w", "mean", "rstd",
+                                                                          "dx", "dr")), programs)
+    nbytes = A.traffic_bytes(m, d)
+    copy = (ceilings or {}).get("copy_gbps")
+    rows = []
+    for name, fn in (("forward", fwd), ("backward", bwd)):
+        t = _time_launches(fn, device, iters)
+        gbps = nbytes[name] / (t.median_ms * 1e-3) / 1e9
+        rows.append({"kernel": name, "M": m, "D": d, "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
+                     "bytes": nbytes[name], "GB/s": gbps, "share of copy": gbps / copy if copy else None,
+                     "floor ms": nbytes[name] / (copy * 1e9) * 1e3 if copy else None})
+    return rows
+
+
+def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
+    """One ms record per kernel (its GB/s alongside); the shape in fields."""
+    recs = []
+    for r in rows:
+        f = {"study": "add_layernorm_kernel", "kernel": r["kernel"], "M": r["M"], "D": r["D"]}
+        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_ms",
+                                        value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile,
+                                        device=device, fields=f))
+        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_gbps",
+                                        value=r["GB/s"], unit="GB/s", profile=profile, device=device, fields=f))
+    return recs
+
+
+def kernel_prose(rows: list[dict]) -> str:
+    """The kernels alone, in words built from ``rows``."""
+    if not rows:
+        return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
+    parts = []
+    for r in rows:
+        text = (f"the {r['kernel']} kernel took {r['ms'] * 1e3:.1f} us per call at {r['M']:,} x {r['D']} "
+                f"({r['GB/s']:,.0f} GB/s on the {r['bytes'] / 1e6:.0f} MB it must move")
+        if r["share of copy"] is not None:
+            text += f", {r['share of copy']:.0%} of the measured copy bandwidth; its floor is {r['floor ms'] * 1e3:.1f} us"
+        parts.append(text + ")")
+    return "Alone, " + "; ".join(parts) + "."

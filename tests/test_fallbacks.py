@@ -1,0 +1,93 @@
+"""hwlib.ops.fallbacks: hwlib's custom ops declared to inductor before a compile, so that inductor
+never takes its implicit-fallback path (which formats every input's IR into a string first), with
+the layout constraint that path would have given them."""
+
+import logging
+
+import pytest
+import torch
+from torch._inductor import exc as inductor_exc
+from torch._inductor import lowering as L
+
+from hwlib.ladder.session import compile_model
+from hwlib.ops import add_layernorm as A
+from hwlib.ops import fallbacks, linear_ce  # noqa: F401  (registers its op)
+
+OPS = (torch.ops.hwlib.add_layer_norm.default, torch.ops.hwlib.add_layer_norm_backward.default,
+       torch.ops.hwlib.linear_cross_entropy.default)
+
+
+@pytest.fixture
+def undeclared(monkeypatch):
+    """hwlib's ops unknown to inductor, as in a fresh process; restored afterwards."""
+    for op in OPS:
+        monkeypatch.delitem(L.lowerings, op, raising=False)
+        monkeypatch.delitem(L._maybe_layout_constraints, op, raising=False)
+        monkeypatch.setattr(L, "needs_realized_inputs", L.needs_realized_inputs.copy())
+    # a cached graph is not lowered again: every compile here must lower
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _fused_ln(x, r, w, b):
+    s, y = A.add_layer_norm((x * 2).sin() + 1, r.cos(), w, b, backend="torch")   # inputs inductor must compute
+    return s.sum() + y.sum()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(19, 24, generator=g), torch.randn(19, 24, generator=g)
+    return x, r, torch.ones(24), torch.zeros(24)
+
+
+def test_every_hwlib_op_is_registered():
+    assert set(OPS) <= set(fallbacks.registered())
+
+
+def test_declare_makes_the_ops_known_with_the_implicit_paths_layout_constraint(undeclared):
+    # what inductor's own implicit fallback decides for the op ...
+    compiled = torch.compile(_fused_ln, fullgraph=True)
+    compiled(*_inputs())
+    implicit = {op: L.maybe_layout_constraints(op) for op in OPS[:1]}
+    assert OPS[0] in L.lowerings
+    # ... and what declare gives it, from a fresh state again
+    del L.lowerings[OPS[0]]
+    L._maybe_layout_constraints.pop(OPS[0], None)
+    torch._dynamo.reset()
+    declared = fallbacks.declare()
+    assert set(OPS) <= set(declared)
+    assert all(op in L.lowerings for op in OPS)
+    assert {op: L.maybe_layout_constraints(op) for op in OPS[:1]} == implicit
+    assert fallbacks.declare() == []       # declared once
+
+
+def test_a_declared_op_never_has_its_inputs_formatted(undeclared, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(inductor_exc.OperatorIssue, "operator_str",
+                        staticmethod(lambda *a, **k: calls.append(a[0]) or ""))
+    # the implicit-fallback line logged (torch 2.11 formats it even unlogged; later versions lazily)
+    caplog.set_level(logging.INFO, logger="torch._inductor.graph")
+    # undeclared, the compile formats the op's inputs (the test can fail) ...
+    torch.compile(_fused_ln, fullgraph=True)(*_inputs())
+    assert OPS[0] in calls
+    for op in OPS:
+        L.lowerings.pop(op, None)
+    torch._dynamo.reset()
+    calls.clear()
+    # ... declared, it does not, and computes what eager does
+    fallbacks.declare()
+    got = torch.compile(_fused_ln, fullgraph=True)(*_inputs())
+    assert calls == []
+    torch.testing.assert_close(got, _fused_ln(*_inputs()), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_model_declares_first(undeclared):
+    compile_model(torch.nn.Linear(3, 3))
+    assert all(op in L.lowerings for op in OPS)
+
+
+def test_register_refuses_what_is_not_an_op():
+    with pytest.raises(TypeError, match="op must be"):
+        fallbacks.register(lambda x: x)
