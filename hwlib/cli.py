@@ -206,21 +206,19 @@ def _workloads(args) -> list[str] | None:
     return workloads
 
 
-# A notebook's kernel dumps every thread's Python stack into this file when sent SIGUSR1
-# (``hwlib.notebook.setup`` arms it): what a notebook that ran past its limit was doing.
+# A notebook's kernel dumps every thread's Python stack into executed/<name>.stacks shortly before
+# the notebook or a cell of it runs out of time (``hwlib.notebook.arm_stack_dump``, armed by setup).
 STACKS_ENV = "HWLIB_STACKS_FILE"
-STACKS_WAIT_S = 3.0
+STACKS_WAIT_S = 5.0
 
 
-def _dump_stacks(watch, path: str | None) -> str:
-    """Ask the notebook's processes for their Python stacks before they are ended; the words for the
-    failure's reason (where the dump went), or nothing where none could be asked for."""
-    if not path or not hasattr(signal, "SIGUSR1") or not watch.signal(signal.SIGUSR1, "ipykernel"):
-        return ""
-    end = time.monotonic() + STACKS_WAIT_S
-    while not _written(Path(path)) and time.monotonic() < end:
+def _stacks_note(path: Path, wait_s: float = 0.0) -> str:
+    """The words for a failure's reason that say where its kernel's stacks are, if it wrote them
+    (waiting up to ``wait_s`` for a dump due about now)."""
+    end = time.monotonic() + wait_s
+    while not _written(path) and time.monotonic() < end:
         time.sleep(0.1)
-    return f"; its kernel's stacks at the limit: {path}" if _written(Path(path)) else ""
+    return f"; its kernel's stacks: {path}" if _written(path) else ""
 
 
 def _written(path: Path) -> bool:
@@ -231,7 +229,9 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
              workloads: list[str] | None = None, params: dict | None = None) -> tuple[str, str]:
     executed = run / "executed"
     log = executed / f"{nb.stem}.log"
-    env = {**env, STACKS_ENV: str(executed / f"{nb.stem}.stacks")}
+    stacks = executed / f"{nb.stem}.stacks"
+    env = {**env, STACKS_ENV: str(stacks), "HWLIB_STACKS_DEADLINE": str(time.time() + args.timeout),
+           "HWLIB_STACKS_CELL_S": str(args.cell_timeout)}
     cmd = [sys.executable, "-m", "papermill", str(nb), str(executed / nb.name), "-k", "python3",
            "--cwd", str(nb.parent), "-p", "profile", profile, "-p", "device", device,
            "--execution-timeout", str(math.ceil(args.cell_timeout)), "--no-progress-bar", "--log-output"]
@@ -252,20 +252,19 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
                 except subprocess.TimeoutExpired:
                     if time.monotonic() > deadline:
                         return "timeout", (f"exceeded the per-notebook limit of {args.timeout:.0f} s"
-                                           + _dump_stacks(watch, env.get(STACKS_ENV)))
+                                           + _stacks_note(stacks, STACKS_WAIT_S))
         finally:
             # On a time limit, a signal or any error, and after a normal end too (a kernel that
             # outlived papermill): nothing of the notebook's tree may keep running.
             with shielded():
                 watch.end()
                 proc.wait()
-            stacks = Path(env[STACKS_ENV])
-            if stacks.exists() and not _written(stacks):
-                stacks.unlink()   # armed, never dumped
+            if stacks.exists() and (not _written(stacks) or proc.returncode == 0):
+                stacks.unlink()   # armed, never dumped, or dumped by a cell that then finished in time
     if rc == 0:
         return "ok", ""
     tail = log.read_text(errors="replace").strip().splitlines()[-6:]
-    return "failed", " | ".join(t.strip() for t in tail)[-400:]
+    return "failed", " | ".join(t.strip() for t in tail)[-400:] + _stacks_note(stacks)
 
 
 def check_folder(run: Path, name: str, profile: str, device_name: str, args) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import time
 import warnings
 
 from . import ceilings, query, results, roofline
@@ -33,22 +34,40 @@ def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
 
 
 _STACKS: list = []   # the open file faulthandler writes stack dumps to: kept for the process's life
+STACKS_MARGIN_S = 3.0   # the dump comes this long before the limit, so that it is written before the kernel is ended
 
 
 def arm_stack_dump() -> str | None:
-    """Under ``hwlib reproduce`` (``$HWLIB_STACKS_FILE``), make SIGUSR1 dump every thread's Python stack
-    into that file: reproduce sends it to a notebook that runs past its time limit, before ending it.
-    Returns the file, or None where nothing was armed."""
+    """Under ``hwlib reproduce`` (``$HWLIB_STACKS_FILE``), have every thread's Python stack dumped into
+    that file a few seconds before this notebook (``$HWLIB_STACKS_DEADLINE``, its end in epoch
+    seconds) or the cell running then (``$HWLIB_STACKS_CELL_S``, each cell's limit) runs out of time:
+    what a notebook that is then ended was doing. faulthandler's timer dumps from a thread of its own,
+    which needs nothing from the stuck one (a kernel stuck in inductor's compile on an H100 dumped this
+    way, where a signal sent to it from outside left nothing). Re-armed as each cell starts. Returns
+    the file, or None where nothing was armed."""
     import faulthandler
-    import signal
     if _STACKS:
         return _STACKS[0].name
     path = os.environ.get("HWLIB_STACKS_FILE")
-    if not path or not hasattr(signal, "SIGUSR1"):
+    deadline = float(os.environ.get("HWLIB_STACKS_DEADLINE") or "inf")
+    cell_s = float(os.environ.get("HWLIB_STACKS_CELL_S") or "inf")
+    if not path or (deadline == cell_s == float("inf")):
         return None
     f = open(path, "w")   # noqa: SIM115 (faulthandler writes to its descriptor until the process ends)
-    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
     _STACKS.append(f)
+
+    def arm(*_info) -> None:
+        left = min(deadline - time.time(), cell_s) - STACKS_MARGIN_S
+        faulthandler.dump_traceback_later(max(left, 1.0), file=f)
+
+    arm()
+    try:
+        from IPython import get_ipython
+        ip = get_ipython()
+    except ImportError:
+        ip = None
+    if ip is not None:
+        ip.events.register("pre_run_cell", arm)
     return path
 
 

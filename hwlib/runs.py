@@ -197,22 +197,6 @@ class TreeWatch:
             results.write_json(self.path, {"host": HOST, "cli_pid": os.getpid(), "notebook": self.notebook,
                                            "procs": [[p, t] for p, t in self.procs.items()]})
 
-    def signal(self, signum: int, command: str) -> list[int]:
-        """Send ``signum`` to the live processes of the tree whose command line holds ``command`` (the
-        notebook's kernel, for a stack dump before the tree is ended; other processes would die of a
-        signal they do not handle); returns the pids signalled."""
-        self._collect()
-        sent = []
-        for pid in alive(list(self.procs.items())):
-            try:
-                if command.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    continue
-                os.kill(pid, signum)
-                sent.append(pid)
-            except OSError:   # gone, not ours, or no /proc here
-                pass
-        return sent
-
     def end(self) -> list[int]:
         """End the whole tree: what was seen of it and what is under papermill now. Writes
         nothing before it kills: ending the tree must not depend on the disk."""

@@ -159,9 +159,10 @@ def test_set_option_passes_a_parameter_and_records_it(tmp_path, outputs, capsys)
 
 
 def test_a_notebook_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
-    """Before a notebook that ran past its time limit is ended, its kernel (armed by
-    ``notebook.setup``, here by ``arm_stack_dump`` alone) dumps every thread's Python stack into
-    executed/<name>.stacks, and the failure's reason says where; a notebook that ends in time leaves none."""
+    """Before a notebook that runs past its time limit, or a cell past its own, is ended, its kernel
+    (armed by ``notebook.setup``, here by ``arm_stack_dump`` alone) dumps every thread's Python stack
+    into executed/<name>.stacks, and the failure's reason says where; a notebook that ends in time
+    leaves none."""
     d = tmp_path / "hang_nbs"
     d.mkdir()
     make_nb(d / "00_quick.ipynb", "from hwlib.notebook import arm_stack_dump\nassert arm_stack_dump()")
@@ -176,3 +177,21 @@ def test_a_notebook_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
     assert state["01_hangs"]["status"] == "timeout" and str(stacks) in state["01_hangs"]["reason"]
     text = stacks.read_text()
     assert "stuck_here" in text and "Thread" in text, text
+
+
+def test_a_cell_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
+    """Re-armed as each cell starts: a later cell stuck past the per-cell limit (papermill fails the
+    notebook) leaves its stacks, named in the reason."""
+    d = tmp_path / "cell_nbs"
+    d.mkdir()
+    make_nb(d / "00_cell.ipynb", "from hwlib.notebook import arm_stack_dump\nassert arm_stack_dump()")
+    nb = nbf.read(d / "00_cell.ipynb", as_version=4)
+    nb.cells.append(nbf.v4.new_code_cell("import time\n\ndef stuck_in_cell():\n    time.sleep(300)\n\nstuck_in_cell()"))
+    nbf.write(nb, d / "00_cell.ipynb")
+    assert cli.main(["reproduce", "--notebooks", str(d), "--run", "cell", "--profile", "smoke", "--device", "cpu",
+                     "--timeout", "120", "--cell-timeout", "12", "--quiet"]) == 1
+    run = outputs / "cell"
+    state = json.loads((run / "state.json").read_text())
+    stacks = run / "executed" / "00_cell.stacks"
+    assert state["00_cell"]["status"] == "failed" and str(stacks) in state["00_cell"]["reason"], state["00_cell"]
+    assert "stuck_in_cell" in stacks.read_text()
