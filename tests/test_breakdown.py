@@ -23,7 +23,7 @@ NAMES = {
     "lm_head_ce": ["_ce_rows_kernel", "triton_red_fused__log_softmax_nll_loss_forward_12", "triton_red_fused__log_softmax_backward_data_3",
                    "triton_per_fused_nll_loss_backward_nll_loss_forward_2", "_linear_ce_fwd_kernel"],
     "elementwise": ["triton_poi_fused_add_gelu_7", "triton_red_fused_native_layer_norm_native_layer_norm_backward_9",
-                    "triton_per_fused_native_layer_norm_4",
+                    "triton_per_fused_native_layer_norm_4", "_add_ln_fwd_kernel", "_add_ln_bwd_kernel",
                     "triton_poi_fused__scaled_dot_product_cudnn_attention_transpose_view_3",
                     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul>>",
                     "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float>>>"],
