@@ -1,5 +1,6 @@
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -11,6 +12,15 @@ import torch
 # the Triton kernels run interpreted on CPU tensors; with one they compile as usual.
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# Compiled graphs go to a cache per version of hwlib's code, as a run's do (hwlib.paths.compile_cache_env):
+# inductor keys a cached graph on the graph, not on a custom op's Python, so a graph compiled against
+# an op's earlier fake implementation would be reused after the op changed.
+from hwlib.paths import compile_cache_env  # noqa: E402
+from hwlib.results import code_digest  # noqa: E402
+
+for _k, _v in compile_cache_env(Path(tempfile.gettempdir()) / "hwlib-tests", code_digest()).items():
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture(autouse=True)
