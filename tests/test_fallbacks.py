@@ -91,3 +91,9 @@ def test_compile_model_declares_first(undeclared):
 def test_register_refuses_what_is_not_an_op():
     with pytest.raises(TypeError, match="op must be"):
         fallbacks.register(lambda x: x)
+
+
+def test_a_torch_without_tag_layout_constraints_keeps_its_own_path(undeclared, monkeypatch):
+    monkeypatch.delattr(L, "tag_to_layout_constraint")
+    assert fallbacks.declare() == []
+    assert not any(op in L.lowerings for op in OPS)

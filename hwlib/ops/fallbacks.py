@@ -37,14 +37,20 @@ def registered() -> tuple:
 
 def declare() -> list:
     """Declare every registered op not yet known to inductor as a fallback kernel; returns those
-    declared now (an op already lowered, by an earlier call or an earlier compile, is left as it is)."""
+    declared now (an op already lowered, by an earlier call or an earlier compile, is left as it is;
+    on a torch without tag-based layout constraints, none)."""
     from torch._inductor import lowering as L
-    from torch._library.utils import get_layout_constraint_tag
+    try:
+        from torch._library.utils import get_layout_constraint_tag
+        to_constraint = L.tag_to_layout_constraint
+    except (ImportError, AttributeError):
+        # an older torch decides a custom op's layout per call: its own implicit path stays
+        return []
     done = []
     for op in _OPS:
         if op in L.lowerings:
             continue
-        constraint = L.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        constraint = to_constraint(get_layout_constraint_tag(op, with_default=True))
         L.make_fallback(op, layout_constraint=constraint)
         done.append(op)
     return done
