@@ -230,6 +230,7 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
     executed = run / "executed"
     log = executed / f"{nb.stem}.log"
     stacks = executed / f"{nb.stem}.stacks"
+    stacks.unlink(missing_ok=True)   # an earlier attempt's dump is not this one's
     env = {**env, STACKS_ENV: str(stacks), "HWLIB_STACKS_DEADLINE": str(time.time() + args.timeout),
            "HWLIB_STACKS_CELL_S": str(args.cell_timeout)}
     cmd = [sys.executable, "-m", "papermill", str(nb), str(executed / nb.name), "-k", "python3",

@@ -57,6 +57,9 @@ def arm_stack_dump() -> str | None:
     _STACKS.append(f)
 
     def arm(*_info) -> None:
+        # a dump from a cell that then finished in time is not this cell's: start the file afresh
+        f.seek(0)
+        f.truncate()
         left = min(deadline - time.time(), cell_s) - STACKS_MARGIN_S
         faulthandler.dump_traceback_later(max(left, 1.0), file=f)
 

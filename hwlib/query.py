@@ -195,7 +195,7 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
             row["prev_step"] = next((s.name for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
             measured[st.name] = row["throughput"]
         else:
-            row["speedup_vs_baseline"] = row["speedup_vs_prev"] = None
+            row["speedup_vs_baseline"] = row["speedup_vs_prev"] = row["prev_step"] = None
         rows.append(row)
     return rows
 

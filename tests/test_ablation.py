@@ -134,5 +134,8 @@ def test_a_spent_budget_skips_toggles_without_recording_them(tmp_path):
 def test_removals_follow_the_ladder():
     assert ablation.removals_for("10_channels_last", "vit_bdh")[-1] == "without_10_channels_last"
     assert "without_07_nice_shapes" not in ablation.removals_for("10_channels_last", "vit_bdh")
+    # a branch: 21 builds on 17, so removing FP8 (18) is not one of its removals
+    gpt21 = ablation.removals_for("21_fused_layernorm", "gpt")
+    assert gpt21[-2:] == ["without_17_fused_lm_head", "without_21_fused_layernorm"] and "without_18_fp8" not in gpt21
     t = ablation.get_toggle("without_06_torch_compile")
     assert t.without.settings == {"compile": False, "cuda_graphs": False} and t.rebuild

@@ -18,17 +18,32 @@ OPS = (torch.ops.hwlib.add_layer_norm.default, torch.ops.hwlib.add_layer_norm_ba
 
 
 @pytest.fixture
-def undeclared(monkeypatch):
-    """hwlib's ops unknown to inductor, as in a fresh process; restored afterwards."""
-    for op in OPS:
-        monkeypatch.delitem(L.lowerings, op, raising=False)
-        monkeypatch.delitem(L._maybe_layout_constraints, op, raising=False)
-        monkeypatch.setattr(L, "needs_realized_inputs", L.needs_realized_inputs.copy())
-    # a cached graph is not lowered again: every compile here must lower
+def undeclared():
+    """hwlib's ops unknown to inductor, as in a fresh process; what inductor knew of them is put back
+    afterwards. Caches are off: a cached graph is not lowered again, and every compile here must lower."""
+    tables = (L.lowerings, L._maybe_layout_constraints)
+    saved = [{op: t[op] for op in OPS if op in t} for t in tables]
+    realized = {op for op in OPS if op in L.needs_realized_inputs}
+
+    def forget():
+        for t in tables:
+            for op in OPS:
+                t.pop(op, None)
+        for op in OPS:
+            L.needs_realized_inputs.discard(op)
+
+    forget()
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            yield forget
+    finally:
+        forget()
+        for t, kept in zip(tables, saved):
+            t.update(kept)
+        L.needs_realized_inputs.update(realized)
+        torch._dynamo.reset()
 
 
 def _fused_ln(x, r, w, b):
@@ -53,8 +68,7 @@ def test_declare_makes_the_ops_known_with_the_implicit_paths_layout_constraint(u
     implicit = {op: L.maybe_layout_constraints(op) for op in OPS[:1]}
     assert OPS[0] in L.lowerings
     # ... and what declare gives it, from a fresh state again
-    del L.lowerings[OPS[0]]
-    L._maybe_layout_constraints.pop(OPS[0], None)
+    undeclared()
     torch._dynamo.reset()
     declared = fallbacks.declare()
     assert set(OPS) <= set(declared)
@@ -72,8 +86,7 @@ def test_a_declared_op_never_has_its_inputs_formatted(undeclared, monkeypatch, c
     # undeclared, the compile formats the op's inputs (the test can fail) ...
     torch.compile(_fused_ln, fullgraph=True)(*_inputs())
     assert OPS[0] in calls
-    for op in OPS:
-        L.lowerings.pop(op, None)
+    undeclared()
     torch._dynamo.reset()
     calls.clear()
     # ... declared, it does not, and computes what eager does
@@ -88,9 +101,12 @@ def test_compile_model_declares_first(undeclared):
     assert all(op in L.lowerings for op in OPS)
 
 
-def test_register_refuses_what_is_not_an_op():
+def test_register_refuses_what_is_not_one_of_hwlibs_ops():
     with pytest.raises(TypeError, match="op must be"):
         fallbacks.register(lambda x: x)
+    with pytest.raises(ValueError, match="namespace hwlib"):
+        fallbacks.register(torch.ops.aten.add.Tensor)
+    assert torch.ops.aten.add.Tensor not in fallbacks.registered()
 
 
 def test_a_torch_without_tag_layout_constraints_keeps_its_own_path(undeclared, monkeypatch):

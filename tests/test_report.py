@@ -42,6 +42,23 @@ def test_ladder_rows_derive_speedups(ladder):
     assert rows["04_sdpa_attention"]["status"] == "math changed"
 
 
+def test_every_ladder_row_has_the_same_columns_when_the_first_step_did_not_run(isolated_run):
+    """A baseline that ran out of memory: the rows after it still write as one CSV table."""
+    put("01_baseline_fp32", status="skipped", reason="out of memory")
+    put("03_bf16_autocast", ms=5.0, tps=2000.0, check=1e-3)
+    put("17_fused_lm_head", ms=4.0, tps=2500.0, check=1e-3)
+    put("18_fp8", ms=4.5, tps=2200.0, check=1e-3)
+    put("21_fused_layernorm", ms=3.8, tps=2600.0, check=1e-3)
+    rows = query.ladder_rows(query.load(), "gpt")
+    assert len({tuple(r) for r in rows}) == 1, [list(r) for r in rows]
+    by = {r["step"]: r for r in rows}
+    assert by["01_baseline_fp32"]["prev_step"] is None
+    # 21 builds on 17, not on 18: its "x vs prev" is against 17
+    assert by["21_fused_layernorm"]["prev_step"] == "17_fused_lm_head"
+    assert by["21_fused_layernorm"]["speedup_vs_prev"] == pytest.approx(2600 / 2500)
+    assert Path(report.write_all()["gpt.csv"]).read_text().count("\n") == len(rows) + 1
+
+
 def test_markdown_table_and_prose_use_the_numbers(ladder):
     rows = query.ladder_rows(query.load(), "gpt")
     md = report.markdown_table(rows)

@@ -23,10 +23,13 @@ _OPS: list[torch._ops.OpOverload] = []
 
 
 def register(op) -> None:
-    """Remember a custom op (a ``torch.library.custom_op`` or an OpOverload) for ``declare``."""
+    """Remember one of hwlib's custom ops (a ``torch.library.custom_op`` or its OpOverload) for ``declare``."""
     overload = getattr(op, "_opoverload", op)
     if not isinstance(overload, torch._ops.OpOverload):
         raise TypeError(f"op must be a custom op or an OpOverload, got {type(op).__name__}")
+    if overload.namespace != "hwlib":
+        # inductor's implicit path decides other ops' layouts by other rules (aten's: contiguous in backward)
+        raise ValueError(f"op must be one of hwlib's custom ops (namespace hwlib), got {overload}")
     if overload not in _OPS:
         _OPS.append(overload)
 

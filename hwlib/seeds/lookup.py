@@ -172,11 +172,10 @@ def _ladder_pair(run: RunRecords, w: str, lk: Ladder):
             return f"{lk.after} of {w} is not in this run"
         if after["status"] != "ok" or not after["throughput"]:
             return f"{lk.after} is {after['status']} for {w}" + (f": {after['reason']}" if after.get("reason") else "")
-    if lk.before == "prev":
-        earlier = [r for r in rows[: rows.index(after)] if r["throughput"]]
-        if not earlier:
+    if lk.before == "prev":   # the measured step it builds on (its chain: 21 builds on 17, not on 18)
+        before = by.get(after.get("prev_step") or "")
+        if before is None:
             return f"no step of {w} before {after['step']} was measured"
-        before = earlier[-1]
     else:
         before = by.get(lk.before)
         if before is None or not before["throughput"]:

@@ -50,7 +50,7 @@ from ..ladder.run import check_plan, compile_seconds
 from ..ladder.same_math import compare_curves
 from ..ladder.session import Session, detect_sdpa_backend, make_optimizer
 from ..profiles import Plan, resolve_profile
-from ..steps import LADDER, STEP_NAMES, Settings, get_step, not_applicable, resolve_autocast, settings_for, unavailable
+from ..steps import LADDER, STEP_NAMES, Settings, chain, get_step, not_applicable, resolve_autocast, settings_for, unavailable
 from ..workloads import get_workload
 
 NOTEBOOK = "19_ablations"
@@ -358,8 +358,9 @@ def register(*toggles: Toggle) -> None:
 
 
 def removals_for(step: str, workload: str) -> list[str]:
-    """The removal toggles of every step up to ``step`` that applies to ``workload`` (02 onwards)."""
-    names = STEP_NAMES[: STEP_NAMES.index(get_step(step).name) + 1]
+    """The removal toggles of every step of ``step``'s chain (the steps it builds on, and itself) that
+    applies to ``workload`` (02 onwards)."""
+    names = {s.name for s in chain(step)}
     return [f"without_{s.name}" for s in LADDER if s.name in names and s.change and not not_applicable(s, workload)]
 
 

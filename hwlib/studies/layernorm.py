@@ -89,7 +89,7 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
         k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd)
         sets.append(dict(x=x, r=r, w=w, b=b, ds=ds, dy=dy.to(torch.bfloat16), s=s, y=y, mean=mean, rstd=rstd,
                          dx=torch.empty_like(x), dr=torch.empty_like(r)))
-    programs = A._programs(m, device, k.DEFAULT_BLOCK_M)
+    programs = A._programs(m, device, k.launch_config(d)[0])
     fwd = lambda i, S=sets: k.add_ln_fwd(*(S[i % INPUT_SETS][n] for n in ("x", "r", "w", "b")), 1e-5,
                                            *(S[i % INPUT_SETS][n] for n in ("s", "y", "mean", "rstd")))
     bwd = lambda i, S=sets: k.add_ln_bwd(*(S[i % INPUT_SETS][n] for n in ("dy", "ds", "s", "w", "mean", "rstd",
