@@ -35,7 +35,7 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup pin-notebooks constraints reproduce test test-unit test-unit-late test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
+.PHONY: setup pin-notebooks constraints reproduce test test-unit test-unit-late test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
 
 setup: $(SETUP_STAMP)
 
@@ -65,15 +65,20 @@ reproduce: setup
 # tests come in two parts so that the cores stay busy to the end: the subprocess-heavy runner tests
 # start when the first long suite ends.
 UNIT_LATE := tests/test_integrity_cli.py tests/test_bk_core_prebuild.py tests/test_colab.py
+# Tests that mostly wait for a notebook's time limit: beside the CPU-bound suites, not after them.
+UNIT_WAITS := tests/test_stack_dumps.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
-test-unit test-unit-late test-notebooks-ladder test-notebooks-studies test-kernels test-browser: \
+test-unit test-unit-late test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser: \
     export OMP_WAIT_POLICY := PASSIVE
-test: setup test-unit test-kernels test-notebooks-ladder test-notebooks-studies test-unit-late test-browser
+test: setup test-unit test-unit-waits test-kernels test-notebooks-ladder test-notebooks-studies test-unit-late test-browser
 
 test-unit: setup
-	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_LATE))
+	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_LATE) $(UNIT_WAITS))
+
+test-unit-waits: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_WAITS)
 
 test-unit-late: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_LATE)
