@@ -87,27 +87,36 @@ class StepClock:
         return Timing.from_samples(self.samples_ms())
 
 
-def time_fn(fn: Callable[[int], object], device: torch.device, *, warmup: int = 3, iters: int = 20) -> Timing:
+def time_fn(fn: Callable[[int], object], device: torch.device, *, warmup: int = 3, iters: int = 20,
+            group: int = 1) -> Timing:
     """Time ``fn(i)`` per call. ``fn`` gets the call index so it can rotate among input sets
-    larger than L2 (otherwise repeated calls measure the cache, not memory)."""
+    larger than L2 (otherwise repeated calls measure the cache, not memory). Each sample runs
+    ``group`` calls back to back and is their mean: a kernel of tens of microseconds timed one call
+    per sample would time the launch and the sync as much as the kernel."""
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    for i in range(warmup):
-        fn(i)
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+
+    def run(k: int) -> None:
+        for j in range(group):
+            fn(k * group + j)
+    for k in range(warmup):
+        run(k)
     synchronize(device)
     samples = []
     for i in range(iters):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn(warmup + i)
+            run(warmup + i)
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end))
+            samples.append(start.elapsed_time(end) / group)
         else:
             t0 = time.perf_counter()
-            fn(warmup + i)
-            samples.append((time.perf_counter() - t0) * 1e3)
+            run(warmup + i)
+            samples.append((time.perf_counter() - t0) * 1e3 / group)
     return Timing.from_samples(samples)
 
 

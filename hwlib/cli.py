@@ -207,8 +207,7 @@ def _workloads(args) -> list[str] | None:
 
 
 # A notebook's kernel dumps every thread's Python stack into executed/<name>.stacks shortly before
-# the notebook or a cell of it runs out of time (``hwlib.notebook.arm_stack_dump``, armed by setup).
-STACKS_ENV = "HWLIB_STACKS_FILE"
+# the notebook or a cell of it runs out of time (``runs.stacks_env``; armed by ``notebook.setup``).
 STACKS_WAIT_S = 5.0
 
 
@@ -231,8 +230,7 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
     log = executed / f"{nb.stem}.log"
     stacks = executed / f"{nb.stem}.stacks"
     stacks.unlink(missing_ok=True)   # an earlier attempt's dump is not this one's
-    env = {**env, STACKS_ENV: str(stacks), "HWLIB_STACKS_DEADLINE": str(time.time() + args.timeout),
-           "HWLIB_STACKS_CELL_S": str(args.cell_timeout)}
+    env = {**env, **runs.stacks_env(stacks, args.timeout, args.cell_timeout)}
     cmd = [sys.executable, "-m", "papermill", str(nb), str(executed / nb.name), "-k", "python3",
            "--cwd", str(nb.parent), "-p", "profile", profile, "-p", "device", device,
            "--execution-timeout", str(math.ceil(args.cell_timeout)), "--no-progress-bar", "--log-output"]

@@ -16,7 +16,7 @@ import os
 import time
 import warnings
 
-from . import ceilings, query, results, roofline
+from . import ceilings, query, results, roofline, runs
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
@@ -48,9 +48,9 @@ def arm_stack_dump() -> str | None:
     import faulthandler
     if _STACKS:
         return _STACKS[0].name
-    path = os.environ.get("HWLIB_STACKS_FILE")
-    deadline = float(os.environ.get("HWLIB_STACKS_DEADLINE") or "inf")
-    cell_s = float(os.environ.get("HWLIB_STACKS_CELL_S") or "inf")
+    path = os.environ.get(runs.STACKS_FILE)
+    deadline = float(os.environ.get(runs.STACKS_DEADLINE) or "inf")
+    cell_s = float(os.environ.get(runs.STACKS_CELL_S) or "inf")
     if not path or (deadline == cell_s == float("inf")):
         return None
     f = open(path, "w")   # noqa: SIM115 (faulthandler writes to its descriptor until the process ends)

@@ -189,10 +189,10 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         # A step whose math changed keeps its measured speed-up; its status says not to trust it.
         if row["throughput"]:
             base = base or row["throughput"]
-            prev = next((measured[s.name] for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
+            prev = next((s.name for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
             row["speedup_vs_baseline"] = row["throughput"] / base
-            row["speedup_vs_prev"] = row["throughput"] / prev if prev else None
-            row["prev_step"] = next((s.name for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
+            row["speedup_vs_prev"] = row["throughput"] / measured[prev] if prev else None
+            row["prev_step"] = prev
             measured[st.name] = row["throughput"]
         else:
             row["speedup_vs_baseline"] = row["speedup_vs_prev"] = row["prev_step"] = None

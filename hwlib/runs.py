@@ -12,6 +12,7 @@ and the notebook's process tree.
   (frozen first, so that no child escapes by being re-parented, then killed). A run that finds
   that file from a killed run ends what is still alive of it before it measures anything:
   a leftover beside a measurement makes its timings wrong.
+- The notebook's kernel dumps its stacks shortly before its time runs out (``stacks_env``).
 """
 
 from __future__ import annotations
@@ -178,6 +179,17 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+# Where and when a notebook's kernel dumps its stacks (``hwlib.notebook.arm_stack_dump``): set by
+# ``hwlib reproduce`` for each notebook it runs.
+STACKS_FILE, STACKS_DEADLINE, STACKS_CELL_S = "HWLIB_STACKS_FILE", "HWLIB_STACKS_DEADLINE", "HWLIB_STACKS_CELL_S"
+
+
+def stacks_env(path: Path, timeout_s: float, cell_timeout_s: float) -> dict[str, str]:
+    """The environment that has a notebook started now dump its stacks into ``path`` shortly before its
+    ``timeout_s`` or a cell's ``cell_timeout_s`` runs out."""
+    return {STACKS_FILE: str(path), STACKS_DEADLINE: str(time.time() + timeout_s), STACKS_CELL_S: str(cell_timeout_s)}
 
 
 class TreeWatch:

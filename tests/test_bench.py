@@ -54,6 +54,19 @@ def test_time_fn_warms_up_and_passes_rotating_index():
         bench.time_fn(lambda i: None, torch.device("cpu"), iters=0)
 
 
+def test_time_fn_groups_calls_into_one_sample_of_their_mean():
+    seen = []
+
+    def nap(i):
+        seen.append(i)
+        time.sleep(0.01)
+    t = bench.time_fn(nap, torch.device("cpu"), warmup=1, iters=3, group=4)
+    assert seen == list(range(16)) and t.n == 3        # 4 groups of 4 calls, indices never repeated
+    assert all(9.5 <= s < 30 for s in t.samples_ms), t.samples_ms   # per call, not per group of four
+    with pytest.raises(ValueError, match="group"):
+        bench.time_fn(nap, torch.device("cpu"), group=0)
+
+
 def test_wall_s_includes_the_call():
     s, out = bench.wall_s(lambda: time.sleep(0.03) or 7, torch.device("cpu"))
     assert s >= 0.029 and out == 7

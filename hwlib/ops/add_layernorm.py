@@ -84,13 +84,15 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     return select_triton_backend(KERNEL_FILE, backend, device)
 
 
-def _programs(M: int, device: torch.device, block_m: int) -> int:
-    """Persistent backward programs: a few per multiprocessor, never more than there are row blocks."""
-    blocks = max(1, -(-M // block_m))
+def _programs(M: int, D: int, device: torch.device) -> int:
+    """Persistent backward programs for [M, D] rows at the kernel's launch configuration: a few per
+    multiprocessor, never more than there are row blocks."""
+    k = _kernel()
+    blocks = max(1, -(-M // k.launch_config(D)[0]))
     if device.type != "cuda":
         return min(blocks, 4)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(blocks, sms * _kernel().PROGRAMS_PER_SM)
+    return min(blocks, sms * k.PROGRAMS_PER_SM)
 
 
 def _fwd_torch(x, r, w, b, eps, y_dtype):
@@ -146,7 +148,7 @@ def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: 
     k = _kernel()
     dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
     part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
-                        _programs(s.shape[0], s.device, k.launch_config(s.shape[1])[0]))
+                        _programs(*s.shape, s.device))
     return dx, dr, part.sum(0).to(weight.dtype)
 
 

@@ -46,8 +46,6 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from hwlib.device import ChoiceError
-
 from . import fallbacks
 from .sources import TRITON_BACKENDS, load_python_kernel, resolve_triton_backend, select_triton_backend
 
@@ -311,8 +309,6 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     ``F.cross_entropy``). ``chunk``: rows per chunk (default: ``chunk_rows``). Non-contiguous
     inputs are made contiguous (a copy). Under autocast the GEMMs run in autocast's dtype."""
     vocab = check_inputs(h, weight, targets, vocab, ignore_index, chunk)
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ChoiceError("backend", backend, BACKENDS)
     name = resolve_triton_backend(KERNEL_FILE, backend, h.device.type)
     dev_type = h.device.type
     if torch.is_autocast_enabled(dev_type):

@@ -74,11 +74,6 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref)).item()
 
 
-def per_call(t: bench.Timing, group: int) -> bench.Timing:
-    """A Timing of samples that each ran ``group`` calls, as milliseconds per call."""
-    return bench.Timing.from_samples([s / group for s in t.samples_ms])
-
-
 DIRECTIONS = ("forward", "forward+backward")
 Z = 1j                       # the timed calls' z (the model's)
 
@@ -191,11 +186,7 @@ def time_backend(backend: str, batch: int, n: int, device, *, direction: str = "
         inputs = sets[:need]
     grads = timing_grads(batch, n, dtype, dev, len(inputs)) if direction != "forward" else [None] * len(inputs)
     fn = _timed_call(backend, direction, inputs, grads, kernel_only)
-
-    def fn_group(i):
-        for j in range(group):
-            fn(i * group + j)
-    t = per_call(bench.time_fn(fn_group, dev, warmup=warmup, iters=iters), group)
+    t = bench.time_fn(fn, dev, warmup=warmup, iters=iters, group=group)
     if verify:
         want = None
         if refs is not None:
@@ -233,11 +224,8 @@ def cusparse_gtsv_timing(batch: int, n: int, *, iters: int = 20, group: int = 4)
 
     def fn(i):
         cs.sgtsv2StridedBatch(handle, n, dl.data.ptr, d.data.ptr, du.data.ptr, x.data.ptr, batch, n, buf.data.ptr)
-
-    def fn_group(i):             # queued back to back, as time_backend does
-        for j in range(group):
-            fn(j)
-    t = per_call(bench.time_fn(fn_group, torch.device("cuda"), warmup=3, iters=iters), group)
+    # queued back to back, as time_backend does
+    t = bench.time_fn(fn, torch.device("cuda"), warmup=3, iters=iters, group=group)
     # Check the solve: T x = rhs after one fresh solve.
     x[...] = rhs
     fn(0)

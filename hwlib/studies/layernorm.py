@@ -2,9 +2,9 @@
 against float64 at odd sizes, and its two kernels alone at GPT-2 small's shape against the bytes they
 must move.
 
-Kernel timing: each sample is ``LAUNCHES`` back-to-back launches between two CUDA events, over input
-sets that rotate (together larger than L2), divided by ``LAUNCHES``: one launch of a ~50 us kernel
-would time the launch path as much as the kernel (``bench.time_fn`` synchronises every sample).
+Kernel timing: each sample is ``LAUNCHES`` back-to-back launches (``bench.time_fn``'s group), over
+input sets that rotate (together larger than L2): one launch of a ~50 us kernel per sample would time
+the launch path and the sync as much as the kernel.
 """
 
 from __future__ import annotations
@@ -57,21 +57,6 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     return rows
 
 
-def _time_launches(fn, device, iters: int) -> bench.Timing:
-    fn(0)
-    bench.synchronize(device)
-    samples = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for j in range(LAUNCHES):
-            fn(i * LAUNCHES + j)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / LAUNCHES)
-    return bench.Timing.from_samples(samples)
-
-
 def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, seed: int = 0) -> list[dict]:
     """The forward and backward kernels alone at [m, d] with GPT's dtypes (fp32 stream, bf16 branch and
     output) at their default launch configuration: median ms per call (p20, p80), GB/s on the bytes
@@ -89,7 +74,7 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
         k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd)
         sets.append(dict(x=x, r=r, w=w, b=b, ds=ds, dy=dy.to(torch.bfloat16), s=s, y=y, mean=mean, rstd=rstd,
                          dx=torch.empty_like(x), dr=torch.empty_like(r)))
-    programs = A._programs(m, device, k.launch_config(d)[0])
+    programs = A._programs(m, d, device)
     fwd = lambda i, S=sets: k.add_ln_fwd(*(S[i % INPUT_SETS][n] for n in ("x", "r", "w", "b")), 1e-5,
                                            *(S[i % INPUT_SETS][n] for n in ("s", "y", "mean", "rstd")))
     bwd = lambda i, S=sets: k.add_ln_bwd(*(S[i % INPUT_SETS][n] for n in ("dy", "ds", "s", "w", "mean", "rstd",
@@ -98,7 +83,7 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
     copy = (ceilings or {}).get("copy_gbps")
     rows = []
     for name, fn in (("forward", fwd), ("backward", bwd)):
-        t = _time_launches(fn, device, iters)
+        t = bench.time_fn(fn, device, warmup=1, iters=iters, group=LAUNCHES)
         gbps = nbytes[name] / (t.median_ms * 1e-3) / 1e9
         rows.append({"kernel": name, "M": m, "D": d, "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
                      "bytes": nbytes[name], "GB/s": gbps, "share of copy": gbps / copy if copy else None,
