@@ -36,6 +36,7 @@ class Settings:
     fused_head: bool = False         # LM head + cross-entropy in one chunked op (hwlib.ops.linear_ce): no [tokens, V] logits
     fp8: bool = False                # FP8 matmuls (e4m3 forward, e5m2 gradients) in the MLP (hwlib.ops.fp8)
     fused_ln: bool = False           # residual add + LayerNorm as one op each way (hwlib.ops.add_layernorm)
+    fused_mlp: bool = False          # the MLP's GELU in its matmuls' epilogues, cuBLASLt (hwlib.ops.gelu_mlp)
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)

@@ -20,7 +20,7 @@ def _option(key):
 
 
 def test_each_knob_is_a_rebuild_toggle_whose_arms_differ_only_by_the_options_they_patch():
-    assert 4 <= len(inductor.KNOBS) <= 6 and inductor.SMOKE_KNOB in inductor.KNOBS
+    assert 4 <= len(inductor.KNOBS) <= 7 and inductor.SMOKE_KNOB in inductor.KNOBS
     assert {"max_autotune", "max_autotune_coordinate_descent", "coordinate_descent"} <= set(inductor.KNOBS)
     for name, knob in inductor.KNOBS.items():
         t = ablation.get_toggle(f"inductor_{name}")

@@ -22,7 +22,7 @@ from hwlib.paths import KERNELS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILES = ("add_layernorm_triton.py", "bk_core.cu", "bk_core.h", "bk_core_triton.py", "diversity_triton.py",
-                "linear_ce_triton.py")
+                "gelu_epilogue.cpp", "gelu_epilogue.h", "linear_ce_triton.py")
 
 
 def _pip(*args, cwd: Path) -> subprocess.CompletedProcess:
@@ -66,7 +66,7 @@ def test_the_wheel_holds_the_kernel_sources(wheel):
         for f in KERNEL_FILES:
             assert f"hwlib/kernels/{f}" in names, sorted(n for n in names if "kernels" in n)
             assert z.read(f"hwlib/kernels/{f}") == (KERNELS_DIR / f).read_bytes(), f
-    assert {p.name for p in KERNELS_DIR.iterdir() if p.suffix in (".cu", ".h", ".py")} <= set(KERNEL_FILES), \
+    assert {p.name for p in KERNELS_DIR.iterdir() if p.suffix in (".cu", ".cpp", ".h", ".py")} <= set(KERNEL_FILES), \
         "a new kernel file: add it to KERNEL_FILES (and check pyproject's package data takes it)"
 
 
@@ -125,8 +125,9 @@ def test_hwlib_kernels_still_overrides(monkeypatch, tmp_path):
 
 
 def test_kernel_sources_stay_free_of_torch_headers():
-    """The .cu and its header compile with plain nvcc (make test-kernels): no torch, no ATen."""
-    files = sorted(KERNELS_DIR.glob("*.cu")) + sorted(KERNELS_DIR.glob("*.h"))
+    """The .cu and .cpp files and their headers build without torch (the .cu with plain nvcc, make
+    test-kernels): no torch, no ATen."""
+    files = sorted(KERNELS_DIR.glob("*.cu")) + sorted(KERNELS_DIR.glob("*.cpp")) + sorted(KERNELS_DIR.glob("*.h"))
     assert len(files) >= 2
     for f in files:
         text = f.read_text()

@@ -239,27 +239,33 @@ def _includes(text: str) -> dict[str, str]:
     return {h: read_kernel_source(h) for h in sorted(set(re.findall(r'#include\s+"([^"]+)"', text)))}
 
 
-def load(name: str, binding: str, functions: list[str], *, verbose: bool = False, wait_s: float | None = None):
+def load(name: str, binding: str, functions: list[str], *, verbose: bool = False, wait_s: float | None = None,
+         host: bool = False, libraries: tuple[str, ...] = ()):
     """Build (or reuse) ``hwlib/kernels/<name>.cu`` with its torch ``binding`` and return the module.
 
     ``binding`` is C++ that includes its own headers (``torch/extension.h``, and the kernel's header
     with quotes: it is found in the kernel folder); ``functions`` are the names pybind exports.
-    ``wait_s`` bounds the wait for another process's build of the same sources (``build_wait_s``)."""
+    ``wait_s`` bounds the wait for another process's build of the same sources (``build_wait_s``).
+    ``host``: the source is ``<name>.cpp``, host C++ against the CUDA toolkit (calls into a CUDA
+    library, no device code), compiled with the binding by the host compiler. ``libraries``: CUDA
+    libraries to link (``cublasLt``), from the toolkit's library folder."""
     check_available()
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch_list())
-    source = read_kernel_source(f"{name}.cu")
+    source = read_kernel_source(f"{name}.cpp" if host else f"{name}.cu")
     headers = _includes(source + binding)
     arch = os.environ["TORCH_CUDA_ARCH_LIST"]
-    parts = [source, binding, *(f"{h}\0{t}" for h, t in headers.items()), arch, torch.__version__]
+    parts = [source, binding, *(f"{h}\0{t}" for h, t in headers.items()), arch, torch.__version__, *libraries]
     ext = f"hwlib_{name}_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:12]}"
     if ext in _MODULES:
         return _MODULES[ext]
     from torch.utils.cpp_extension import load_inline
     build_dir = extensions_dir() / ext
     build_dir.mkdir(parents=True, exist_ok=True)
-    kwargs = dict(name=ext, cpp_sources=[binding], cuda_sources=[source], functions=functions,
+    kwargs = dict(name=ext, cpp_sources=[binding, source] if host else [binding],
+                  cuda_sources=[] if host else [source], functions=functions, with_cuda=True,
                   build_directory=str(build_dir), extra_include_paths=[str(kernels_dir())],
-                  extra_cuda_cflags=["-O3", "-lineinfo"], verbose=verbose)
+                  extra_cuda_cflags=["-O3", "-lineinfo"],
+                  extra_ldflags=[f"-l{lib}" for lib in libraries], verbose=verbose)
     if "no_implicit_headers" in inspect.signature(load_inline).parameters:   # torch >= 2.6
         kwargs["no_implicit_headers"] = True
     with _BUILD, _Heartbeat(acquire_build_lock(build_dir, wait_s=wait_s), STALE_LOCK_S / 10):
@@ -267,7 +273,7 @@ def load(name: str, binding: str, functions: list[str], *, verbose: bool = False
             mod = load_inline(**kwargs)
         except Exception as e:
             msg = str(e).strip().splitlines()
-            raise Unavailable(f"building hwlib/kernels/{name}.cu failed (arch {arch}, folder {build_dir}): "
+            raise Unavailable(f"building hwlib/kernels/{name}.{'cpp' if host else 'cu'} failed (arch {arch}, folder {build_dir}): "
                               + " | ".join(msg[-6:])) from e
     _MODULES[ext] = mod
     return mod

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.add_layernorm import add_layer_norm
+from ..ops.gelu_mlp import gelu_mlp
 
 
 class PreNormBlock(nn.Module):
@@ -29,6 +30,8 @@ class PreNormBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(d_model)
         self.mlp_fc = nn.Linear(d_model, 4 * d_model)
         self.mlp_proj = nn.Linear(4 * d_model, d_model)
+        # The MLP as one op with its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp); set by the model.
+        self.fused_mlp = False
 
     @property
     def mixer(self) -> nn.Module:
@@ -36,10 +39,17 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x):
         x = x + self.mixer(self.ln_1(x))
-        return x + self.mlp_proj(self.mlp(self.ln_2(x)))
+        return x + self.mlp_out(self.ln_2(x))
 
     def mlp(self, h):
         return F.gelu(self.mlp_fc(h), approximate="tanh")
+
+    def mlp_out(self, h):
+        """The MLP branch, W_proj GELU(W_fc h): one op with the GELU in the matmuls' epilogues when
+        ``fused_mlp`` is set, else the two linears around ``mlp``."""
+        if self.fused_mlp:
+            return gelu_mlp(h, self.mlp_fc.weight, self.mlp_fc.bias, self.mlp_proj.weight, self.mlp_proj.bias)
+        return self.mlp_proj(self.mlp(h))
 
     def forward_fused(self, x, pending=None):
         """The same block with each residual add fused into the LayerNorm after it
@@ -51,4 +61,4 @@ class PreNormBlock(nn.Module):
         else:
             x, h = add_layer_norm(x, pending, self.ln_1.weight, self.ln_1.bias, self.ln_1.eps)
         x, h = add_layer_norm(x, self.mixer(h), self.ln_2.weight, self.ln_2.bias, self.ln_2.eps)
-        return x, self.mlp_proj(self.mlp(h))
+        return x, self.mlp_out(h)

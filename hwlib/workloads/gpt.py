@@ -98,7 +98,8 @@ def gpt_block(cfg: GPTConfig, attention: str) -> PreNormBlock:
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
-                 checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False):
+                 checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False,
+                 fused_mlp: bool = False):
         super().__init__()
         self.cfg = cfg
         # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
@@ -114,6 +115,8 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         self.blocks = nn.ModuleList(gpt_block(cfg, attention) for _ in range(cfg.n_layer))
+        for b in self.blocks:   # each MLP one op, its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp)
+            b.fused_mlp = fused_mlp
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "GPT":
@@ -181,7 +184,9 @@ class GPTWorkload(TokenLMWorkload):
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
         model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
-                    fused_ln=settings.fused_ln).init_weights(seed)
+                    fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp).init_weights(seed)
+        if settings.fp8 and settings.fused_mlp:
+            raise ValueError("fp8 and fused_mlp both replace the MLP's matmuls: use one or the other")
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)

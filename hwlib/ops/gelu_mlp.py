@@ -1,0 +1,314 @@
+"""GPT's MLP, ``y = W_proj gelu_tanh(W_fc x + b_fc) + b_proj``, with the GELU in the matmuls' epilogues.
+
+Compiled, the unfused MLP moves its widest activations ([tokens, 4 d]) more often than its matmuls
+need: the first matmul writes the pre-activation and a pointwise kernel reads it back for the GELU;
+in backward the second matmul's input gradient is written, read again beside the pre-activation by
+the GELU's backward, and each bias gradient reads its matmul's gradient once more. cuBLASLt can do
+the GELU (forward) and its derivative (backward) inside the matmuls, on the fp32 accumulators before
+they are rounded, and reduce each bias gradient inside its weight-gradient matmul:
+``hwlib/kernels/gelu_epilogue.cpp`` (the formulas, layouts and bytes). The whole MLP is one op,
+forward and backward, because the backward's fusion is into the *second* linear's matmul:
+dpre = (dy W_proj) * gelu'(pre).
+
+Precision is the unfused path's under autocast: operands in the autocast dtype (bf16), fp32
+accumulation, outputs rounded once. Where the unfused path rounds the pre-activation to bf16 before
+the GELU (and the input gradient before its product with gelu'), the epilogue applies them to the
+fp32 accumulator: other rounding under bf16.
+
+Backends (chosen once per call from the device, never switched on failure):
+
+============  =============================================================================
+``cublaslt``  the two epilogue matmuls: CUDA tensors in bf16, widths multiples of 8
+``torch``     the same formulas in torch ops: any device and dtype (CPU: the smoke ladder)
+``auto``      ``cublaslt`` where it builds and the call fits it, else ``torch``
+============  =============================================================================
+
+Both directions are ``torch.library.custom_op``s with fake impls, so torch.compile keeps each as one
+node and CUDA graphs capture them (no host sync).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hwlib.device import ChoiceError, Unavailable
+
+from . import fallbacks
+from .sources import read_kernel_source
+
+BACKENDS = ("auto", "cublaslt", "torch")
+KERNEL_FILE = "gelu_epilogue.cpp"
+ALIGN = 8            # cuBLASLt's leading dimensions: multiples of 16 bytes, 8 bf16 elements
+
+BINDING = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cstdint>
+#include <vector>
+#include "gelu_epilogue.h"
+
+// cuBLAS's recommended workspace on Hopper; taken from torch's caching allocator on every call (a
+// CUDA graph's private pool while one is captured).
+static constexpr int64_t WS_BYTES = 32ll << 20;
+
+static void check_mat(const torch::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.is_cuda(), "gelu_epilogue: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, "gelu_epilogue: ", name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dims, "gelu_epilogue: ", name, " must be ", dims, "-d, got ", t.dim(), "-d");
+  TORCH_CHECK(t.is_contiguous(), "gelu_epilogue: ", name, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, "gelu_epilogue: ", name,
+              " must be 16-byte aligned");
+}
+
+std::vector<torch::Tensor> gelu_forward(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
+  check_mat(x, "x", 2); check_mat(w, "weight", 2); check_mat(b, "bias", 1);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && b.size(0) == N, "gelu_epilogue: x [M, K], weight [N, K], bias [N]");
+  TORCH_CHECK(K % 8 == 0 && N % 8 == 0, "gelu_epilogue: K and N must be multiples of 8, got ", K, " and ", N);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = torch::empty({M, N}, x.options());
+  auto pre = torch::empty({M, N}, x.options());
+  auto ws = torch::empty({WS_BYTES}, x.options().dtype(torch::kUInt8));
+  const int err = gelu_epilogue_forward(at::cuda::getCurrentCUDABlasLtHandle(), x.data_ptr(), w.data_ptr(),
+                                        b.data_ptr(), out.data_ptr(), pre.data_ptr(), M, N, K, ws.data_ptr(),
+                                        WS_BYTES, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "gelu_epilogue forward: ", gelu_epilogue_error_string(err));
+  return {out, pre};
+}
+
+torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre) {
+  check_mat(dy, "dy", 2); check_mat(w, "weight", 2); check_mat(pre, "pre", 2);
+  const int64_t M = dy.size(0), C = dy.size(1), N = w.size(1);
+  TORCH_CHECK(w.size(0) == C && pre.size(0) == M && pre.size(1) == N,
+              "gelu_epilogue: dy [M, C], weight [C, N], pre [M, N]");
+  TORCH_CHECK(C % 8 == 0 && N % 8 == 0, "gelu_epilogue: C and N must be multiples of 8, got ", C, " and ", N);
+  const c10::cuda::CUDAGuard guard(dy.device());
+  auto dpre = torch::empty({M, N}, dy.options());
+  auto ws = torch::empty({WS_BYTES}, dy.options().dtype(torch::kUInt8));
+  const int err = gelu_epilogue_backward(at::cuda::getCurrentCUDABlasLtHandle(), dy.data_ptr(), w.data_ptr(),
+                                         pre.data_ptr(), dpre.data_ptr(), M, N, C, ws.data_ptr(), WS_BYTES,
+                                         c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "gelu_epilogue backward: ", gelu_epilogue_error_string(err));
+  return dpre;
+}
+
+std::vector<torch::Tensor> weight_grad(torch::Tensor g, torch::Tensor x) {
+  check_mat(g, "grad", 2); check_mat(x, "input", 2);
+  const int64_t M = g.size(0), N = g.size(1), K = x.size(1);
+  TORCH_CHECK(x.size(0) == M, "gelu_epilogue: grad [M, N], input [M, K]");
+  TORCH_CHECK(K % 8 == 0 && N % 8 == 0, "gelu_epilogue: K and N must be multiples of 8, got ", K, " and ", N);
+  const c10::cuda::CUDAGuard guard(g.device());
+  auto dw = torch::empty({N, K}, g.options());
+  auto dbias = torch::empty({N}, g.options());
+  auto ws = torch::empty({WS_BYTES}, g.options().dtype(torch::kUInt8));
+  const int err = gelu_epilogue_weight_grad(at::cuda::getCurrentCUDABlasLtHandle(), g.data_ptr(), x.data_ptr(),
+                                            dw.data_ptr(), dbias.data_ptr(), M, N, K, ws.data_ptr(), WS_BYTES,
+                                            c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "gelu_epilogue weight grad: ", gelu_epilogue_error_string(err));
+  return {dw, dbias};
+}
+"""
+
+FUNCTIONS = ["gelu_forward", "gelu_backward", "weight_grad"]
+_MODULE = None
+
+
+def module():
+    """The built extension, loaded once per process; Unavailable with the reason where it cannot build."""
+    global _MODULE
+    if _MODULE is None:
+        from hwlib.ops import build
+        _MODULE = build.load("gelu_epilogue", BINDING, FUNCTIONS, host=True, libraries=("cublasLt",))
+    return _MODULE
+
+
+def kernel_source() -> str:
+    """The cuBLASLt calls' file, as it builds (for a notebook to print)."""
+    return read_kernel_source(KERNEL_FILE)
+
+
+# --- backends ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _cublaslt_problem(device_type: str) -> str | None:
+    if device_type != "cuda":
+        return f"cuBLASLt runs CUDA tensors only, got {device_type} tensors"
+    try:
+        module()
+    except Unavailable as e:
+        return str(e)
+    return None
+
+
+def fit_problem(dtype: torch.dtype, K: int, N: int, C: int) -> str | None:
+    """Why the cuBLASLt backend cannot take an MLP of these sizes in ``dtype``; None when it can."""
+    if dtype != torch.bfloat16:
+        return f"the cuBLASLt epilogues are built for bf16 operands, got {dtype}"
+    bad = {n: v for n, v in (("in_features", K), ("hidden", N), ("out_features", C)) if v % ALIGN}
+    if bad:
+        return f"cuBLASLt needs widths that are multiples of {ALIGN}: {bad}"
+    return None
+
+
+def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                   sizes: tuple[int, int, int] = (ALIGN, ALIGN, ALIGN)) -> str:
+    """The backend that runs: ``backend`` itself (Unavailable, or ValueError for a call it cannot
+    take, with the reason), or ``auto``'s choice."""
+    if backend not in BACKENDS:
+        raise ChoiceError("backend", backend, BACKENDS)
+    if backend == "torch":
+        return "torch"
+    problem = _cublaslt_problem(torch.device(device).type)
+    if backend == "cublaslt":
+        if problem:
+            raise Unavailable(f"backend='cublaslt': {problem}")
+        fit = fit_problem(dtype, *sizes)
+        if fit:
+            raise ValueError(f"backend='cublaslt': {fit}")
+        return "cublaslt"
+    return "torch" if problem or fit_problem(dtype, *sizes) else "cublaslt"
+
+
+@torch.compiler.assume_constant_result
+def resolve_backend(backend: str, device_type: str, dtype: torch.dtype, K: int, N: int, C: int) -> str:
+    """``select_backend`` for the op's forward: torch.compile calls it once while tracing and keeps its
+    answer as a constant (building the extension is not traceable)."""
+    return select_backend(backend, device_type, dtype, (K, N, C))
+
+
+# --- inputs --------------------------------------------------------------------------------------
+
+def check_inputs(x, w_fc, b_fc, w_proj, b_proj) -> None:
+    """A clear ValueError naming the argument unless shapes, dtypes and devices fit."""
+    named = (("x", x), ("w_fc", w_fc), ("b_fc", b_fc), ("w_proj", w_proj), ("b_proj", b_proj))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if w_fc.dim() != 2 or w_proj.dim() != 2:
+        raise ValueError(f"w_fc and w_proj must be 2-d [out, in], got {tuple(w_fc.shape)} and {tuple(w_proj.shape)}")
+    N, K = w_fc.shape
+    C = w_proj.shape[0]
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x's last dimension ({tuple(x.shape)}) must equal w_fc's in_features ({K})")
+    if w_proj.shape[1] != N:
+        raise ValueError(f"w_proj must be [out, {N}] (w_fc's out_features), got {tuple(w_proj.shape)}")
+    if tuple(b_fc.shape) != (N,):
+        raise ValueError(f"b_fc must be [{N}] (w_fc's out_features), got {tuple(b_fc.shape)}")
+    if tuple(b_proj.shape) != (C,):
+        raise ValueError(f"b_proj must be [{C}] (w_proj's out_features), got {tuple(b_proj.shape)}")
+    devices = {t.device for _, t in named}
+    if len(devices) > 1:
+        raise ValueError(f"x, w_fc, b_fc, w_proj and b_proj must be on one device, got {sorted(map(str, devices))}")
+
+
+# --- the formulas in torch ops (the torch backend, and the unfused path's arithmetic) ----------------
+
+def _fwd_torch(x, w_fc, b_fc, w_proj, b_proj):
+    pre = F.linear(x, w_fc, b_fc)
+    a = F.gelu(pre, approximate="tanh")
+    return F.linear(a, w_proj, b_proj), a, pre
+
+
+def _dpre_torch(dy, w_proj, pre):
+    return torch.ops.aten.gelu_backward(dy @ w_proj, pre, approximate="tanh")
+
+
+# --- the ops -------------------------------------------------------------------------------------
+
+@torch.library.custom_op("hwlib::gelu_mlp", mutates_args=())
+def _fwd_op(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (y, a, pre): the GELU's output and input are kept for the backward
+    if backend == "torch":
+        return _fwd_torch(x, w_fc, b_fc, w_proj, b_proj)
+    a, pre = module().gelu_forward(x, w_fc, b_fc)
+    return F.linear(a, w_proj, b_proj), a, pre
+
+
+@_fwd_op.register_fake
+def _(x, w_fc, b_fc, w_proj, b_proj, backend):
+    M, N, C = x.shape[0], w_fc.shape[0], w_proj.shape[0]
+    return x.new_empty((M, C)), x.new_empty((M, N)), x.new_empty((M, N))
+
+
+@torch.library.custom_op("hwlib::gelu_mlp_backward", mutates_args=())
+def _bwd_op(dy: torch.Tensor, x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor, a: torch.Tensor,
+            pre: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+    # (dx, dw_fc, db_fc, dw_proj, db_proj)
+    if backend == "torch":
+        dpre = _dpre_torch(dy, w_proj, pre)
+        return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, dy.sum(0)
+    m = module()
+    dpre = m.gelu_backward(dy, w_proj, pre)
+    dw_fc, db_fc = m.weight_grad(dpre, x)
+    dw_proj, db_proj = m.weight_grad(dy, a)
+    return dpre @ w_fc, dw_fc, db_fc, dw_proj, db_proj
+
+
+@_bwd_op.register_fake
+def _(dy, x, w_fc, w_proj, a, pre, backend):
+    return (torch.empty_like(x), torch.empty_like(w_fc), w_fc.new_empty(w_fc.shape[0]), torch.empty_like(w_proj),
+            w_proj.new_empty(w_proj.shape[0]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_fc, _, w_proj, _, backend = inputs
+    _, a, pre = output
+    ctx.save_for_backward(x, w_fc, w_proj, a, pre)
+    ctx.backend = backend
+
+
+def _backward(ctx, dy, _da, _dpre):
+    x, w_fc, w_proj, a, pre = ctx.saved_tensors
+    dx, dw_fc, db_fc, dw_proj, db_proj = torch.ops.hwlib.gelu_mlp_backward(dy.contiguous(), x, w_fc, w_proj, a, pre,
+                                                                          ctx.backend)
+    return dx, dw_fc, db_fc, dw_proj, db_proj, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+fallbacks.register(_fwd_op)
+fallbacks.register(_bwd_op)
+
+
+def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor,
+             *, backend: str = "auto") -> torch.Tensor:
+    """``F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)``.
+
+    ``x`` [..., K]; ``w_fc`` [N, K], ``b_fc`` [N]; ``w_proj`` [C, N], ``b_proj`` [C]. Under autocast the
+    operands are cast to its dtype (as autocast casts ``F.linear``'s), else computed in x's dtype;
+    the result is [..., C] in that dtype. Non-contiguous inputs are made contiguous (a copy)."""
+    check_inputs(x, w_fc, b_fc, w_proj, b_proj)
+    dev = x.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    K, N, C = x.shape[-1], w_fc.shape[0], w_proj.shape[0]
+    name = resolve_backend(backend, dev, dtype, K, N, C)
+    if name == "cublaslt" and math.prod(x.shape[:-1]) == 0:
+        name = "torch"   # no rows: nothing for cuBLASLt to run
+    lead = x.shape[:-1]
+    with torch.autocast(dev, enabled=False):   # the op's own casts, once, as autocast would make them
+        args = [t.to(dtype).contiguous() for t in (x.reshape(-1, K), w_fc, b_fc, w_proj, b_proj)]
+        y, _, _ = torch.ops.hwlib.gelu_mlp(*args, name)
+    return y.view(*lead, C)
+
+
+def gelu_mlp_reference(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor,
+                       b_proj: torch.Tensor) -> torch.Tensor:
+    """The spec in float64, differentiable (for reference gradients, pass float64 leaves)."""
+    h = F.gelu(F.linear(x.double(), w_fc.double(), b_fc.double()), approximate="tanh")
+    return F.linear(h, w_proj.double(), b_proj.double())
+
+
+def bytes_removed(rows: int, hidden: int, d_out: int, elem: int = 2) -> dict:
+    """Bytes the epilogues remove per MLP call at one pass per op (the kernel file's count), forward
+    and backward: the pre-activation's re-read by the GELU (forward); the input gradient's write and
+    re-read, and the bias gradients' re-reads of dpre and dy (backward)."""
+    mn = float(rows * hidden * elem)
+    return {"forward": mn, "backward": 2.0 * mn + rows * d_out * elem}

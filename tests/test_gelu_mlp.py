@@ -1,0 +1,179 @@
+"""The MLP with its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp): forward and every gradient
+against the float64 reference on fresh random inputs of odd sizes, on each backend that runs here;
+bad input; torch.compile; GPT's blocks with the op against the unfused blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hwlib.device import ChoiceError, Unavailable
+from hwlib.ops import fallbacks
+from hwlib.ops import gelu_mlp as gm
+
+GPU = torch.cuda.is_available()
+
+
+def _inputs(M, K, N, C, *, dtype=torch.float32, device="cpu", seed=0, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g)
+    w_fc = torch.randn(N, K, generator=g) / K ** 0.5
+    b_fc = torch.randn(N, generator=g) * 0.1
+    w_proj = torch.randn(C, N, generator=g) / N ** 0.5
+    b_proj = torch.randn(C, generator=g) * 0.1
+    dy = torch.randn(*lead, M, C, generator=g)
+    ts = [t.to(device=device, dtype=dtype) for t in (x, w_fc, b_fc, w_proj, b_proj)]
+    return [t.requires_grad_() for t in ts], dy.to(device=device, dtype=dtype)
+
+
+def _grads(fn, leaves, dy):
+    y = fn(*leaves)
+    return [y, *torch.autograd.grad(y, leaves, dy)]
+
+
+def _reference(leaves, dy):
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    return _grads(gm.gelu_mlp_reference, l64, dy.double())
+
+
+def _rel(a, b):
+    return ((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("M,K,N,C,lead", [(37, 24, 40, 16, ()), (5, 8, 8, 8, (3,)), (1, 3, 5, 7, ()),
+                                          (129, 64, 256, 64, (2,))])
+def test_torch_backend_matches_float64(M, K, N, C, lead):
+    leaves, dy = _inputs(M, K, N, C, seed=M + N, lead=lead)
+    got = _grads(lambda *a: gm.gelu_mlp(*a, backend="torch"), leaves, dy)
+    ref = _reference(leaves, dy)
+    for name, a, b in zip(("y", "dx", "dw_fc", "db_fc", "dw_proj", "db_proj"), got, ref):
+        assert a.shape == b.shape, name
+        assert _rel(a, b) < 1e-5, (name, _rel(a, b))
+
+
+def test_non_contiguous_and_empty_inputs():
+    leaves, dy = _inputs(12, 16, 32, 8, seed=3)
+    x_t = leaves[0].detach().t().contiguous().t().requires_grad_()   # same values, transposed strides
+    assert not x_t.is_contiguous()
+    got = gm.gelu_mlp(x_t, *leaves[1:], backend="torch")
+    assert _rel(got, gm.gelu_mlp_reference(x_t, *leaves[1:])) < 1e-5
+    empty = gm.gelu_mlp(torch.zeros(0, 16), *[t.detach() for t in leaves[1:]])
+    assert empty.shape == (0, 8)
+
+
+def test_autocast_runs_in_its_dtype_like_the_unfused_path():
+    leaves, dy = _inputs(33, 16, 64, 16, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gm.gelu_mlp(*leaves)
+        unfused = F.linear(F.gelu(F.linear(leaves[0], leaves[1], leaves[2]), approximate="tanh"), leaves[3], leaves[4])
+    assert y.dtype == unfused.dtype == torch.bfloat16
+    assert _rel(y, unfused.double()) < 2e-2
+    grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+    assert [g.dtype for g in grads] == [torch.float32] * 5      # the fp32 leaves get fp32 gradients
+
+
+def test_bad_input_names_the_argument():
+    (x, w_fc, b_fc, w_proj, b_proj), _ = _inputs(4, 8, 16, 8)
+    with pytest.raises(ValueError, match="x's last dimension"):
+        gm.gelu_mlp(x[:, :5], w_fc, b_fc, w_proj, b_proj)
+    with pytest.raises(ValueError, match="w_proj must be"):
+        gm.gelu_mlp(x, w_fc, b_fc, w_proj[:, :3], b_proj)
+    with pytest.raises(ValueError, match="b_fc must be"):
+        gm.gelu_mlp(x, w_fc, b_fc[:3], w_proj, b_proj)
+    with pytest.raises(ValueError, match="b_proj must be"):
+        gm.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj[:3])
+    with pytest.raises(ValueError, match="w_fc must be floating point"):
+        gm.gelu_mlp(x, w_fc.long(), b_fc, w_proj, b_proj)
+    with pytest.raises(ValueError, match="x must be a torch.Tensor"):
+        gm.gelu_mlp([1.0], w_fc, b_fc, w_proj, b_proj)
+    with pytest.raises(ChoiceError, match="backend"):
+        gm.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, backend="cutlass")
+    with pytest.raises(Unavailable, match="CUDA tensors only"):
+        gm.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, backend="cublaslt")
+    if torch.device("meta") != x.device:
+        with pytest.raises(ValueError, match="one device"):
+            gm.gelu_mlp(x, w_fc, b_fc, w_proj, b_proj.to("meta"))
+
+
+def test_what_the_cublaslt_backend_takes():
+    assert gm.fit_problem(torch.bfloat16, 768, 3072, 768) is None
+    assert "bf16" in gm.fit_problem(torch.float32, 768, 3072, 768)
+    assert "hidden" in gm.fit_problem(torch.bfloat16, 768, 3070, 768)
+    assert "in_features" in gm.fit_problem(torch.bfloat16, 12, 3072, 768)
+    assert gm.select_backend("auto", "cpu") == "torch"
+    assert gm.select_backend("torch", "cpu") == "torch"
+
+
+def test_both_ops_are_declared_to_inductor():
+    names = {str(op) for op in fallbacks.registered()}
+    assert {"hwlib.gelu_mlp.default", "hwlib.gelu_mlp_backward.default"} <= names
+
+
+def test_compiled_equals_eager():
+    leaves, dy = _inputs(21, 16, 32, 8, seed=7)
+    fn = torch.compile(lambda *a: gm.gelu_mlp(*a), fullgraph=True)
+    got = _grads(fn, leaves, dy)
+    want = _grads(lambda *a: gm.gelu_mlp(*a, backend="torch"), leaves, dy)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_blocks_with_the_op_compute_the_unfused_model():
+    from hwlib.workloads.gpt import GPT, PROFILES
+    cfg = PROFILES["smoke"]
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for fused in (False, True):
+        m = GPT(cfg, fused_mlp=fused).init_weights(0)
+        loss = m(idx, idx)
+        losses.append(loss.item())
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+        assert all(b.fused_mlp is fused for b in m.blocks)
+    assert abs(losses[0] - losses[1]) < 1e-5 * abs(losses[0])
+    assert _rel(grads[1], grads[0].double()) < 1e-4
+
+
+def test_fp8_and_the_epilogue_are_one_or_the_other():
+    from hwlib.steps import Settings
+    from hwlib.workloads import get_workload
+    wl = get_workload("gpt")
+    with pytest.raises(ValueError, match="fp8 and fused_mlp"):
+        wl.build(wl.profiles["smoke"], Settings(fp8=True, fused_mlp=True), 0)
+
+
+# --- on a GPU: the cuBLASLt epilogues ----------------------------------------------------------------
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")
+@pytest.mark.parametrize("M,K,N,C", [(1031, 64, 256, 64), (7, 8, 8, 8), (4096 + 3, 768, 3072, 768)])
+def test_cublaslt_at_least_as_accurate_as_the_unfused_bf16_path(M, K, N, C):
+    """Both paths get the same bf16 operands; each is held against float64 of those operands. The
+    epilogue rounds fewer times than the unfused path, so its error must not exceed the unfused one's
+    by more than the spread of bf16 rounding itself."""
+    leaves, dy = _inputs(M, K, N, C, dtype=torch.bfloat16, device="cuda", seed=M)
+    ref = _reference(leaves, dy)
+    fused = _grads(lambda *a: gm.gelu_mlp(*a, backend="cublaslt"), leaves, dy)
+    unfused = _grads(lambda *a: gm.gelu_mlp(*a, backend="torch"), leaves, dy)
+    for name, f, u, r in zip(("y", "dx", "dw_fc", "db_fc", "dw_proj", "db_proj"), fused, unfused, ref):
+        ef, eu = _rel(f, r), _rel(u, r)
+        assert ef <= 1.5 * eu + 4e-3, (name, ef, eu)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")
+def test_cublaslt_under_cuda_graphs_equals_eager():
+    leaves, dy = _inputs(512, 64, 256, 64, dtype=torch.bfloat16, device="cuda", seed=11)
+    eager = _grads(lambda *a: gm.gelu_mlp(*a, backend="cublaslt"), leaves, dy)
+    fn = torch.compile(lambda *a: gm.gelu_mlp(*a, backend="cublaslt"), mode="reduce-overhead")
+    for _ in range(3):   # warm-up, record, replay
+        got = _grads(fn, leaves, dy)
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")
+def test_cublaslt_refuses_widths_it_cannot_take():
+    leaves, _ = _inputs(16, 8, 12, 8, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gm.gelu_mlp(*leaves, backend="cublaslt")
+    assert gm.gelu_mlp(*leaves).shape == (16, 8)   # auto: the torch path
