@@ -220,6 +220,25 @@ def _dpre_torch(dy, w_proj, pre):
     return torch.ops.aten.gelu_backward(dy @ w_proj, pre, approximate="tanh")
 
 
+# --- the same through cuBLASLt's epilogues (bf16, widths multiples of 8) ---------------------------
+
+def forward_epilogues(x, w_fc, b_fc, w_proj, b_proj):
+    """(y, a, pre): bias + GELU in the first matmul's epilogue, which also keeps pre; the second
+    matmul is torch's (its bias in cuBLAS's own epilogue)."""
+    a, pre = module().gelu_forward(x, w_fc, b_fc)
+    return F.linear(a, w_proj, b_proj), a, pre
+
+
+def backward_epilogues(dy, x, w_fc, w_proj, a, pre):
+    """(dx, dw_fc, db_fc, dw_proj, db_proj): GELU' in the input-gradient matmul's epilogue, each bias
+    gradient in its weight-gradient matmul's."""
+    m = module()
+    dpre = m.gelu_backward(dy, w_proj, pre)
+    dw_fc, db_fc = m.weight_grad(dpre, x)
+    dw_proj, db_proj = m.weight_grad(dy, a)
+    return dpre @ w_fc, dw_fc, db_fc, dw_proj, db_proj
+
+
 # --- the ops -------------------------------------------------------------------------------------
 
 @torch.library.custom_op("hwlib::gelu_mlp", mutates_args=())
@@ -228,8 +247,7 @@ def _fwd_op(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: tor
     # (y, a, pre): the GELU's output and input are kept for the backward
     if backend == "torch":
         return _fwd_torch(x, w_fc, b_fc, w_proj, b_proj)
-    a, pre = module().gelu_forward(x, w_fc, b_fc)
-    return F.linear(a, w_proj, b_proj), a, pre
+    return forward_epilogues(x, w_fc, b_fc, w_proj, b_proj)
 
 
 @_fwd_op.register_fake
@@ -246,11 +264,7 @@ def _bwd_op(dy: torch.Tensor, x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch
     if backend == "torch":
         dpre = _dpre_torch(dy, w_proj, pre)
         return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, dy.sum(0)
-    m = module()
-    dpre = m.gelu_backward(dy, w_proj, pre)
-    dw_fc, db_fc = m.weight_grad(dpre, x)
-    dw_proj, db_proj = m.weight_grad(dy, a)
-    return dpre @ w_fc, dw_fc, db_fc, dw_proj, db_proj
+    return backward_epilogues(dy, x, w_fc, w_proj, a, pre)
 
 
 @_bwd_op.register_fake
