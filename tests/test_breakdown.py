@@ -149,9 +149,13 @@ def test_a_head_below_its_floor_is_taken_with_the_gemms():
     assert not bd.by_step(recs)["17_fused_lm_head"]["head_in_gemms"]
 
 
-def test_only_the_fp8_step_carries_the_floor_caveats():
+def test_the_fp8_and_epilogue_steps_carry_their_floor_caveats():
     """Step 18 runs its MLP matmuls in FP8: its GEMM floor (16-bit ceiling) is an upper bound and its
-    casts have no floor, which the breakdown says; the 16-bit steps carry no such note."""
-    assert bd.floor_caveats("09_cuda_graphs") == [] and bd.floor_caveats("17_fused_lm_head") == []
+    casts have no floor; step 22 moves the GELU's passes into the GEMMs, below the elementwise floor's
+    count. The breakdown says so; the other 16-bit steps carry no such note."""
+    for step in ("09_cuda_graphs", "17_fused_lm_head", "21_fused_layernorm"):
+        assert bd.floor_caveats(step) == [], step
     notes = bd.floor_caveats("18_fp8")
     assert len(notes) == 1 and "FP8" in notes[0] and "upper bound" in notes[0]
+    notes = bd.floor_caveats("22_gelu_epilogue")
+    assert len(notes) == 1 and "epilogues" in notes[0] and "below its floor" in notes[0]
