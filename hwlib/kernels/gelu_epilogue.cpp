@@ -19,7 +19,9 @@
 // Each call takes the kernel cuBLASLt's heuristic ranks first. Timing its first 16 on each shape's first
 // call and keeping the fastest (H100, GPT-2's MLP) took the DGELU matmul from 168-170 us to 161 us and
 // moved the others by less than their spread; GPT-2's step moved within noise (notebook 20's knob at
-// step 21: 1.022x, 1.007-1.037, against 1.015x, 1.000-1.030, untuned), so the first pick stays.
+// step 21: 1.022x, 1.007-1.037, against 1.015x, 1.000-1.030, untuned), so the first pick stays. Nor
+// did the forward's TN layout help the DGELU matmul: given a transposed copy of W (21 us to make), it
+// ran 170 us against 161 us in the NN layout here.
 //
 // Bytes (bf16, 2 B an element; FLOPs 2 M N K forward, 2 M N C backward, 2 M N K weight grad):
 //   forward      x, W, b read (2 MK + 2 NK + 2 N), out and pre written (4 MN). Unfused, the matmul writes
