@@ -18,8 +18,9 @@
 // against 126 us at GPT-2's MLP): the bias gradients come from the weight-gradient matmuls.
 // Each call takes the kernel cuBLASLt's heuristic ranks first. Timing its first 16 on each shape's first
 // call and keeping the fastest (H100, GPT-2's MLP) took the DGELU matmul from 168-170 us to 161 us and
-// moved the others by less than their spread; GPT-2's step moved within noise (notebook 20's knob at
-// step 21: 1.022x, 1.007-1.037, against 1.015x, 1.000-1.030, untuned), so the first pick stays. Nor
+// moved the others by less than their spread; GPT-2's step moved within noise (the gelu_epilogue knob of
+// notebook 20 measured at step 21: 1.022x, 1.007-1.037, against 1.015x, 1.000-1.030, untuned), so the
+// first pick stays. Nor
 // did the forward's TN layout help the DGELU matmul: given a transposed copy of W (21 us to make), it
 // ran 170 us against 161 us in the NN layout here.
 //
@@ -28,11 +29,11 @@
 //                pre (2 MN) and a pointwise kernel reads it and writes out (4 MN): 2 MN more.
 //   backward     dy, W read (2 MC + 2 CN), pre read (2 MN), dpre written (2 MN). Unfused, the matmul
 //                writes dy W (2 MN) and a pointwise kernel reads it and pre and writes dpre (6 MN):
-//                2 MN more.
+//                4 MN more.
 //   weight grad  G, X read (2 MN + 2 MK), dW and dbias written (2 NK + 2 N); unfused, the bias gradient
-//                reads G again (2 MN more).
-// At GPT-2 small's MLP (M = 16384 tokens, N = 3072) each MN term is 100 MB: per layer and step 6 MN
-// fewer (600 MB, ~0.2 ms of a 3 TB/s HBM) at one pass per op, fc's bias gradient and proj's (2 MC) both.
+//                reads G again: 2 MN more for fc's (G = dpre), 2 MC for proj's (G = dy).
+// At GPT-2 small's MLP (M = 16384 tokens, N = 3072, C = 768) each MN term is 100 MB: 8 MN + 2 MC bytes
+// fewer per layer and step (428 MB, ~0.14 ms of a 3 TB/s HBM) at one pass per op.
 //
 // Layouts. cuBLASLt is column-major: a row-major [R, C] matrix is its column-major [C, R] transpose.
 //   forward      D = pre^T [N, M] = W x^T:   A = W, stored [K, N] (lda K), transposed; B = x^T, [K, M]
@@ -45,7 +46,6 @@
 #include "gelu_epilogue.h"
 
 #include <cublasLt.h>
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 namespace {
@@ -63,7 +63,7 @@ struct Desc {
   }
 };
 
-#define CHECK_LT(expr)                                   \
+#define LT_CHECK(expr)                                   \
   do {                                                   \
     cublasStatus_t s_ = (expr);                          \
     if (s_ != CUBLAS_STATUS_SUCCESS) return (int)s_;     \
@@ -76,30 +76,30 @@ int matmul(cublasLtHandle_t handle, cublasOperation_t transa, const void* A, lon
            const void* B, long long ldb, void* D, long long m, long long n, long long k, cublasLtEpilogue_t epilogue,
            const void* bias, const void* aux, void* ws, long long ws_bytes, cudaStream_t stream) {
   Desc g;
-  CHECK_LT(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  CHECK_LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
-  CHECK_LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)));
-  CHECK_LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  if (bias) CHECK_LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  LT_CHECK(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
+  LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)));
+  LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  if (bias) LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   if (aux) {
     const int64_t aux_ld = m;
-    CHECK_LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
-    CHECK_LT(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
   }
   const bool ta = transa == CUBLAS_OP_T, tb = transb == CUBLAS_OP_T;
-  CHECK_LT(cublasLtMatrixLayoutCreate(&g.a, CUDA_R_16BF, ta ? k : m, ta ? m : k, lda));
-  CHECK_LT(cublasLtMatrixLayoutCreate(&g.b, CUDA_R_16BF, tb ? n : k, tb ? k : n, ldb));
-  CHECK_LT(cublasLtMatrixLayoutCreate(&g.d, CUDA_R_16BF, m, n, m));
-  CHECK_LT(cublasLtMatmulPreferenceCreate(&g.pref));
+  LT_CHECK(cublasLtMatrixLayoutCreate(&g.a, CUDA_R_16BF, ta ? k : m, ta ? m : k, lda));
+  LT_CHECK(cublasLtMatrixLayoutCreate(&g.b, CUDA_R_16BF, tb ? n : k, tb ? k : n, ldb));
+  LT_CHECK(cublasLtMatrixLayoutCreate(&g.d, CUDA_R_16BF, m, n, m));
+  LT_CHECK(cublasLtMatmulPreferenceCreate(&g.pref));
   const size_t ws_size = (size_t)ws_bytes;
-  CHECK_LT(cublasLtMatmulPreferenceSetAttribute(g.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
+  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(g.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
                                                 sizeof(ws_size)));
   cublasLtMatmulHeuristicResult_t heur;
   int found = 0;
-  CHECK_LT(cublasLtMatmulAlgoGetHeuristic(handle, g.op, g.a, g.b, g.d, g.d, g.pref, 1, &heur, &found));
+  LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, g.op, g.a, g.b, g.d, g.d, g.pref, 1, &heur, &found));
   if (found == 0) return GELU_EPILOGUE_NO_ALGO;
   const float alpha = 1.0f, beta = 0.0f;
-  CHECK_LT(cublasLtMatmul(handle, g.op, &alpha, A, g.a, B, g.b, &beta, D, g.d, D, g.d, &heur.algo, ws,
+  LT_CHECK(cublasLtMatmul(handle, g.op, &alpha, A, g.a, B, g.b, &beta, D, g.d, D, g.d, &heur.algo, ws,
                           ws_size, stream));
   return 0;
 }
@@ -136,7 +136,6 @@ extern "C" int gelu_epilogue_backward(void* handle, const void* dy, const void* 
 
 extern "C" int gelu_epilogue_weight_grad(void* handle, const void* g, const void* x, void* dw, void* dbias, long long M,
                                          long long N, long long K, void* ws, long long ws_bytes, void* stream) {
-  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_N, x, K, CUBLAS_OP_T, g, N, dw, K, N, M,
-                dbias ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT, dbias, nullptr, ws, ws_bytes,
-                (cudaStream_t)stream);
+  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_N, x, K, CUBLAS_OP_T, g, N, dw, K, N, M, CUBLASLT_EPILOGUE_BGRADB,
+                dbias, nullptr, ws, ws_bytes, (cudaStream_t)stream);
 }

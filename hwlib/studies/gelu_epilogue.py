@@ -44,8 +44,8 @@ def _errors(got: dict, ref: dict) -> dict:
 
 def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     """The op against float64 on fresh inputs of sizes that are multiples of nothing. On a GPU the
-    cuBLASLt backend in bf16, held against the unfused bf16 path's own error on the same operands (it
-    must be no worse than 1.5 times that, plus 4e-3); elsewhere the torch backend in fp32, within fp32's
+    cuBLASLt backend in bf16, held against the unfused bf16 path's own error on the same operands
+    (``gelu_mlp.no_worse_than_unfused``); elsewhere the torch backend in fp32, within fp32's
     bound. Each row: the largest relative error over y and the five gradients."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
@@ -61,7 +61,7 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
         if backend == "cublaslt":
             unf = _errors(_grads(lambda *a: G.gelu_mlp(*a, backend="torch"), *args, dy), ref)
             row["unfused worst"] = max(unf.values())
-            row["within tolerance"] = all(err[k] <= 1.5 * unf[k] + 4e-3 for k in err)
+            row["within tolerance"] = all(G.no_worse_than_unfused(err[k], unf[k]) for k in err)
         else:
             row["within tolerance"] = row["worst"] < FP32_TOL
         rows.append(row)
@@ -117,14 +117,14 @@ def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
             for r in rows]
 
 
-def kernel_prose(rows: list[dict], n_layer: int) -> str:
+def kernel_prose(rows: list[dict]) -> str:
     """The matmuls alone, in words built from ``rows``."""
     if not rows:
         return "The matmuls were not timed alone here (a GPU and the full or mid profile time them)."
     ep = [r for r in rows if r["impl"] == "epilogue"]
     parts = [f"{r['part']}: {r['ms'] * 1e3:.1f} us with the epilogue, {r['saved us']:+.1f} us against the unfused "
              f"kernels" for r in ep]
-    total = sum(r["saved us"] for r in ep)
-    return ("Alone, per MLP call: " + "; ".join(parts) + f". Together {total:.0f} us a layer, "
-            f"{total * n_layer / 1e3:.2f} ms for the {n_layer} layers of a step, if the step's own kernels were "
-            f"these.")
+    return ("Alone, per MLP call: " + "; ".join(parts) + ". These unfused kernels stand alone; in the compiled "
+            "step inductor fuses some of them into others (fc's bias gradient into the GELU's backward), so their "
+            "sum over the step's layers is more than the step can save: the step's own measurement below says how "
+            "much it did.")

@@ -143,7 +143,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "the MLP's pre-activation and its gradient are the step's widest activations ([tokens, 4 d]); unfused, "
          "the GELU reads the first back after its matmul, and in backward the input gradient of the second "
          "matmul is written, read again beside the pre-activation, and its product read once more for the bias "
-         "gradient, as is the second matmul's for its own: 26 d bytes a token and layer at one pass per op, "
+         "gradient, as is the second matmul's for its own: 34 d bytes a token and layer at one pass per op, "
          "forward and backward together, which the epilogues remove.",
          triton=False, kind="settings"),
 )}

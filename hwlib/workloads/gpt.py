@@ -182,11 +182,11 @@ class GPTWorkload(TokenLMWorkload):
     profiles = PROFILES
 
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
+        if settings.fp8 and settings.fused_mlp:
+            raise ValueError("fp8 and fused_mlp both replace the MLP's matmuls: use one or the other")
         model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
                     fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp).init_weights(seed)
-        if settings.fp8 and settings.fused_mlp:
-            raise ValueError("fp8 and fused_mlp both replace the MLP's matmuls: use one or the other")
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)
