@@ -139,12 +139,11 @@ LADDER: tuple[Step, ...] = (
                                 "pre-LayerNorm blocks",
                  **{w: "the fused residual LayerNorm is built into GPT's blocks only"
                     for w in ("vit_bdh", "vit_bdh_linear")}}),
-    Step("22_gelu_epilogue", "the MLP's GELU and bias gradients inside its matmuls (cuBLASLt epilogues)",
+    Step("22_gelu_epilogue", "the MLP's bias + GELU and the GELU's derivative inside its matmuls (cuBLASLt epilogues)",
          {"fused_mlp": True}, 1e-2, after="21_fused_layernorm",
          why_tolerance="the same matmuls in bf16 with fp32 accumulation; the bias, the GELU and its derivative are "
                        "applied to the fp32 accumulators, where the unfused path rounds the matmul's output to bf16 "
-                       "first, and the bias gradients are summed inside the weight-gradient matmuls: other rounding "
-                       "under bf16",
+                       "first: other rounding under bf16",
          workloads=("gpt",), beyond_recipe=True,
          why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the GELU epilogue is measured on GPT-2",
                  "encoder_nli": "its MLP uses the erf GELU, which cuBLASLt's tanh-form epilogue does not compute",

@@ -216,6 +216,11 @@ def test_a_misaligned_operand_takes_the_torch_path():
     args = [t.detach() for t in leaves[1:]]
     got = torch.ops.hwlib.gelu_mlp(x_off, *args, "cublaslt")[0]
     assert torch.equal(got, torch.ops.hwlib.gelu_mlp(x_off, *args, "torch")[0])
+    pre = torch.ops.hwlib.gelu_mlp(x, *args, "torch")[2]
+    dy_off = torch.empty(dy.numel() + 1, dtype=dy.dtype, device="cuda")[1:].view_as(dy).copy_(dy)
+    assert not gm.aligned(dy_off)
+    got = torch.ops.hwlib.gelu_mlp_backward(dy_off, args[2], pre, "cublaslt")
+    assert torch.equal(got, torch.ops.hwlib.gelu_mlp_backward(dy_off, args[2], pre, "torch"))
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")

@@ -6,40 +6,35 @@
 // Math, bf16 operands, fp32 accumulation, g(u) = 0.5 u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3))):
 //   forward      pre = x W^T + b,  out = g(pre)          x [M, K], W [N, K], b [N]; out, pre [M, N]
 //   backward     dpre = (dy W) * g'(pre)                  dy [M, C], W [C, N] (the next linear's weight)
-//   weight grad  dW = G^T X,  dbias = sum_rows G          G [M, N], X [M, K]: dW [N, K], dbias [N]
 // The forward is one matmul with the GELU_AUX_BIAS epilogue: the bias is added and the GELU applied to
 // the fp32 accumulators before they are rounded, and the pre-activation is written beside the output
 // (the "aux" matrix) for the backward. The backward is the next linear's input-gradient matmul with the
-// DGELU epilogue: its accumulators are multiplied by g'(pre), read from the aux matrix. Each weight
-// gradient's matmul reduces its bias gradient from the operand it already reads (BGRADB epilogue), so
-// no kernel reads a gradient again for its column sums. cuBLASLt's GELU is the tanh form above, the
-// one GPT-2 uses (F.gelu(approximate="tanh")). DGELU_BGRAD, which would take fc's bias gradient in the
-// input-gradient matmul instead, ran at a quarter of the plain matmul's speed on an H100 (490 us
-// against 126 us at GPT-2's MLP): the bias gradients come from the weight-gradient matmuls.
-// Each call takes the kernel cuBLASLt's heuristic ranks first. Timing its first 16 on each shape's first
-// call and keeping the fastest (H100, GPT-2's MLP) took the DGELU matmul from 168-170 us to 161 us and
-// moved the others by less than their spread; GPT-2's step moved within noise (the gelu_epilogue knob of
-// notebook 20 measured at step 21: 1.022x, 1.007-1.037, against 1.015x, 1.000-1.030, untuned), so the
-// first pick stays. Nor
-// did the forward's TN layout help the DGELU matmul: given a transposed copy of W (21 us to make), it
-// ran 170 us against 161 us in the NN layout here.
+// DGELU epilogue: its accumulators are multiplied by g'(pre), read from the aux matrix. cuBLASLt's GELU
+// is the tanh form above, the one GPT-2 uses (F.gelu(approximate="tanh")).
 //
-// Bytes (bf16, 2 B an element; FLOPs 2 M N K forward, 2 M N C backward, 2 M N K weight grad):
-//   forward      x, W, b read (2 MK + 2 NK + 2 N), out and pre written (4 MN). Unfused, the matmul writes
-//                pre (2 MN) and a pointwise kernel reads it and writes out (4 MN): 2 MN more.
-//   backward     dy, W read (2 MC + 2 CN), pre read (2 MN), dpre written (2 MN). Unfused, the matmul
-//                writes dy W (2 MN) and a pointwise kernel reads it and pre and writes dpre (6 MN):
-//                4 MN more.
-//   weight grad  G, X read (2 MN + 2 MK), dW and dbias written (2 NK + 2 N); unfused, the bias gradient
-//                reads G again: 2 MN more for fc's (G = dpre), 2 MC for proj's (G = dy).
-// At GPT-2 small's MLP (M = 16384 tokens, N = 3072, C = 768) each MN term is 100 MB: 8 MN + 2 MC bytes
-// fewer per layer and step (428 MB, ~0.14 ms of a 3 TB/s HBM) at one pass per op.
+// What was measured and left out (H100, GPT-2's MLP, M = 16384, N = 3072, C = 768):
+//   * the bias gradients in cuBLASLt's epilogues: DGELU_BGRAD (fc's, in the input-gradient matmul) took
+//     490 us against the plain matmul's 126; BGRADB (each bias gradient in its weight-gradient matmul)
+//     took 160 us against 145 for the plain matmul and inductor's column sum (fc's), 133 against 121
+//     (proj's). The column sums stay with inductor (hwlib/ops/gelu_mlp.py's backward formula);
+//   * timing the heuristic's first 16 kernels on each shape's first call and keeping the fastest: the
+//     DGELU matmul went from 168-170 us to 161 us, the others moved by less than their spread, and the
+//     step within noise (notebook 20's gelu_epilogue knob at step 21: 1.022x, 1.007-1.037, against
+//     1.015x, 1.000-1.030): each call takes the kernel cuBLASLt's heuristic ranks first;
+//   * the DGELU matmul in the forward's TN layout, from a transposed copy of W (21 us to make): 170 us
+//     against 161 us in the NN layout.
+//
+// Bytes (bf16, 2 B an element; FLOPs 2 M N K forward, 2 M N C backward):
+//   forward   x, W, b read (2 MK + 2 NK + 2 N), out and pre written (4 MN). Unfused, the matmul writes pre
+//             (2 MN) and a pointwise kernel reads it and writes out (4 MN): 2 MN more.
+//   backward  dy, W read (2 MC + 2 CN), pre read (2 MN), dpre written (2 MN). Unfused, the matmul writes
+//             dy W (2 MN) and a pointwise kernel reads it and pre and writes dpre (6 MN): 4 MN more.
+// At GPT-2 small's MLP each MN term is 100 MB: 6 MN bytes fewer per layer and step (302 MB, ~0.1 ms of a
+// 3 TB/s HBM) at one pass per op.
 //
 // Layouts. cuBLASLt is column-major: a row-major [R, C] matrix is its column-major [C, R] transpose.
-//   forward      D = pre^T [N, M] = W x^T:   A = W, stored [K, N] (lda K), transposed; B = x^T, [K, M]
-//   backward     D = dpre^T [N, M] = W^T dy^T: A = W as [N, C] (lda N); B = dy^T, [C, M] (ldb C)
-//   weight grad  D = dW^T [K, N] = X^T G:     A = X^T, [K, M] (lda K); B = G^T stored [N, M], transposed;
-//                the bias gradient of B, summed over the M tokens, is dbias [N]
+//   forward   D = pre^T [N, M] = W x^T:     A = W, stored [K, N] (lda K), transposed; B = x^T, [K, M]
+//   backward  D = dpre^T [N, M] = W^T dy^T: A = W as [N, C] (lda N); B = dy^T, [C, M] (ldb C)
 // Every leading dimension must be a multiple of 8 elements (16 bytes) and every pointer 16-byte
 // aligned: the binding checks both.
 
@@ -71,7 +66,7 @@ struct Desc {
 
 // D [m, n] (column-major, ldd m) = op(A) op(B), bf16 in and out, fp32 accumulate; A is stored [k, m]
 // (lda) when transposed, else [m, k]; B [n, k] (ldb) when transposed, else [k, n]. `epilogue` reads or
-// writes `bias` ([m], or [n] for BGRADB) and `aux` ([m, n], ld m) where it uses them.
+// writes `bias` ([m]) and `aux` ([m, n], ld m) where it uses them.
 int matmul(cublasLtHandle_t handle, cublasOperation_t transa, const void* A, long long lda, cublasOperation_t transb,
            const void* B, long long ldb, void* D, long long m, long long n, long long k, cublasLtEpilogue_t epilogue,
            const void* bias, const void* aux, void* ws, long long ws_bytes, cudaStream_t stream) {
@@ -132,10 +127,4 @@ extern "C" int gelu_epilogue_backward(void* handle, const void* dy, const void* 
                                       long long M, long long N, long long C, void* ws, long long ws_bytes, void* stream) {
   return matmul((cublasLtHandle_t)handle, CUBLAS_OP_N, w, N, CUBLAS_OP_N, dy, C, dpre, N, M, C, CUBLASLT_EPILOGUE_DGELU,
                 nullptr, pre, ws, ws_bytes, (cudaStream_t)stream);
-}
-
-extern "C" int gelu_epilogue_weight_grad(void* handle, const void* g, const void* x, void* dw, void* dbias, long long M,
-                                         long long N, long long K, void* ws, long long ws_bytes, void* stream) {
-  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_N, x, K, CUBLAS_OP_T, g, N, dw, K, N, M, CUBLASLT_EPILOGUE_BGRADB,
-                dbias, nullptr, ws, ws_bytes, (cudaStream_t)stream);
 }

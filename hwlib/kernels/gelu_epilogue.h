@@ -19,7 +19,6 @@ const char* gelu_epilogue_error_string(int code);
 
 int gelu_epilogue_forward(void* handle, const void* x, const void* w, const void* bias, void* out, void* pre, long long M, long long N, long long K, void* ws, long long ws_bytes, void* stream);
 int gelu_epilogue_backward(void* handle, const void* dy, const void* w, const void* pre, void* dpre, long long M, long long N, long long C, void* ws, long long ws_bytes, void* stream);
-int gelu_epilogue_weight_grad(void* handle, const void* g, const void* x, void* dw, void* dbias, long long M, long long N, long long K, void* ws, long long ws_bytes, void* stream);
 
 #ifdef __cplusplus
 }

@@ -2,13 +2,13 @@
 
 Compiled, the unfused MLP moves its widest activations ([tokens, 4 d]) more often than its matmuls
 need: the first matmul writes the pre-activation and a pointwise kernel reads it back for the GELU;
-in backward the second matmul's input gradient is written, read again beside the pre-activation by
-the GELU's backward, and each bias gradient reads its matmul's gradient once more. cuBLASLt can do
-the GELU (forward) and its derivative (backward) inside the matmuls, on the fp32 accumulators before
-they are rounded, and reduce each bias gradient inside its weight-gradient matmul:
-``hwlib/kernels/gelu_epilogue.cpp`` (the formulas, layouts and bytes). The whole MLP is one op,
-forward and backward, because the backward's fusion is into the *second* linear's matmul:
-dpre = (dy W_proj) * gelu'(pre).
+in backward the second matmul's input gradient is written and read again beside the pre-activation
+by the GELU's backward. cuBLASLt can do the bias and GELU (forward) and the GELU's derivative
+(backward) inside the matmuls, on the fp32 accumulators before they are rounded:
+``hwlib/kernels/gelu_epilogue.cpp`` (the formulas, layouts, bytes, and what was measured and left
+out). The whole MLP is one op because the backward's fusion is into the *second* linear's matmul:
+dpre = (dy W_proj) * gelu'(pre); the weight gradients and the bias gradients' column sums are plain
+torch ops in its backward formula, which torch.compile sees and compiles.
 
 Precision is the unfused path's under autocast: operands in the autocast dtype (bf16), fp32
 accumulation, outputs rounded once. Where the unfused path rounds the pre-activation to bf16 before
@@ -96,25 +96,9 @@ torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre
   TORCH_CHECK(err == 0, "gelu_epilogue backward: ", gelu_epilogue_error_string(err));
   return dpre;
 }
-
-std::vector<torch::Tensor> weight_grad(torch::Tensor g, torch::Tensor x) {
-  check_mat(g, "grad", 2); check_mat(x, "input", 2);
-  const int64_t M = g.size(0), N = g.size(1), K = x.size(1);
-  TORCH_CHECK(x.size(0) == M, "gelu_epilogue: grad [M, N], input [M, K]");
-  TORCH_CHECK(K % 8 == 0 && N % 8 == 0, "gelu_epilogue: K and N must be multiples of 8, got ", K, " and ", N);
-  const c10::cuda::CUDAGuard guard(g.device());
-  auto dw = torch::empty({N, K}, g.options());
-  auto dbias = torch::empty({N}, g.options());
-  auto ws = torch::empty({WS_BYTES}, g.options().dtype(torch::kUInt8));
-  const int err = gelu_epilogue_weight_grad(at::cuda::getCurrentCUDABlasLtHandle(), g.data_ptr(), x.data_ptr(),
-                                            dw.data_ptr(), dbias.data_ptr(), M, N, K, ws.data_ptr(), WS_BYTES,
-                                            c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == 0, "gelu_epilogue weight grad: ", gelu_epilogue_error_string(err));
-  return {dw, dbias};
-}
 """
 
-FUNCTIONS = ["gelu_forward", "gelu_backward", "weight_grad"]
+FUNCTIONS = ["gelu_forward", "gelu_backward"]
 _MODULE = None
 
 
@@ -233,14 +217,9 @@ def forward_epilogues(x, w_fc, b_fc, w_proj, b_proj):
     return F.linear(a, w_proj, b_proj), a, pre
 
 
-def backward_epilogues(dy, x, w_fc, w_proj, a, pre):
-    """(dx, dw_fc, db_fc, dw_proj, db_proj): GELU' in the input-gradient matmul's epilogue, each bias
-    gradient in its weight-gradient matmul's."""
-    m = module()
-    dpre = m.gelu_backward(dy, w_proj, pre)
-    dw_fc, db_fc = m.weight_grad(dpre, x)
-    dw_proj, db_proj = m.weight_grad(dy, a)
-    return dpre @ w_fc, dw_fc, db_fc, dw_proj, db_proj
+def dpre_epilogue(dy, w_proj, pre):
+    """dpre = (dy W_proj) * gelu'(pre): the GELU's derivative in the input-gradient matmul's epilogue."""
+    return module().gelu_backward(dy, w_proj, pre)
 
 
 def aligned(*ts: torch.Tensor) -> bool:
@@ -267,20 +246,18 @@ def _(x, w_fc, b_fc, w_proj, b_proj, backend):
 
 
 @torch.library.custom_op("hwlib::gelu_mlp_backward", mutates_args=())
-def _bwd_op(dy: torch.Tensor, x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor, a: torch.Tensor,
-            pre: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor]:
-    # (dx, dw_fc, db_fc, dw_proj, db_proj)
-    if backend == "torch" or not aligned(dy, x, w_fc, w_proj, a, pre):
-        dpre = _dpre_torch(dy, w_proj, pre)
-        return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, dy.sum(0)
-    return backward_epilogues(dy, x, w_fc, w_proj, a, pre)
+def _bwd_op(dy: torch.Tensor, w_proj: torch.Tensor, pre: torch.Tensor, backend: str) -> torch.Tensor:
+    # dpre; the weight gradients' matmuls and the bias gradients' column sums are in the formula below,
+    # where torch.compile sees them (inductor compiles the sums: cuBLASLt's bias-gradient epilogues measured
+    # slower, hwlib/kernels/gelu_epilogue.cpp)
+    if backend == "torch" or not aligned(dy, w_proj, pre):   # a misaligned operand: the same math in torch
+        return _dpre_torch(dy, w_proj, pre)
+    return dpre_epilogue(dy, w_proj, pre)
 
 
 @_bwd_op.register_fake
-def _(dy, x, w_fc, w_proj, a, pre, backend):
-    return (torch.empty_like(x), torch.empty_like(w_fc), w_fc.new_empty(w_fc.shape[0]), torch.empty_like(w_proj),
-            w_proj.new_empty(w_proj.shape[0]))
+def _(dy, w_proj, pre, backend):
+    return torch.empty_like(pre)
 
 
 def _setup_context(ctx, inputs, output):
@@ -291,14 +268,16 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)   # a and pre are outputs for the backward only: no zero gradients for them
 
 
-def _backward(ctx, dy, _da, _dpre):
+def mlp_backward(ctx, dy, _da, _dpre):
+    """The MLP's gradients: dpre from the op (the GELU's derivative in the matmul's epilogue), then
+    dx = dpre W_fc, dW_fc = dpre^T x, db_fc and db_proj as column sums, dW_proj = dy^T a."""
     x, w_fc, w_proj, a, pre = ctx.saved_tensors
-    dx, dw_fc, db_fc, dw_proj, db_proj = torch.ops.hwlib.gelu_mlp_backward(dy.contiguous(), x, w_fc, w_proj, a, pre,
-                                                                          ctx.backend)
-    return dx, dw_fc, db_fc, dw_proj, db_proj, None
+    dy = dy.contiguous()
+    dpre = torch.ops.hwlib.gelu_mlp_backward(dy, w_proj, pre, ctx.backend)
+    return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, dy.sum(0), None
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_fwd_op.register_autograd(mlp_backward, setup_context=_setup_context)
 fallbacks.register(_fwd_op)
 fallbacks.register(_bwd_op)
 
@@ -331,12 +310,12 @@ def gelu_mlp_reference(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, 
     return F.linear(h, w_proj.double(), b_proj.double())
 
 
-def bytes_removed(rows: int, hidden: int, d_out: int, elem: int = 2) -> dict:
+def bytes_removed(rows: int, hidden: int, elem: int = 2) -> dict:
     """Bytes the epilogues remove per MLP call at one pass per op (the kernel file's count), forward
     and backward: the pre-activation's re-read by the GELU (forward); the input gradient's write and
-    re-read, and the bias gradients' re-reads of dpre and dy (backward)."""
+    re-read (backward). ``d_out`` does not enter: the bias gradients' sums stay outside the matmuls."""
     mn = float(rows * hidden * elem)
-    return {"forward": mn, "backward": 3.0 * mn + rows * d_out * elem}
+    return {"forward": mn, "backward": 2.0 * mn}
 
 
 # How far the cuBLASLt backend's error (bf16 operands, against float64) may exceed the unfused bf16

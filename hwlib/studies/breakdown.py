@@ -191,7 +191,7 @@ def floor_caveats(step: str) -> list[str]:
                      "for this step that floor is an upper bound; the FP8 casts and scales (Triton-fused) count as "
                      "LayerNorm / elementwise, where no floor counts them")
     if st.fused_mlp:
-        notes.append("its MLP's bias + GELU, the GELU's derivative and the bias gradients run in the matmuls' "
+        notes.append("its MLP's bias + GELU and the GELU's derivative run in the matmuls' "
                      "epilogues (cuBLASLt): their time counts as GEMMs, while the LayerNorm / elementwise floor still "
                      "counts their passes (one pass per op), so that category can run below its floor")
     return notes

@@ -136,15 +136,14 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "that read the same rows again. hwlib's op does each direction in one pass over the rows (28 d bytes "
          "a token and call, forward and backward together).", triton=False, kind="settings"),
     # The other fusion the breakdown points at, which inductor's Triton GEMM templates (max-autotune) would
-    # have to make: the MLP's bias + GELU, and in backward its derivative and bias gradient, in the epilogues
-    # of cuBLAS's own matmuls (cuBLASLt), through hwlib's op.
+    # have to make: the MLP's bias + GELU, and in backward the GELU's derivative, in the epilogues of
+    # cuBLAS's own matmuls (cuBLASLt), through hwlib's op.
     Knob("gelu_epilogue", {"fused_mlp": True}, {"fused_mlp": False},
-         "the MLP's GELU and bias gradient in cuBLASLt's matmul epilogues (hwlib.ops.gelu_mlp)",
+         "the MLP's bias + GELU and its derivative in cuBLASLt's matmul epilogues (hwlib.ops.gelu_mlp)",
          "the MLP's pre-activation and its gradient are the step's widest activations ([tokens, 4 d]); unfused, "
          "the GELU reads the first back after its matmul, and in backward the input gradient of the second "
-         "matmul is written, read again beside the pre-activation, and its product read once more for the bias "
-         "gradient, as is the second matmul's for its own: 34 d bytes a token and layer at one pass per op, "
-         "forward and backward together, which the epilogues remove.",
+         "matmul is written and read again beside the pre-activation: 24 d bytes a token and layer at one pass "
+         "per op, forward and backward together, which the epilogues remove.",
          triton=False, kind="settings"),
 )}
 SMOKE_KNOB = "aggressive_fusion"
