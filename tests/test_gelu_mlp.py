@@ -229,3 +229,35 @@ def test_cublaslt_refuses_widths_it_cannot_take():
     with pytest.raises(ValueError, match="multiples of 8"):
         gm.gelu_mlp(*leaves, backend="cublaslt")
     assert gm.gelu_mlp(*leaves).shape == (16, 8)   # auto: the torch path
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")
+def test_the_epilogues_compute_the_tanh_gelu_and_its_derivative():
+    """Exact operands (one nonzero product per output, so the fp32 accumulator holds pre exactly) over
+    pre in [-4, 4]: the epilogues' GELU and GELU' must be the tanh form's, rounded once to bf16 (within
+    two units in the last place), and must not be the erf form's, which differs by more at many of these
+    points (the accuracy bound elsewhere cannot tell the two apart)."""
+    M, n = 1024, 8
+    v = torch.linspace(-4, 4, M, dtype=torch.float64).to(torch.bfloat16)
+    x = torch.zeros(M, n, dtype=torch.bfloat16)
+    x[:, 0] = v
+    w = torch.zeros(n, n, dtype=torch.bfloat16)
+    w[:, 0] = 1                                      # every output column: pre = v
+    m = gm.module()
+    a, pre = m.gelu_forward(x.cuda(), w.cuda(), torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(pre[:, 0].cpu(), v)
+    dpre = m.gelu_backward(torch.ones(M, n, dtype=torch.bfloat16, device="cuda"),
+                           torch.eye(n, dtype=torch.bfloat16, device="cuda"), pre)   # dy W = 1: dpre = gelu'(pre)
+    v64 = v.double().requires_grad_()
+    for got, form in ((a, "value"), (dpre, "derivative")):
+        got = got[:, 0].double().cpu()
+        want = {}
+        for approx in ("tanh", "none"):
+            y = F.gelu(v64, approximate=approx)
+            t = y if form == "value" else torch.autograd.grad(y.sum(), v64)[0]
+            want[approx] = t.detach().to(torch.bfloat16).double()
+        ulp = want["tanh"].abs().clamp(min=2.0 ** -126) * 2.0 ** -7
+        off = ((got - want["tanh"]).abs() / ulp).max().item()
+        assert off <= 2, (form, off)   # the epilogue's fp32 tanh rounds apart from float64's by a unit or so
+        # the erf form's bf16 values lie more than 4 units from the tanh form's at 13-18% of these points
+        assert ((got - want["none"]).abs() > 4 * ulp).float().mean() > 0.1, form
