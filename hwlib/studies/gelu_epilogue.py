@@ -70,7 +70,7 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
 
 def kernel_rows(M: int, K: int, N: int, C: int, device, iters: int = 20, seed: int = 0) -> list[dict]:
     """Each epilogue matmul alone at [M, K] -> [M, N] -> [M, C] in bf16 beside the unfused kernels it
-    replaces (cuBLAS's matmul, then inductor's pointwise or reduction kernel, compiled here), median ms
+    replaces (cuBLAS's matmul, then inductor's pointwise kernel, compiled here), median ms
     per call (p20, p80) over rotating input sets."""
     device = torch.device(device)
     if device.type != "cuda":
