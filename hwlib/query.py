@@ -184,6 +184,7 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         row["same_math_tol"] = check.get("unit", "").replace("relative, tolerance ", "") if check else None
         sdpa = m.get("sdpa_backend", {}).get("value")
         row["sdpa_backend"] = None if sdpa in (None, "none found") else sdpa   # no attention in the model
+        row["op_backends"] = m.get("op_backends", {}).get("value")   # None: no hwlib op, or recorded before
         row["profile"] = ms.get("profile")
         row["device"] = (ms.get("device") or {}).get("name")
         # A step whose math changed keeps its measured speed-up; its status says not to trust it.

@@ -11,6 +11,7 @@ from hwlib.ladder.same_math import bf16_floor, compare_curves, needs_bf16_floor,
 from hwlib.steps import settings_for
 from hwlib.studies.data_wait import measure_data_wait
 from hwlib.profiles import Plan
+from hwlib.report.tables import step_prose
 from hwlib.workloads.gpt import GPTWorkload
 
 PLAN = Plan(check=4, warmup=1, timed=3)
@@ -291,3 +292,16 @@ def test_a_bad_memory_cap_is_named(monkeypatch, raw):
     monkeypatch.setenv("HWLIB_MEMORY_CAP_GIB", "16")
     assert device.memory_cap_gib() == 16.0
     assert device.apply_memory_cap(torch.device("cpu")) == torch.device("cpu")   # nothing to cap on a CPU
+
+
+def test_the_backends_of_hwlibs_ops_are_recorded(isolated_run):
+    """``auto`` falls back to torch where a kernel cannot run (here: a CPU without the Triton
+    interpreter, and no cuBLASLt): the record says what ran, and a step without the ops says nothing."""
+    res = run("22_gelu_epilogue")
+    assert res.status == "ok"
+    assert res.op_backends == "add_layernorm=torch, gelu_mlp=torch, linear_ce=torch"
+    record_mod.record(res, notebook="22")
+    rows = query.ladder_rows(query.load(), "gpt")
+    assert next(r for r in rows if r["step"] == "22_gelu_epilogue")["op_backends"] == res.op_backends
+    assert f"hwlib's ops ran these backends: {res.op_backends}." in step_prose(rows, "gpt", "22_gelu_epilogue")
+    assert run().op_backends is None   # step 01: no fused op, and nothing left from the step before

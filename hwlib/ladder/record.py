@@ -106,7 +106,8 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
                         status="ok" if value is not None else "n/a", reason=why))
         optional = (("peak_mem_gib", res.peak_mem_gib, "GiB"), ("first_step_s", res.first_step_s, "s"),
                     ("compile_s", res.compile_s, "s"), ("final_loss", res.final_loss, "nats"),
-                    ("host_wait_ms", res.host_wait_ms, "ms"), ("sdpa_backend", res.sdpa_backend, ""))
+                    ("host_wait_ms", res.host_wait_ms, "ms"), ("sdpa_backend", res.sdpa_backend, ""),
+                    ("op_backends", res.op_backends, ""))
         recs += [rec(m, v, u) for m, v, u in optional if v is not None]
     if check is not None and check.against is not None:
         recs.append(rec("same_math_max_rel", check.max_rel_diff, f"relative, tolerance {check.tolerance:.2g}",

@@ -18,6 +18,7 @@ import torch
 
 from .. import bench, telemetry as tel
 from ..device import DeviceInfo, info, other_gpu_processes, resolve_device, usable_memory_gib
+from ..ops.sources import backends_used, forget_backends
 from ..profiles import Plan, plan as plan_for, resolve_profile
 from ..steps import Settings, Step, get_step, not_applicable, resolve_autocast, settings_for, unavailable
 from ..workloads import get_workload
@@ -48,6 +49,7 @@ class StepResult:
     peak_mem_gib: float | None = None      # allocated by tensors
     peak_reserved_gib: float | None = None # taken from the device by the caching allocator
     sdpa_backend: str | None = None
+    op_backends: str | None = None         # hwlib's fused ops and the backend each ran ("gelu_mlp=cublaslt, ...")
     host_wait_ms: float | None = None      # per timed step, host blocked on the loader (hwlib.data.loader)
     contended: list | None = field(default_factory=list)   # other processes on the GPU around the timed window (None: unknown)
     notes: list = field(default_factory=list)
@@ -258,10 +260,12 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     eff = _effective_settings(res, st, di, dev, settings)
     res.settings = dataclasses.asdict(eff)
     try:
+        forget_backends()   # what this step's ops choose, not an earlier step's in this process
         sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch)
         timed_from = timed_window(res, sess, pl)
         res.warmup_steps = timed_from - pl.check
         res.losses = train_steps(res, sess, timed_from, pl.timed, progress, telemetry, on_step)
+        res.op_backends = ", ".join(f"{op}={b}" for op, b in backends_used().items()) or None
     except torch.OutOfMemoryError as e:
         oom = oom_reason(e, dev)
     else:

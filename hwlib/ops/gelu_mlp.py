@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from hwlib.device import ChoiceError, Unavailable
 
 from . import fallbacks
-from .sources import read_kernel_source
+from .sources import note_backend, read_kernel_source
 
 BACKENDS = ("auto", "cublaslt", "torch")
 KERNEL_FILE = "gelu_epilogue.cpp"
@@ -165,7 +165,7 @@ def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype 
 def resolve_backend(backend: str, device_type: str, dtype: torch.dtype, K: int, N: int, C: int) -> str:
     """``select_backend`` for the op's forward: torch.compile calls it once while tracing and keeps its
     answer as a constant (building the extension is not traceable)."""
-    return select_backend(backend, device_type, dtype, (K, N, C))
+    return note_backend("gelu_mlp", select_backend(backend, device_type, dtype, (K, N, C)))
 
 
 # --- inputs --------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from hwlib.device import ChoiceError, Unavailable
 from hwlib.paths import KERNELS_DIR
 
 _MODULES: dict = {}
+_USED: dict[str, str] = {}   # op -> the backend its last call chose in this process (see note_backend)
 
 
 def kernels_dir() -> Path:
@@ -140,8 +141,26 @@ def select_triton_backend(filename: str, backend: str, device) -> str:
     return backend
 
 
+def note_backend(op: str, name: str) -> str:
+    """Remember that ``op`` chose backend ``name`` (returned): the ladder records what each of hwlib's
+    ops ran, since ``auto`` falls back to torch where a kernel cannot run. Called where an op resolves
+    its backend, which torch.compile runs while tracing, so a compiled step notes it too."""
+    _USED[op] = name
+    return name
+
+
+def forget_backends() -> None:
+    _USED.clear()
+
+
+def backends_used() -> dict[str, str]:
+    """{op: backend} for every hwlib op that resolved a backend since ``forget_backends``."""
+    return dict(sorted(_USED.items()))
+
+
 @torch.compiler.assume_constant_result
 def resolve_triton_backend(filename: str, backend: str, device_type: str) -> str:
     """``select_triton_backend`` for an op's forward: torch.compile calls it once while tracing and
     keeps its answer as a constant (loading a kernel module is not traceable)."""
-    return select_triton_backend(filename, backend, device_type)
+    return note_backend(Path(filename).stem.removesuffix("_triton"),
+                        select_triton_backend(filename, backend, device_type))

@@ -225,6 +225,8 @@ def step_prose(rows: list[dict], workload: str, step: str) -> str:
         parts.append(f"MFU n/a: {row['mfu_reason']}.")
     if row.get("sdpa_backend"):
         parts.append(f"SDPA dispatched the '{row['sdpa_backend']}' kernel (read off the aten ops).")
+    if row.get("op_backends"):
+        parts.append(f"hwlib's ops ran these backends: {row['op_backends']}.")
     if row["same_math_max_rel"] is not None:
         parts.append(f"Its loss curve differs from the step before by at most {row['same_math_max_rel']:.1e} "
                      f"(tolerance {row['same_math_tol']}): "
