@@ -206,6 +206,15 @@ def test_cublaslt_under_cuda_graphs_equals_eager():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")
+def test_no_rows_take_the_torch_path_each_way():
+    leaves, _ = _inputs(0, 64, 256, 64, dtype=torch.bfloat16, device="cuda")
+    y = gm.gelu_mlp(*leaves, backend="cublaslt")
+    assert y.shape == (0, 64)
+    grads = torch.autograd.grad(y.sum(), leaves)
+    assert grads[0].shape == (0, 64) and all(float(g.abs().sum()) == 0.0 for g in grads[1:])
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")
 def test_a_misaligned_operand_takes_the_torch_path():
     leaves, dy = _inputs(64, 64, 256, 64, dtype=torch.bfloat16, device="cuda", seed=17)
     x = leaves[0].detach()

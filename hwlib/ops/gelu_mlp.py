@@ -30,12 +30,11 @@ node and CUDA graphs capture them (no host sync).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
 
-from hwlib.device import ChoiceError, Unavailable
+from hwlib.device import ChoiceError, Unavailable, info, supports_bf16
 
 from . import fallbacks
 from .sources import note_backend, read_kernel_source
@@ -122,9 +121,8 @@ def kernel_source() -> str:
 def _cublaslt_problem(device_type: str) -> str | None:
     if device_type != "cuda":
         return f"cuBLASLt runs CUDA tensors only, got {device_type} tensors"
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 8:
-        name = torch.cuda.get_device_name()
-        return f"the bf16 epilogues need an Ampere (sm_80) or newer GPU; {name} has no bf16 tensor cores"
+    if torch.cuda.is_available() and not supports_bf16(di := info("cuda")):
+        return f"the bf16 epilogues need an Ampere (sm_80) or newer GPU; {di.name} has no bf16 tensor cores"
     try:
         module()
     except Unavailable as e:
@@ -228,13 +226,20 @@ def aligned(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
+def _epilogues_take(rows: torch.Tensor, *ts: torch.Tensor) -> bool:
+    """Whether this call's operands suit the epilogue kernels: some rows (cuBLASLt runs no empty
+    matmul) and every operand aligned. Checked per call, in the op, where the tensors are real; the
+    backend chosen for a traced graph cannot know them."""
+    return rows.shape[0] > 0 and aligned(rows, *ts)
+
+
 # --- the ops -------------------------------------------------------------------------------------
 
 @torch.library.custom_op("hwlib::gelu_mlp", mutates_args=())
 def _fwd_op(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (y, a, pre): the GELU's output and input are kept for the backward
-    if backend == "torch" or not aligned(x, w_fc, b_fc):   # a misaligned operand: the same math in torch
+    if backend == "torch" or not _epilogues_take(x, w_fc, b_fc):   # else the same math in torch
         return _fwd_torch(x, w_fc, b_fc, w_proj, b_proj)
     return forward_epilogues(x, w_fc, b_fc, w_proj, b_proj)
 
@@ -250,7 +255,7 @@ def _bwd_op(dy: torch.Tensor, w_proj: torch.Tensor, pre: torch.Tensor, backend: 
     # dpre; the weight gradients' matmuls and the bias gradients' column sums are in the formula below,
     # where torch.compile sees them (inductor compiles the sums: cuBLASLt's bias-gradient epilogues measured
     # slower, hwlib/kernels/gelu_epilogue.cpp)
-    if backend == "torch" or not aligned(dy, w_proj, pre):   # a misaligned operand: the same math in torch
+    if backend == "torch" or not _epilogues_take(dy, w_proj, pre):
         return _dpre_torch(dy, w_proj, pre)
     return dpre_epilogue(dy, w_proj, pre)
 
@@ -294,8 +299,6 @@ def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: to
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     K, N, C = x.shape[-1], w_fc.shape[0], w_proj.shape[0]
     name = resolve_backend(backend, dev, dtype, K, N, C)
-    if name == "cublaslt" and math.prod(x.shape[:-1]) == 0:
-        name = "torch"   # no rows: nothing for cuBLASLt to run (widths of 0 fail fit_problem)
     lead = x.shape[:-1]
     with torch.autocast(dev, enabled=False):   # the op's own casts, once, as autocast would make them
         args = [t.to(dtype).contiguous() for t in (x.reshape(-1, K), w_fc, b_fc, w_proj, b_proj)]
@@ -313,7 +316,7 @@ def gelu_mlp_reference(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, 
 def bytes_removed(rows: int, hidden: int, elem: int = 2) -> dict:
     """Bytes the epilogues remove per MLP call at one pass per op (the kernel file's count), forward
     and backward: the pre-activation's re-read by the GELU (forward); the input gradient's write and
-    re-read (backward). ``d_out`` does not enter: the bias gradients' sums stay outside the matmuls."""
+    re-read (backward). The bias gradients' column sums stay outside the matmuls: they count in neither."""
     mn = float(rows * hidden * elem)
     return {"forward": mn, "backward": 2.0 * mn}
 

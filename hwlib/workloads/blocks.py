@@ -22,7 +22,7 @@ from ..ops.gelu_mlp import gelu_mlp
 
 
 class PreNormBlock(nn.Module):
-    def __init__(self, d_model: int, make_mixer: Callable[[], nn.Module], mixer_name: str):
+    def __init__(self, d_model: int, make_mixer: Callable[[], nn.Module], mixer_name: str, fused_mlp: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model)
         self.mixer_name = mixer_name
@@ -30,8 +30,8 @@ class PreNormBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(d_model)
         self.mlp_fc = nn.Linear(d_model, 4 * d_model)
         self.mlp_proj = nn.Linear(4 * d_model, d_model)
-        # The MLP as one op with its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp); set by the model.
-        self.fused_mlp = False
+        # The MLP as one op with its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp).
+        self.fused_mlp = fused_mlp
 
     @property
     def mixer(self) -> nn.Module:

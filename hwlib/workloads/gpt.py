@@ -91,9 +91,9 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
-def gpt_block(cfg: GPTConfig, attention: str) -> PreNormBlock:
+def gpt_block(cfg: GPTConfig, attention: str, fused_mlp: bool = False) -> PreNormBlock:
     """A GPT-2 block: causal self-attention as the mixer of the shared pre-LayerNorm block."""
-    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention), "attn")
+    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention), "attn", fused_mlp)
 
 
 class GPT(nn.Module):
@@ -114,9 +114,8 @@ class GPT(nn.Module):
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(gpt_block(cfg, attention) for _ in range(cfg.n_layer))
-        for b in self.blocks:   # each MLP one op, its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp)
-            b.fused_mlp = fused_mlp
+        # fused_mlp: each MLP one op, its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp).
+        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "GPT":
