@@ -64,6 +64,13 @@
 // instructions by 4.5% (ncu: 99.0 M to 94.6 M) but took it from 71 to 79 registers, one block per SM
 // fewer; bounded back to 72 (M = 7, no spills) it ran 0.144-0.145 ms against 0.145-0.147 (four
 // interleaved pairs, p20-p80 overlapping): instruction count alone does not set the forward's time.
+// Nor do the loads: a one-sequence tile's loads cost about 20 instructions an element here (64-bit
+// addresses and bounds per element); a per-thread base plus compile-time offsets (sw is periodic in
+// 1 KB), int bounds and no predicate on a whole tile cut that to about 4, with the forward at 72
+// registers (7 blocks per SM, as now). Interleaved on one H100, B = 8192, N = 2048, kernel alone:
+// forward 0.1396 ms against 0.1378 (p20-p80 0.1392-0.1398 against 0.1375-0.1382), backward 0.297
+// against 0.284; the same at N = 512 and 8192. The leaner loads issue their 48 cp.async in a burst,
+// which may crowd the shared-memory pipe that the computing blocks' shuffles and loads also use.
 // Per issued instruction a warp waits 8.5 cycles: 2.95 not selected, 1.0 fixed-latency dependencies,
 // 0.9 at barriers, 0.85 on a busy math pipe, 0.5 on memory; the schedulers issue in 79% of cycles.
 // The rows of b and c ([B, N-1], 4 (N - 1) bytes apart) mostly start inside a 32-byte sector, so
@@ -292,13 +299,6 @@ BK_HD void cp_wait() {
 template <typename R> struct alignas(16) vq { R x[16 / sizeof(R)]; };
 template <typename R> BK_HD constexpr int vq_n() { return (int)(16 / sizeof(R)); }
 template <typename R> BK_HD int sw(int e) { return e ^ (((e / (8 * vq_n<R>())) & 7) * vq_n<R>()); }
-// sw permutes elements only inside aligned runs of 64 V (one KB): sw(e + 64 V j) = sw(e) + 64 V j. So the
-// element tid + off of a coalesced loop (off a compile-time multiple of T) lives at a per-thread base plus
-// a constant, which the compiler folds into the shared-memory instruction.
-template <typename R> BK_HD int sw_off(int tid, int off) {
-  constexpr int SWP = 64 * vq_n<R>();
-  return sw<R>(tid + off % SWP) + (off - off % SWP);
-}
 template <typename R> BK_HD vq<R> ldv(const R* arr, int e) { return *reinterpret_cast<const vq<R>*>(arr + sw<R>(e)); }
 template <typename R> BK_HD void stv(R* arr, int e, const vq<R>& v) { *reinterpret_cast<vq<R>*>(arr + sw<R>(e)) = v; }
 
@@ -352,35 +352,18 @@ BK_HD void load_tile(const Ex& ex, Smem<R, T, L, NA>& sm, const Geo& g, long lon
   const long long col0 = tile * g.W;
   for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
     if (g.S == 1) {
-      // Each thread's addresses are its own base plus compile-time offsets (k T elements), and the
-      // positions left in the row are an int capped at W + 1: a whole tile (the N = 2048 benchmark's
-      // only one) copies with no per-element predicate but the last b, c, and no 64-bit arithmetic.
-      // (Per-element 64-bit addresses and bounds had cost about 20 instructions an element.)
       const bool in = g.seq0 < B;
-      const long long row = in ? g.seq0 : 0, left = N - col0;
-      const int lim = in ? (int)(left < g.W + 1 ? left : g.W + 1) : 0;
-      const R *ar = a + row * N + col0 + tid, *br = b + row * (N - 1) + col0 + tid, *cr = c + row * (N - 1) + col0 + tid;
-      const R* wr = w ? w + 2 * (row * N + col0 + tid) : a;
-      if (lim >= g.W) {
-#pragma unroll
-        for (int k = 0; k < L; ++k) {
-          const int pe = sw_off<R>(tid, k * T);
-          const bool okbc = k < L - 1 || tid + k * T + 1 < lim;
-          cp_elem(&sm.tile[0][pe], ar + k * T, true);
-          cp_elem(&sm.tile[1][pe], br + k * T, okbc);
-          cp_elem(&sm.tile[2][pe], cr + k * T, okbc);
-          if (NA == 5) cp_bytes<2 * sizeof(R)>(&wt[sw_off<R>(2 * tid, 2 * k * T)], wr + 2 * k * T, true);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < L; ++k) {
-          const int pe = sw_off<R>(tid, k * T), e = tid + k * T;
-          const bool ok = e < lim, okbc = e + 1 < lim;
-          cp_elem(&sm.tile[0][pe], ar + k * T, ok);
-          cp_elem(&sm.tile[1][pe], br + k * T, okbc);
-          cp_elem(&sm.tile[2][pe], cr + k * T, okbc);
-          if (NA == 5) cp_bytes<2 * sizeof(R)>(&wt[sw_off<R>(2 * tid, 2 * k * T)], wr + 2 * k * T, ok);
-        }
+      const long long row = in ? g.seq0 : 0, lim = in ? N - col0 : 0;
+      const R *ar = a + row * N + col0, *br = b + row * (N - 1) + col0, *cr = c + row * (N - 1) + col0;
+      const R* wr = w ? w + 2 * (row * N + col0) : a;
+#pragma unroll 8
+      for (int k = 0; k < L; ++k) {
+        const int e = tid + k * T, pe = sw<R>(e);
+        const bool ok = e < lim, okbc = e + 1 < lim;
+        cp_elem(&sm.tile[0][pe], ar + e, ok);
+        cp_elem(&sm.tile[1][pe], br + e, okbc);
+        cp_elem(&sm.tile[2][pe], cr + e, okbc);
+        if (NA == 5) cp_bytes<2 * sizeof(R)>(&wt[sw<R>(2 * e)], wr + 2 * e, ok);
       }
     } else {
 #pragma unroll 4
@@ -567,14 +550,13 @@ BK_HD void fwd_block(const Ex& ex, long long blk, Smem<R, T, L, 3>& sm, FwdThr<R
     const long long col0 = tile * g.W;
     for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
       if (g.S == 1) {                                               // positions e of one row
-        if (g.seq0 < B) {                                           // base + constant offsets, as in load_tile
-          cx<R>* orow = reinterpret_cast<cx<R>*>(out) + g.seq0 * N + col0 + tid;
-          const long long left = N - col0;
-          const int lim = (int)(left < g.W ? left : g.W);
-#pragma unroll
+        if (g.seq0 < B) {
+          cx<R>* orow = reinterpret_cast<cx<R>*>(out) + g.seq0 * N + col0;
+          const long long lim = N - col0;
+#pragma unroll 8
           for (int k = 0; k < L; ++k) {
-            const int pe = sw_off<R>(tid, k * T);
-            if (lim == g.W || tid + k * T < lim) orow[k * T] = mk(sm.tile[0][pe], sm.tile[1][pe]);
+            const int e = tid + k * T, pe = sw<R>(e);
+            if (e < lim) orow[e] = mk(sm.tile[0][pe], sm.tile[1][pe]);
           }
         }
       } else {
@@ -782,17 +764,15 @@ BK_HD void bwd_block(const Ex& ex, long long blk, Smem<R, T, L, 5>& sm, BwdThr<R
     for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
       if (g.S == 1) {
         if (g.seq0 < B) {
-          R *gar = ga + g.seq0 * N + col0 + tid, *gbr = gb + g.seq0 * (N - 1) + col0 + tid,
-            *gcr = gc + g.seq0 * (N - 1) + col0 + tid;                 // base + constant offsets, as in load_tile
-          const long long left = N - col0;
-          const int lim = (int)(left < g.W + 1 ? left : g.W + 1);
-#pragma unroll
+          R *gar = ga + g.seq0 * N + col0, *gbr = gb + g.seq0 * (N - 1) + col0, *gcr = gc + g.seq0 * (N - 1) + col0;
+          const long long lim = N - col0;
+#pragma unroll 8
           for (int k = 0; k < L; ++k) {
-            const int e = tid + k * T, pe = sw_off<R>(tid, k * T);
-            if (lim >= g.W || e < lim) gar[k * T] = sm.tile[0][pe];
-            if ((lim >= g.W && k < L - 1) || e + 1 < lim) {
-              gbr[k * T] = sm.tile[1][pe];
-              gcr[k * T] = sm.tile[2][pe];
+            const int e = tid + k * T, pe = sw<R>(e);
+            if (e < lim) gar[e] = sm.tile[0][pe];
+            if (e + 1 < lim) {
+              gbr[e] = sm.tile[1][pe];
+              gcr[e] = sm.tile[2][pe];
             }
           }
         }
@@ -938,7 +918,7 @@ template <int T, int L, int M> constexpr int tile_positions() { return T * L; }
 #define BK_FWD_F32_L 16
 #endif
 #ifndef BK_FWD_F32_M
-#define BK_FWD_F32_M 7
+#define BK_FWD_F32_M 6
 #endif
 #define BK_FWD_F32 BK_FWD_F32_T, BK_FWD_F32_L, BK_FWD_F32_M
 #ifndef BK_BWD_F32_T
