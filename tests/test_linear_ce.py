@@ -15,7 +15,8 @@ import zlib
 import pytest
 import torch
 
-from hwlib.device import ChoiceError
+from hwlib.device import ChoiceError, Unavailable
+from hwlib.ops import ce_rows_cuda as C
 from hwlib.ops import linear_ce as L
 from hwlib.ops.linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference, unfused_linear_cross_entropy
 
@@ -238,8 +239,117 @@ def test_bad_input_names_the_argument(says):
 def test_bad_backend_and_unavailable_triton():
     h, w, t = make(4, 3, 5, 5)
     with pytest.raises(ChoiceError):
-        fused_linear_cross_entropy(h, w, t, backend="cuda")
+        fused_linear_cross_entropy(h, w, t, backend="cudnn")
     assert L.select_backend("auto", "cpu") == "torch"
+
+
+def test_the_cuda_row_pass_says_where_it_cannot_run():
+    with pytest.raises(Unavailable, match="CUDA tensors only"):
+        L.select_backend("cuda", "cpu")
+    with pytest.raises(Unavailable, match="backend 'cuda'"):
+        fused_linear_cross_entropy(*make(4, 3, 5, 5), backend="cuda")
+    fit = C.fit_problem
+    assert fit(torch.bfloat16, 50304, 227 * 1024) is None and fit(torch.float16, 8, 272) is None
+    assert "bf16 or fp16" in fit(torch.float32, 64, 1 << 20)
+    assert "multiple of 8" in fit(torch.bfloat16, 50257, 1 << 20)
+    assert "exceeds the 232448 bytes" in fit(torch.bfloat16, 116_104, 232_448)
+    assert fit(torch.bfloat16, 116_096, 232_448) is None          # 232,192 + 256 bytes: just fits
+
+
+# --- the CUDA row pass ----------------------------------------------------------------------------
+
+needs_cuda_rows = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA row pass needs a CUDA GPU")
+
+
+def _chunk(n, vp, v, dtype, key, bad=False):
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((n, vp, v, key)).encode()))
+    z = (torch.randn(n, vp, device="cuda", generator=g) * 3).to(dtype)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[::5] = -100
+    if bad:
+        t[1] = v + 1                           # not a class, not ignore_index
+    scale = (1.0 / (t != -100).sum().clamp_min(1).float()).reshape(1)
+    return z, t, scale
+
+
+def _reference_rows(z, t, scale, v):
+    """Loss and gradient of a chunk of logits in float64 (rows with a bad target left out)."""
+    x = z.double()[:, :v]
+    lse = torch.logsumexp(x, 1)
+    keep = t != -100
+    safe = torch.where(keep & (t < v), t, 0)
+    loss = torch.where(keep, lse - x.gather(1, safe[:, None])[:, 0], torch.zeros_like(lse))
+    g = torch.softmax(x, 1)
+    g.scatter_add_(1, safe[:, None], -(keep & (t < v)).double()[:, None])
+    grad = torch.zeros_like(z, dtype=torch.float64)
+    grad[:, :v] = g * scale.double() * keep[:, None]
+    return loss, grad
+
+
+@needs_cuda_rows
+@pytest.mark.parametrize("n, vp, v, dtype", [(4096, 50304, 50257, torch.bfloat16), (37, 8, 1, torch.bfloat16),
+                                             (129, 4104, 4097, torch.float16), (300, 1000, 999, torch.bfloat16)],
+                         ids=str)
+def test_cuda_row_pass_matches_float64_and_the_triton_pass(n, vp, v, dtype):
+    """Fresh logits at odd widths (padding columns, one class, several thousand): loss and gradient
+    against float64, no worse than the Triton pass's (which reads the row twice), ignored rows zero."""
+    z, t, scale = _chunk(n, vp, v, dtype, "match")
+    want_loss, want_grad = _reference_rows(z, t, scale, v)
+    got = {}
+    for name, fn in (("cuda", C.ce_rows_), ("triton", L._kernel().ce_rows_)):
+        zz, loss = z.clone(), torch.full((n,), float("nan"), device="cuda")
+        fn(zz, t, loss, scale, v, -100, write_grad=True)
+        got[name] = (loss, zz)
+    err = {k: ((l.double() - want_loss).abs().max().item(), (g.double() - want_grad).abs().max().item())
+           for k, (l, g) in got.items()}
+    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for i in range(2):
+        assert err["cuda"][i] <= 1.5 * err["triton"][i] + unit * (1e-4 if i == 0 else scale.item()), err
+    loss, g = got["cuda"]
+    ign = t == -100
+    assert (loss[ign] == 0).all() and (g[ign] == 0).all()
+    assert (g[:, v:] == 0).all()                                       # padding: exact zeros
+
+
+@needs_cuda_rows
+def test_cuda_row_pass_bad_targets_give_nan_and_loss_only():
+    z, t, scale = _chunk(64, 520, 513, torch.bfloat16, "bad", bad=True)
+    zz, loss = z.clone(), torch.empty(64, device="cuda")
+    C.ce_rows_(zz, t, loss, scale, 513, -100, write_grad=True)
+    assert torch.isnan(loss[1]) and torch.isnan(zz[1].float()).all()
+    assert torch.isfinite(loss[2:]).all()
+    z2, loss2 = z.clone(), torch.empty(64, device="cuda")
+    C.ce_rows_(z2, t, loss2, scale, 513, -100, write_grad=False)   # the loss only: the logits stay as they were
+    assert torch.equal(z2, z) and torch.equal(loss2[2:], loss[2:])
+
+
+@needs_cuda_rows
+def test_cuda_row_pass_refuses_what_it_cannot_read_with_the_reason():
+    z, t, scale = _chunk(8, 72, 70, torch.bfloat16, "refuse")
+    loss = torch.empty(8, device="cuda")
+    with pytest.raises(ValueError, match="16-byte boundaries"):
+        C.ce_rows_(torch.empty(8, 73, device="cuda", dtype=torch.bfloat16)[:, 1:], t, loss, scale, 70, -100)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        C.ce_rows_(z.float(), t, loss, scale, 70, -100)
+    with pytest.raises(ValueError, match="vocab"):
+        C.ce_rows_(z, t, loss, scale, 73, -100)
+
+
+@needs_cuda_rows
+def test_the_op_with_the_cuda_row_pass_matches_the_triton_pass():
+    """The whole op under bf16 autocast: auto picks the CUDA pass for bf16 logits, the Triton pass for
+    fp32 ones (where 'cuda' itself is a ValueError), and both agree with float64 as closely."""
+    h, w, t = make(300, 64, 1000, 999, dtype=torch.float32, key=("op",), device="cuda")
+    assert L.select_backend("auto", "cuda", torch.bfloat16, 1000) == "cuda"
+    assert L.select_backend("auto", "cuda", torch.float32, 1000) == "triton"
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        L.select_backend("cuda", "cuda", torch.float32, 1000)
+    want = ref(h, w, t, 999)
+    with torch.autocast("cuda", torch.bfloat16):
+        cu = run(h, w, t, vocab=999, chunk=128, backend="cuda")
+        tr = run(h, w, t, vocab=999, chunk=128, backend="triton")
+    for a, b, r in zip(cu, tr, want):
+        assert rel(a, r) <= 1.5 * rel(b, r) + 1e-6, (rel(a, r), rel(b, r))
 
 
 def test_default_chunk_of_gpt2_small():

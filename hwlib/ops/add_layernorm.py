@@ -141,21 +141,25 @@ def _(x, r, weight, bias, eps, y_dtype, backend):
 def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
             rstd: torch.Tensor, r_dtype: torch.dtype,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (dx, dr, [dw; db]): the gain's and the bias's gradients as one [2, D] tensor, summed in one reduction
+    # (dx, dr, partial [dw; db] sums, float32 [programs, 2, D]). The sum over the programs is left to
+    # the autograd formula, outside this op: compiled, inductor writes it as one of its reductions. Done
+    # in here, it ran as an eager column reduction of GPT-2 small's 528 x 1536 partials (3 MB): 0.42 ms
+    # a step over 24 calls in step 22's trace on an H100, about 17 us a call.
     if backend == "torch":
         dx, dr, dwb = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype)
-        return dx, dr, dwb.to(weight.dtype)
+        return dx, dr, dwb.float()[None]
     k = _kernel()
     dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
     part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
                         _programs(*s.shape, s.device))
-    return dx, dr, part.sum(0).to(weight.dtype)
+    return dx, dr, part
 
 
 @_bwd_op.register_fake
 def _(dy, ds, s, weight, mean, rstd, r_dtype, backend):
+    programs = 1 if backend == "torch" else _programs(*s.shape, s.device)
     return (torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device),
-            weight.new_empty((2, weight.shape[0])))
+            s.new_empty((programs, 2, weight.shape[0]), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -167,9 +171,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, ds, dy, _dmean, _drstd):
     s, weight, mean, rstd = ctx.saved_tensors
-    dx, dr, dwb = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, ctx.backend)
-    dw, db = dwb.unbind(0)
-    return dx, dr, dw, db.to(ctx.bias_dtype), None, None, None   # dx is s's dtype, x's
+    dx, dr, part = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, ctx.backend)
+    dw, db = part.sum(0).unbind(0)
+    return dx, dr, dw.to(weight.dtype), db.to(ctx.bias_dtype), None, None, None   # dx is s's dtype, x's
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)

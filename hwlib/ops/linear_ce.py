@@ -5,8 +5,9 @@ targets, ignore_index=...)`` (mean over the targets that are not ignored), compu
 rows: for each chunk c of C rows
 
     z_c   = h_c W^T                     GEMM (cuBLAS), [C, V_pad] in the compute dtype
-    loss_c, dz_c (written over z_c)     one row-wise pass (``hwlib/kernels/linear_ce_triton.py``: the
-                                        formulas, bytes and FLOPs), or the same math in torch
+    loss_c, dz_c (written over z_c)     one row-wise pass (``hwlib/kernels/ce_rows.cu``, which reads
+                                        each row once, or ``linear_ce_triton.py``, twice: the formulas,
+                                        bytes and FLOPs), or the same math in torch
     dh_c  = dz_c W                      GEMM
     dW   += dz_c^T h_c                  GEMM, accumulated over the chunks in fp32
 
@@ -25,10 +26,13 @@ unfused path rounds both GEMM outputs to bf16 before autocast's casts take them 
 Backends (chosen once per call from the device, never switched on failure):
 
 ===========  ===========================================================================
+``cuda``     the row pass in CUDA (``hwlib.ops.ce_rows_cuda``): Ampere or newer GPUs, bf16 or
+             fp16 logits whose padded width is a multiple of 8 and fits a block's shared memory
 ``triton``   the row pass in Triton: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
 ``torch``    the same chunk loop with the row pass in torch ops: any device (CPU: the smoke
              ladder's step 17)
-``auto``     ``triton`` on CUDA where Triton loads, else ``torch``
+``auto``     ``cuda`` where it builds and takes the call's dtype and width, else ``triton`` on
+             CUDA where Triton loads, else ``torch``
 ===========  ===========================================================================
 
 The op is a ``torch.library.custom_op`` (``hwlib::linear_cross_entropy``) with a fake impl and an
@@ -46,10 +50,12 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from . import fallbacks
-from .sources import TRITON_BACKENDS, load_python_kernel, resolve_triton_backend, select_triton_backend
+from hwlib.device import ChoiceError, Unavailable
 
-BACKENDS = TRITON_BACKENDS
+from . import ce_rows_cuda, fallbacks
+from .sources import load_python_kernel, note_backend, select_triton_backend
+
+BACKENDS = ("auto", "cuda", "triton", "torch")
 KERNEL_FILE = "linear_ce_triton.py"
 OP_NAME = "hwlib::linear_cross_entropy"
 # Logits of one chunk at most this many bytes: GPT-2 small (16,384 x 50,304, bf16) runs in 4
@@ -133,10 +139,41 @@ def chunk_rows(n_rows: int, width: int, elem_bytes: int, chunk: int | None = Non
 
 # --- backends ------------------------------------------------------------------------------------
 
-def select_backend(backend: str, device: torch.device | str) -> str:
-    """The backend that runs for tensors on ``device``: ``backend`` itself (Unavailable with the
-    reason when it cannot), or ``auto``'s choice, made once per process and device type."""
+def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                   vocab_padded: int = 64) -> str:
+    """The backend that runs for logits of ``dtype`` and width ``vocab_padded`` on ``device``:
+    ``backend`` itself (Unavailable where it cannot run on this machine, ValueError where it cannot
+    take this dtype or width, each with the reason), or ``auto``'s choice."""
+    device = torch.device(device)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ChoiceError("backend", backend, BACKENDS)
+    if backend in ("cuda", "auto"):
+        problem = ce_rows_cuda.device_problem(device.type)
+        fit = None if problem else ce_rows_cuda.fit_problem(dtype, vocab_padded, ce_rows_cuda.smem_limit(device))
+        if backend == "cuda":
+            if problem:
+                raise Unavailable(f"backend 'cuda': {problem}")
+            if fit:
+                raise ValueError(f"backend 'cuda': {fit}")
+            return "cuda"
+        if not (problem or fit):
+            return "cuda"
     return select_triton_backend(KERNEL_FILE, backend, device)
+
+
+@torch.compiler.assume_constant_result
+def resolve_backend(backend: str, device_type: str, dtype: torch.dtype, vocab_padded: int) -> str:
+    """``select_backend`` for the op's forward: torch.compile calls it once while tracing and keeps its
+    answer as a constant (building or loading a kernel is not traceable)."""
+    return note_backend("linear_ce", select_backend(backend, device_type, dtype, vocab_padded))
+
+
+def _rows_pass(backend: str):
+    """The row pass of ``backend`` (cuda, triton), called as ``ce_rows_(z, t, loss, scale, vocab,
+    ignore_index, write_grad=...)``; None for torch."""
+    if backend == "cuda":
+        return ce_rows_cuda.ce_rows_
+    return _kernel().ce_rows_ if backend == "triton" else None
 
 
 def _rows_torch(z: torch.Tensor, t: torch.Tensor, loss_out: torch.Tensor, scale: torch.Tensor, vocab: int,
@@ -240,13 +277,13 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
     z_buf = torch.empty(rows, Vp, dtype=cdt, device=h.device)
     gh = torch.empty_like(h) if need_grad else h.new_empty(0)
     gw = torch.empty(Vp, D, dtype=acc, device=h.device) if need_grad else None
-    kern = _kernel() if backend == "triton" else None
+    row_pass = _rows_pass(backend)
     for i, r0 in enumerate(range(0, N, rows)):
         r1 = min(N, r0 + rows)
         hc, z = h[r0:r1].to(cdt), z_buf[: r1 - r0]
         torch.mm(hc, wc.t(), out=z)
-        if kern is not None:
-            kern.ce_rows_(z, t[r0:r1], losses[r0:r1], scale, vocab, ignore_index, write_grad=need_grad)
+        if row_pass is not None:
+            row_pass(z, t[r0:r1], losses[r0:r1], scale, vocab, ignore_index, write_grad=need_grad)
         else:
             _rows_torch(z, t[r0:r1], losses[r0:r1], scale, vocab, ignore_index, need_grad)
         if need_grad:
@@ -309,7 +346,6 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     ``F.cross_entropy``). ``chunk``: rows per chunk (default: ``chunk_rows``). Non-contiguous
     inputs are made contiguous (a copy). Under autocast the GEMMs run in autocast's dtype."""
     vocab = check_inputs(h, weight, targets, vocab, ignore_index, chunk)
-    name = resolve_triton_backend(KERNEL_FILE, backend, h.device.type)
     dev_type = h.device.type
     if torch.is_autocast_enabled(dev_type):
         # h and W are cast inside, chunk by chunk, and their gradients come back in their own dtypes
@@ -318,6 +354,7 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
         raise ValueError(f"h is {h.dtype} but weight is {weight.dtype}: outside autocast they must match")
     else:
         cdt = h.dtype
+    name = resolve_backend(backend, dev_type, cdt, weight.shape[0])
     h2 = h.reshape(-1, h.shape[-1]).contiguous()
     t = targets.reshape(-1).to(torch.int64).contiguous()
     w = weight.contiguous()
@@ -353,13 +390,17 @@ def unfused_linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tens
 def traffic_bytes(n_rows: int, vocab: int, vocab_padded: int, elem_bytes: int = 2) -> dict:
     """Bytes that pass through logits-sized buffers in one forward + backward, counted, not measured:
 
-    ``row_pass``  the softmax work outside the GEMMs: this op's row pass reads the logits twice (V
-                  columns each) and writes the gradient (V_pad). An unfused path does at least the
-                  same (its log-softmax reads the logits in forward, reads them again and writes the
-                  gradient in backward); what it does beyond that depends on what the compiler fuses
+    ``row_pass``  the softmax work outside the GEMMs in two reads: the Triton row pass reads the
+                  logits twice (V columns each) and writes the gradient (V_pad). An unfused path does
+                  at least the same (its log-softmax reads the logits in forward, reads them again and
+                  writes the gradient in backward); what it does beyond that depends on what the
+                  compiler fuses
+    ``row_pass_one_read``  the same in one read: the CUDA row pass holds a row in shared memory
+                  between its passes (V_pad read, V_pad written)
     ``gemm``      the GEMMs' own logits traffic (one write, two reads of V_pad): at GPT-2's width
                   each GEMM is compute-bound, so these bytes overlap its FLOPs rather than add time
     ``logits``    one pass over [n_rows, V_pad]
     """
     zp, zv = n_rows * vocab_padded * elem_bytes, n_rows * vocab * elem_bytes
-    return {"row_pass": float(2 * zv + zp), "gemm": float(3 * zp), "logits": float(zp)}
+    return {"row_pass": float(2 * zv + zp), "row_pass_one_read": float(2 * zp), "gemm": float(3 * zp),
+            "logits": float(zp)}

@@ -29,13 +29,15 @@ import math
 import torch
 
 from .. import bench, precision, results, roofline
-from ..ops.linear_ce import (chunk_rows, fused_linear_cross_entropy, linear_cross_entropy_reference, traffic_bytes,
-                             unfused_linear_cross_entropy)
+from ..ops import ce_rows_cuda
+from ..ops.linear_ce import (chunk_rows, fused_linear_cross_entropy, linear_cross_entropy_reference, select_backend,
+                             traffic_bytes, unfused_linear_cross_entropy)
 from ..ops.sources import read_kernel_source
-from ..device import info, supports_bf16
+from ..device import Unavailable, info, supports_bf16
 from ..shapes import padded
 
-IMPLS = ("unfused, compiled", "unfused, eager", "hwlib fused", "liger", "cut-cross-entropy")
+IMPLS = ("unfused, compiled", "unfused, eager", "hwlib fused", "hwlib fused, Triton row pass", "liger",
+         "cut-cross-entropy")
 OTHERS = ("liger", "cut-cross-entropy")     # other projects' kernels: a failure there is a row, not a crash
 NOTEBOOK = "17_fused_lm_head"
 IGNORED_SHARE = 0.01          # a few ignore_index targets, as padding or masked prompts would give
@@ -109,6 +111,13 @@ def implementations(device: torch.device, vocab: int, impls=IMPLS) -> list[tuple
                 why = "compiled on a GPU only (on CPU the smoke profile checks that the code runs)"
         elif name == "hwlib fused":
             fn = functools.partial(fused_linear_cross_entropy, vocab=vocab)
+        elif name == "hwlib fused, Triton row pass":
+            # what 'auto' ran before the CUDA row pass, and runs where that cannot: side by side
+            try:
+                select_backend("triton", device)
+                fn = functools.partial(fused_linear_cross_entropy, vocab=vocab, backend="triton")
+            except (Unavailable, ImportError) as e:
+                why = str(e)
         elif device.type != "cuda":
             why = f"{name} runs Triton kernels on CUDA tensors only; this device is {device.type}"
         else:
@@ -259,11 +268,15 @@ def chunk_rows_sweep(n: int, d: int, vocab: int, vocab_padded: int, device, chun
 
 def kernel_config_rows(n_rows: int, vocab: int, vocab_padded: int, device, configs=None, *, warmup: int = 5,
                        iters: int = 20, seed: int = 0) -> list[dict]:
-    """The row pass alone (``ce_rows_`` with the gradient write) on a [n_rows, vocab_padded] bf16
-    chunk, for each (BLOCK_V, num_warps): ms and GB/s on its bytes (two reads of V columns, one
-    write of V_pad, per row). CUDA only: the interpreter's times mean nothing."""
+    """Each row pass alone (``ce_rows_`` with the gradient write) on a [n_rows, vocab_padded] bf16
+    chunk: the Triton pass at each (BLOCK_V, num_warps) of ``configs`` (default: its CONFIGS), then
+    the CUDA pass at 512 and 1024 threads a row (BLOCK_V: the whole row) where it runs. ms, and GB/s
+    on the bytes each moves: the Triton pass two reads of V columns and one write of V_pad per row,
+    the CUDA pass one read and one write of V_pad. ``default``: the launch ``auto`` makes. CUDA only:
+    the interpreter's times mean nothing."""
     from ..ops.linear_ce import _kernel
     kern = _kernel()
+    auto = select_backend("auto", device, torch.bfloat16, vocab_padded)
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     z0 = torch.randn(n_rows, vocab_padded, generator=g, device=device).to(torch.bfloat16)
@@ -279,36 +292,62 @@ def kernel_config_rows(n_rows: int, vocab: int, vocab_padded: int, device, confi
         tm = bench.time_fn(lambda i: kern.ce_rows_(z, t, loss, scale, vocab, -100, True, bv, nw), device,
                            warmup=warmup, iters=iters)
         z.copy_(z0)
-        rows.append({"BLOCK_V": bv, "num_warps": nw, "default": (bv, nw) == (kern.DEFAULT_BLOCK_V, kern.DEFAULT_WARPS),
+        rows.append({"pass": "triton", "BLOCK_V": bv, "num_warps": nw,
+                     "default": auto == "triton" and (bv, nw) == (kern.DEFAULT_BLOCK_V, kern.DEFAULT_WARPS),
                      "ms": tm.median_ms, "p20": tm.p20_ms, "p80": tm.p80_ms, "GB/s": nbytes / tm.median_ms / 1e6})
+    if auto == "cuda":
+        for threads in (ce_rows_cuda.THREADS, 1024):
+            tm = bench.time_fn(lambda i: ce_rows_cuda.ce_rows_(z, t, loss, scale, vocab, -100, True, threads), device,
+                               warmup=warmup, iters=iters)
+            z.copy_(z0)
+            rows.append({"pass": "cuda", "BLOCK_V": vocab_padded, "num_warps": threads // 32,
+                         "default": threads == ce_rows_cuda.THREADS, "ms": tm.median_ms, "p20": tm.p20_ms,
+                         "p80": tm.p80_ms, "GB/s": n_rows * 4 * vocab_padded / tm.median_ms / 1e6})
     return rows
 
 
-def head_prediction(n: int, d: int, vocab: int, vocab_padded: int, ceilings: dict | None) -> list[dict]:
+def head_prediction(n: int, d: int, vocab: int, vocab_padded: int, ceilings: dict | None,
+                    backend: str = "cuda") -> list[dict]:
     """The head's counts and floors at this run's ceilings: the three GEMMs' FLOPs (2 N D V_pad each)
     at the bf16 matmul ceiling, plus the row pass's bytes (``traffic_bytes``) at the copy ceiling
     (the GEMMs' own logits bytes overlap their FLOPs); and the largest logits buffer each path
     holds (bf16; the unfused path's fp32 copies depend on what the compiler fuses, and are not
-    counted)."""
+    counted). The op's row comes first for the row pass it runs (``backend``: cuda or triton), the
+    other pass second; the GEMMs alone last."""
     flops = 3 * 2.0 * n * d * vocab_padded
     tb = traffic_bytes(n, vocab, vocab_padded, 2)
     chunk = chunk_rows(n, vocab_padded, 2)
     gemm_ms = roofline.flops_ms(flops, ceilings, "bf16")
     row_ms = roofline.bytes_ms(tb["row_pass"], ceilings)
     both = None if gemm_ms is None or row_ms is None else gemm_ms + row_ms
-    return [{"path": "hwlib fused", "GFLOP": flops / 1e9, "row-pass GB": tb["row_pass"] / 1e9, "floor (ms)": both,
-             "largest logits buffer (GB)": chunk * vocab_padded * 2 / 1e9},
-            {"path": "unfused, at its fewest passes", "GFLOP": flops / 1e9, "row-pass GB": tb["row_pass"] / 1e9,
-             "floor (ms)": both, "largest logits buffer (GB)": n * vocab_padded * 2 / 1e9},
-            {"path": "the GEMMs alone", "GFLOP": flops / 1e9, "row-pass GB": 0.0, "floor (ms)": gemm_ms,
-             "largest logits buffer (GB)": None}]
+    one_ms = roofline.bytes_ms(tb["row_pass_one_read"], ceilings)
+    one = None if gemm_ms is None or one_ms is None else gemm_ms + one_ms
+    fused = [{"path": "hwlib fused, CUDA row pass (one read a row)", "GFLOP": flops / 1e9,
+              "row-pass GB": tb["row_pass_one_read"] / 1e9, "floor (ms)": one,
+              "largest logits buffer (GB)": chunk * vocab_padded * 2 / 1e9},
+             {"path": "hwlib fused, Triton row pass (two reads)", "GFLOP": flops / 1e9,
+              "row-pass GB": tb["row_pass"] / 1e9, "floor (ms)": both,
+              "largest logits buffer (GB)": chunk * vocab_padded * 2 / 1e9}]
+    if backend != "cuda":
+        fused.reverse()
+    return fused + [{"path": "unfused, at its fewest passes", "GFLOP": flops / 1e9, "row-pass GB": tb["row_pass"] / 1e9,
+                     "floor (ms)": both, "largest logits buffer (GB)": n * vocab_padded * 2 / 1e9},
+                    {"path": "the GEMMs alone", "GFLOP": flops / 1e9, "row-pass GB": 0.0, "floor (ms)": gemm_ms,
+                     "largest logits buffer (GB)": None}]
 
 
 def kernel_source() -> str:
-    """The row-pass kernel's source, read from the kernel file (no Triton import needed)."""
+    """The Triton row pass's kernel, read from the kernel file (no Triton import needed)."""
     src = read_kernel_source("linear_ce_triton.py")
     start = src.index("@triton.jit")
     return src[start: src.index("\ndef ", src.index("def _ce_rows_kernel") + 1)].rstrip()
+
+
+def cuda_kernel_source() -> str:
+    """The CUDA row pass's kernel function, read from ``ce_rows.cu``."""
+    src = ce_rows_cuda.kernel_source()
+    start = src.index("template <typename T, int THREADS>\n__global__")
+    return src[start: src.index("\ntemplate", start + 1)].rstrip()
 
 
 # --- prose, from the measured rows ---------------------------------------------------------------
@@ -338,7 +377,7 @@ def head_prose(rows: list[dict], floor_rows: list[dict], sweep: list[dict], conf
     if floor:
         parts.append(f"The floor at this run's ceilings (GEMMs plus the row pass's bytes) is {floor:.3g} ms: the op "
                      f"ran at {floor / ours['ms']:.0%} of that speed")
-    for name in ("unfused, compiled", "unfused, eager", "liger", "cut-cross-entropy"):
+    for name in ("hwlib fused, Triton row pass", "unfused, compiled", "unfused, eager", "liger", "cut-cross-entropy"):
         r = by.get(name)
         if not r or r is base:
             continue
@@ -354,10 +393,18 @@ def head_prose(rows: list[dict], floor_rows: list[dict], sweep: list[dict], conf
     if configs:
         best = min(configs, key=lambda r: r["ms"])
         default = next((r for r in configs if r["default"]), None)
-        parts.append(f"The row pass alone ran fastest at BLOCK_V {best['BLOCK_V']}, {best['num_warps']} warps "
-                     f"({best['ms']:.3g} ms, {best['GB/s']:,.0f} GB/s)"
+        parts.append(f"The row pass alone ran fastest as the {best.get('pass', 'triton')} pass at BLOCK_V "
+                     f"{best['BLOCK_V']}, {best['num_warps']} warps ({best['ms']:.3g} ms, {best['GB/s']:,.0f} GB/s on "
+                     "its bytes)"
                      + (f"; the default launch took {default['ms']:.3g} ms" if default and default is not best else
                         ", the default launch"))
+        by_pass = {k: min((r for r in configs if r.get("pass", "triton") == k), key=lambda r: r["ms"], default=None)
+                   for k in ("triton", "cuda")}
+        if by_pass["triton"] and by_pass["cuda"]:
+            tr, cu = by_pass["triton"], by_pass["cuda"]
+            parts.append(f"The Triton pass at its best took {tr['ms'] / cu['ms']:.2f}x the CUDA pass's time: it reads "
+                         f"each row twice, and moved its bytes at {tr['GB/s']:,.0f} GB/s against the CUDA pass's "
+                         f"{cu['GB/s']:,.0f}")
     return ". ".join(parts) + "."
 
 
