@@ -41,7 +41,7 @@ void ce_rows(torch::Tensor z, torch::Tensor t, torch::Tensor loss, torch::Tensor
   TORCH_CHECK(t.device() == z.device() && loss.device() == z.device() && scale.device() == z.device(), "ce_rows (cuda): one device");
   const c10::cuda::CUDAGuard guard(z.device());
   const int err = ce_rows_launch(z.data_ptr(), z.scalar_type() == torch::kBFloat16 ? 0 : 1, z.size(0), z.stride(0),
-                                 t.data_ptr<int64_t>(), loss.data_ptr<float>(), scale.data_ptr<float>(), (int)vocab,
+                                 reinterpret_cast<const long long*>(t.data_ptr<int64_t>()), loss.data_ptr<float>(), scale.data_ptr<float>(), (int)vocab,
                                  (int)z.size(1), ignore_index, write_grad ? 1 : 0, (int)threads,
                                  c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "ce_rows (cuda) launch failed: ", ce_rows_error_string(err));
