@@ -66,7 +66,7 @@ HEAD_GAP = 3.0       # the head's shortest matmul over the next GEMM, for the si
 # ("fmha_cutlassF_...") are attention, not GEMMs.
 RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("optimizer", re.compile(r"multi_tensor_apply|adam|optimizer\.|foreach")),
-    ("lm_head_ce", re.compile(r"log_softmax|logsoftmax|nll_loss|cross_entropy|logsumexp|linear_ce|_ce_rows")),
+    ("lm_head_ce", re.compile(r"log_softmax|logsoftmax|nll_loss|cross_entropy|logsumexp|linear_ce|ce_rows")),
     ("gemm", re.compile(r"^triton_tem_")),
     ("elementwise", re.compile(r"^triton_(poi|red|per)_")),
     ("attention", re.compile(r"flash|fmha|sdpa|attention|_attn|scaled_dot_product")),
