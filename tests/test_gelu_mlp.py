@@ -121,6 +121,20 @@ def test_what_the_cublaslt_backend_takes():
     assert gm.select_backend("torch", "cpu") == "torch"
 
 
+def test_auto_says_why_it_falls_back_from_cublaslt(monkeypatch):
+    """On CUDA tensors, a machine where the epilogues cannot run gets a warning naming the reason; a
+    call whose sizes they do not take falls back quietly."""
+    import warnings
+    monkeypatch.setattr(gm, "_cublaslt_problem", lambda device_type: "building hwlib/kernels/gelu_epilogue.cpp failed")
+    with pytest.warns(RuntimeWarning, match=r"fell back from 'cublaslt' to 'torch'.*gelu_epilogue.cpp failed"):
+        assert gm.select_backend("auto", "cuda") == "torch"
+    monkeypatch.setattr(gm, "_cublaslt_problem", lambda device_type: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gm.select_backend("auto", "cuda", torch.float32, (768, 3072, 768)) == "torch"
+        assert gm.select_backend("auto", "cuda", torch.bfloat16, (768, 3072, 768)) == "cublaslt"
+
+
 def test_both_ops_are_declared_to_inductor():
     names = {str(op) for op in fallbacks.registered()}
     assert {"hwlib.gelu_mlp.default", "hwlib.gelu_mlp_backward.default"} <= names

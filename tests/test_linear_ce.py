@@ -416,3 +416,18 @@ def test_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     sm_90 at the default launch configuration, bf16 logits, with and without the gradient write:
     no local memory, and vectorised loads of the logits."""
     compile_for_sm90(TRITON_SM90)
+
+
+def test_auto_says_why_it_falls_back_from_the_cuda_row_pass(monkeypatch):
+    """On CUDA tensors, a machine where the CUDA row pass cannot run (no toolchain, a failed build)
+    gets a warning naming the reason; a call whose dtype the pass does not take falls back quietly."""
+    import warnings
+    monkeypatch.setattr(C, "device_problem", lambda device_type: "nvcc not found: install the CUDA toolkit")
+    with pytest.warns(RuntimeWarning, match=r"fell back from 'cuda' to .*nvcc not found"):
+        assert L.select_backend("auto", "cuda", torch.bfloat16, 64) in ("triton", "torch")
+    monkeypatch.setattr(C, "device_problem", lambda device_type: None)
+    monkeypatch.setattr(C, "smem_limit", lambda device="cuda": 1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert L.select_backend("auto", "cuda", torch.float32, 64) in ("triton", "torch")
+        assert L.select_backend("auto", "cuda", torch.bfloat16, 64) == "cuda"

@@ -30,6 +30,7 @@ node and CUDA graphs capture them (no host sync).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +157,9 @@ def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype 
         if fit:
             raise ValueError(f"backend='cublaslt': {fit}")
         return "cublaslt"
+    if problem and torch.device(device).type == "cuda":   # the machine, not this call's sizes: say so
+        warnings.warn(f"gelu_mlp: backend 'auto' fell back from 'cublaslt' to 'torch' on cuda tensors: {problem}",
+                      RuntimeWarning, stacklevel=3)
     return "torch" if problem or fit_problem(dtype, *sizes) else "cublaslt"
 
 

@@ -46,6 +46,7 @@ ladder then reports the step ``nonfinite``, never a number).
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +159,11 @@ def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype 
             return "cuda"
         if not (problem or fit):
             return "cuda"
+        chosen = select_triton_backend(KERNEL_FILE, backend, device)
+        if problem and device.type == "cuda":   # the machine, not this call's dtype or width: say so
+            warnings.warn(f"fused_linear_cross_entropy: backend 'auto' fell back from 'cuda' to {chosen!r} on cuda "
+                          f"tensors: {problem}", RuntimeWarning, stacklevel=3)
+        return chosen
     return select_triton_backend(KERNEL_FILE, backend, device)
 
 
