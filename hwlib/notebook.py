@@ -22,7 +22,7 @@ from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
 from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps,
                                needs_bf16_floor, same_math)
-from .paths import compile_cache_env, run_dir
+from .paths import apply_compile_cache_env, compile_cache_env, run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
 from .steps import STEP_NAMES, chain, describe, get_step
 
@@ -79,8 +79,7 @@ def setup(profile: str = "auto", device: str = "auto", run=None) -> tuple[str, s
     chosen (and, when it was named, what ``auto`` would pick here) and the plan; returns (profile,
     device). ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
     arm_stack_dump()
-    for k, v in compile_cache_env(run_dir(run), results.code_digest()).items():   # as reproduce sets them
-        os.environ.setdefault(k, v)
+    apply_compile_cache_env(compile_cache_env(run_dir(run), results.code_digest()))   # as reproduce sets them
     dev = resolve_device(device)
     profile, why = choose_profile(profile, dev)
     device = dev.type

@@ -16,11 +16,10 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 # Compiled graphs go to a cache per version of hwlib's code, as a run's do (hwlib.paths.compile_cache_env):
 # inductor keys a cached graph on the graph, not on a custom op's Python, so a graph compiled against
 # an op's earlier fake implementation would be reused after the op changed.
-from hwlib.paths import compile_cache_env  # noqa: E402
+from hwlib.paths import apply_compile_cache_env, compile_cache_env  # noqa: E402
 from hwlib.results import code_digest  # noqa: E402
 
-for _k, _v in compile_cache_env(Path(tempfile.gettempdir()) / "hwlib-tests", code_digest()).items():
-    os.environ.setdefault(_k, _v)
+apply_compile_cache_env(compile_cache_env(Path(tempfile.gettempdir()) / "hwlib-tests", code_digest()))
 
 
 @pytest.fixture(autouse=True)

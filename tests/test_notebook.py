@@ -153,3 +153,18 @@ def test_setup_puts_the_compile_caches_in_the_run_folder_unless_they_are_set(iso
     import os
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir("caches") / ".cache" / results.code_digest() / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_setup_replaces_the_cache_folder_that_importing_torch_dynamo_wrote(isolated_run, monkeypatch, tmp_path):
+    """``from hwlib import notebook`` imports torch._dynamo, which writes inductor's default folder into
+    TORCHINDUCTOR_CACHE_DIR: that is not a user's choice, and the run's own folder must replace it (else
+    a notebook run outside ``hwlib reproduce`` reuses graphs compiled against older hwlib code)."""
+    import os
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from hwlib.paths import run_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    notebook.setup("smoke", "cpu", "caches2")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(run_dir("caches2") / ".cache" / results.code_digest() / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))        # a user's own folder stays
+    notebook.setup("smoke", "cpu", "caches2")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
