@@ -106,14 +106,19 @@ NB_LADDER  := $(sort $(wildcard notebooks/0*.ipynb notebooks/10_*.ipynb notebook
 NB_STUDIES := $(filter-out $(NB_LADDER),$(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)))
 test-notebooks: test-notebooks-ladder test-notebooks-studies
 
+# Both halves compile many of the same smoke graphs: one compile cache for the two, keyed by the
+# code's digest as a run's is (hwlib.paths.compile_cache_env; a cache made by older code is never read).
+NB_CACHE = TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/outputs/.nbval-cache/$$D/inductor TRITON_CACHE_DIR=$(CURDIR)/outputs/.nbval-cache/$$D/triton
+NB_DIGEST = D=$$($(PY) -c "from hwlib.results import code_digest; print(code_digest())")
+
 test-notebooks-ladder: setup
 	rm -rf outputs/nbval
-	HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
+	$(NB_DIGEST) && $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
 	    --nbval-lax --nbval-current-env $(NB_LADDER)
 
 test-notebooks-studies: setup
 	rm -rf outputs/nbval-studies
-	HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
+	$(NB_DIGEST) && $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
 	    --nbval-lax --nbval-current-env $(NB_STUDIES)
 
 # Kernel sources (hwlib/kernels, shipped inside the package) are plain CUDA: they compile with nvcc
