@@ -27,6 +27,10 @@
 // Measured (notebook 17, H100, one chunk of 4,096 x 50,304 bf16 logits, at 23e9da7): 0.359 ms, 2.3 TB/s on
 // its 0.82 GB; the Triton pass at its best launch 0.432 ms (0.461 at its default) on 1.24 GB. In the
 // training step (notebook 16, step 22) the row pass went from ~1.77 to ~1.43 ms a step.
+// Tried and left out (a probe, interleaved on one H100, same chunk): persistent blocks, one an SM with
+// two row buffers so that the next row's copy is in flight during this row's passes, took 0.395 ms
+// at 512 threads and 0.465 at 1024, against this kernel's 0.341: two independent blocks of 16 warps
+// an SM overlap one's copy with the other's passes better than one block that prefetches.
 //
 // Rows wider than the shared memory a block may opt into (V_pad * 2 > 227 kB on an H100, ~116k
 // classes) are for the Triton pass; the Python face checks that, the dtype (bf16, fp16) and the
