@@ -61,6 +61,15 @@ def test_torch_backend_matches_float64(m, d):
         assert g.dtype == torch.float32 and rel(g, w) < 1e-5, (name, rel(g, w))
 
 
+def test_torch_backend_keeps_float64_through_the_gain_and_bias_gradients():
+    """fp64 inputs come back fp64, the op's partial sums of dw and db included: db (a plain sum of dy)
+    to fp64 rounding; the rest within the op's float32 mean and rstd (saved for the backward)."""
+    got = run(*make(37, 71), fn=A.add_layer_norm, backend="torch")
+    want = ref(*make(37, 71))
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == torch.float64 and rel(g, w) < (1e-12 if name == "db" else 1e-7), (name, rel(g, w))
+
+
 @pytest.mark.parametrize("m,d", [(37, 71), (9, 50), (130, 96)])
 def test_triton_kernels_match_float64(m, d, triton_device):
     got = run(*make(m, d, torch.float32, device=triton_device), fn=A.add_layer_norm, backend="triton")

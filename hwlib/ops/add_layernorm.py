@@ -141,13 +141,14 @@ def _(x, r, weight, bias, eps, y_dtype, backend):
 def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
             rstd: torch.Tensor, r_dtype: torch.dtype,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (dx, dr, partial [dw; db] sums, float32 [programs, 2, D]). The sum over the programs is left to
+    # (dx, dr, partial [dw; db] sums [programs, 2, D]: float32 from the kernel, one partial in the
+    # stream's dtype from the torch backend, so fp64 stays fp64). The sum over the programs is left to
     # the autograd formula, outside this op: compiled, inductor writes it as one of its reductions. Done
     # in here, it ran as an eager column reduction of GPT-2 small's 528 x 1536 partials (3 MB): 0.42 ms
     # a step over 24 calls in step 22's trace on an H100, about 17 us a call.
     if backend == "torch":
         dx, dr, dwb = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype)
-        return dx, dr, dwb.float()[None]
+        return dx, dr, dwb[None]
     k = _kernel()
     dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
     part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
@@ -157,9 +158,9 @@ def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: 
 
 @_bwd_op.register_fake
 def _(dy, ds, s, weight, mean, rstd, r_dtype, backend):
-    programs = 1 if backend == "torch" else _programs(*s.shape, s.device)
+    programs, acc = (1, s.dtype) if backend == "torch" else (_programs(*s.shape, s.device), torch.float32)
     return (torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device),
-            s.new_empty((programs, 2, weight.shape[0]), dtype=torch.float32))
+            s.new_empty((programs, 2, weight.shape[0]), dtype=acc))
 
 
 def _setup_context(ctx, inputs, output):
