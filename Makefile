@@ -108,17 +108,18 @@ test-notebooks: test-notebooks-ladder test-notebooks-studies
 
 # Both halves compile many of the same smoke graphs: one compile cache for the two, keyed by the
 # code's digest as a run's is (hwlib.paths.compile_cache_env; a cache made by older code is never read).
-NB_CACHE = TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/outputs/.nbval-cache/$$D/inductor TRITON_CACHE_DIR=$(CURDIR)/outputs/.nbval-cache/$$D/triton
-NB_DIGEST = D=$$($(PY) -c "from hwlib.results import code_digest; print(code_digest())")
+NB_CACHE = $$($(PY) -c "from pathlib import Path; from hwlib.paths import compile_cache_env; \
+    from hwlib.results import code_digest; \
+    print(' '.join(f'{k}={v}' for k, v in compile_cache_env(Path('$(CURDIR)/outputs/nbval-cache'), code_digest()).items()))")
 
 test-notebooks-ladder: setup
 	rm -rf outputs/nbval
-	$(NB_DIGEST) && $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
+	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
 	    --nbval-lax --nbval-current-env $(NB_LADDER)
 
 test-notebooks-studies: setup
 	rm -rf outputs/nbval-studies
-	$(NB_DIGEST) && $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
+	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
 	    --nbval-lax --nbval-current-env $(NB_STUDIES)
 
 # Kernel sources (hwlib/kernels, shipped inside the package) are plain CUDA: they compile with nvcc

@@ -84,9 +84,8 @@ def compile_cache_env(run: Path, code: str | None) -> dict[str, str]:
     return {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "TRITON_CACHE_DIR": str(base / "triton")}
 
 
-def apply_compile_cache_env(env: dict[str, str]) -> dict[str, str]:
-    """Put ``compile_cache_env``'s folders in ``os.environ`` unless the user chose others; returns what
-    was set. Importing ``torch._dynamo`` (which ``from hwlib import notebook`` does) writes inductor's
+def apply_compile_cache_env(env: dict[str, str]) -> None:
+    """Put ``compile_cache_env``'s folders in ``os.environ`` unless the user chose others. Importing ``torch._dynamo`` (which ``from hwlib import notebook`` does) writes inductor's
     default folder into ``TORCHINDUCTOR_CACHE_DIR``: a value equal to that default is inductor's
     own, not a choice, and is replaced (else a notebook run outside ``hwlib reproduce`` would reuse
     graphs compiled against older hwlib code, whose custom ops gave other output shapes)."""
@@ -96,12 +95,10 @@ def apply_compile_cache_env(env: dict[str, str]) -> dict[str, str]:
         defaults["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(default_cache_dir())
     except ImportError:       # a torch without it: only an unset variable is ours to set
         pass
-    out = {}
     for k, v in env.items():
         have = os.environ.get(k)
         if have is None or (k in defaults and os.path.abspath(have) == defaults[k]):
-            os.environ[k] = out[k] = v
-    return out
+            os.environ[k] = v
 
 
 def read_dir(run: str | os.PathLike | None = None) -> Path:
