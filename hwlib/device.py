@@ -216,6 +216,11 @@ def supports_tf32(di: DeviceInfo) -> bool:
     return di.kind == "cuda" and di.capability is not None and di.capability[0] >= 8
 
 
+def supports_cp_async(di: DeviceInfo) -> bool:
+    """Asynchronous global-to-shared copies (cp.async) need Ampere (sm_80) or newer."""
+    return di.kind == "cuda" and di.capability is not None and di.capability[0] >= 8
+
+
 def supports_fp8(di: DeviceInfo) -> bool:
     return di.kind == "cuda" and di.capability is not None and tuple(di.capability) >= (8, 9)
 

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from hwlib.device import Unavailable
+from hwlib.device import Unavailable, info, supports_cp_async
 
 from .sources import read_kernel_source
 
@@ -71,8 +71,8 @@ def device_problem(device_type: str) -> str | None:
     """Why the CUDA row pass cannot run on this machine's ``device_type`` tensors; None when it can."""
     if device_type != "cuda":
         return f"the CUDA row pass runs CUDA tensors only, got {device_type} tensors"
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
-        return f"cp.async needs an Ampere (sm_80) or newer GPU; {torch.cuda.get_device_name()} is older"
+    if torch.cuda.is_available() and not supports_cp_async(di := info("cuda")):
+        return f"cp.async needs an Ampere (sm_80) or newer GPU; {di.name} is older"
     try:
         module()
     except Unavailable as e:

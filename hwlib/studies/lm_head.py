@@ -284,7 +284,7 @@ def kernel_config_rows(n_rows: int, vocab: int, vocab_padded: int, device, confi
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     scale = torch.full((1,), 1.0 / n_rows, device=device)
     z = z0.clone()
-    nbytes = n_rows * (2 * vocab * 2 + vocab_padded * 2)
+    nbytes = traffic_bytes(n_rows, vocab, vocab_padded, 2)
     rows = []
     for bv, nw in (configs or kern.CONFIGS):
         # each call writes a gradient over z, which the next call reads as logits: the same bytes
@@ -294,7 +294,8 @@ def kernel_config_rows(n_rows: int, vocab: int, vocab_padded: int, device, confi
         z.copy_(z0)
         rows.append({"pass": "triton", "BLOCK_V": bv, "num_warps": nw,
                      "default": auto == "triton" and (bv, nw) == (kern.DEFAULT_BLOCK_V, kern.DEFAULT_WARPS),
-                     "ms": tm.median_ms, "p20": tm.p20_ms, "p80": tm.p80_ms, "GB/s": nbytes / tm.median_ms / 1e6})
+                     "ms": tm.median_ms, "p20": tm.p20_ms, "p80": tm.p80_ms,
+                     "GB/s": nbytes["row_pass"] / tm.median_ms / 1e6})
     if auto == "cuda":
         for threads in (ce_rows_cuda.THREADS, 1024):
             tm = bench.time_fn(lambda i: ce_rows_cuda.ce_rows_(z, t, loss, scale, vocab, -100, True, threads), device,
@@ -302,7 +303,7 @@ def kernel_config_rows(n_rows: int, vocab: int, vocab_padded: int, device, confi
             z.copy_(z0)
             rows.append({"pass": "cuda", "BLOCK_V": vocab_padded, "num_warps": threads // 32,
                          "default": threads == ce_rows_cuda.THREADS, "ms": tm.median_ms, "p20": tm.p20_ms,
-                         "p80": tm.p80_ms, "GB/s": n_rows * 4 * vocab_padded / tm.median_ms / 1e6})
+                         "p80": tm.p80_ms, "GB/s": nbytes["row_pass_one_read"] / tm.median_ms / 1e6})
     return rows
 
 
@@ -318,22 +319,18 @@ def head_prediction(n: int, d: int, vocab: int, vocab_padded: int, ceilings: dic
     tb = traffic_bytes(n, vocab, vocab_padded, 2)
     chunk = chunk_rows(n, vocab_padded, 2)
     gemm_ms = roofline.flops_ms(flops, ceilings, "bf16")
-    row_ms = roofline.bytes_ms(tb["row_pass"], ceilings)
-    both = None if gemm_ms is None or row_ms is None else gemm_ms + row_ms
-    one_ms = roofline.bytes_ms(tb["row_pass_one_read"], ceilings)
-    one = None if gemm_ms is None or one_ms is None else gemm_ms + one_ms
-    fused = [{"path": "hwlib fused, CUDA row pass (one read a row)", "GFLOP": flops / 1e9,
-              "row-pass GB": tb["row_pass_one_read"] / 1e9, "floor (ms)": one,
-              "largest logits buffer (GB)": chunk * vocab_padded * 2 / 1e9},
-             {"path": "hwlib fused, Triton row pass (two reads)", "GFLOP": flops / 1e9,
-              "row-pass GB": tb["row_pass"] / 1e9, "floor (ms)": both,
-              "largest logits buffer (GB)": chunk * vocab_padded * 2 / 1e9}]
+
+    def row(path: str, row_bytes: float, logits_rows: int | None) -> dict:
+        row_ms = roofline.bytes_ms(row_bytes, ceilings) if row_bytes else 0.0
+        return {"path": path, "GFLOP": flops / 1e9, "row-pass GB": row_bytes / 1e9,
+                "floor (ms)": None if gemm_ms is None or row_ms is None else gemm_ms + row_ms,
+                "largest logits buffer (GB)": logits_rows * vocab_padded * 2 / 1e9 if logits_rows else None}
+
+    fused = [row("hwlib fused, CUDA row pass (one read a row)", tb["row_pass_one_read"], chunk),
+             row("hwlib fused, Triton row pass (two reads)", tb["row_pass"], chunk)]
     if backend != "cuda":
         fused.reverse()
-    return fused + [{"path": "unfused, at its fewest passes", "GFLOP": flops / 1e9, "row-pass GB": tb["row_pass"] / 1e9,
-                     "floor (ms)": both, "largest logits buffer (GB)": n * vocab_padded * 2 / 1e9},
-                    {"path": "the GEMMs alone", "GFLOP": flops / 1e9, "row-pass GB": 0.0, "floor (ms)": gemm_ms,
-                     "largest logits buffer (GB)": None}]
+    return fused + [row("unfused, at its fewest passes", tb["row_pass"], n), row("the GEMMs alone", 0.0, None)]
 
 
 def kernel_source() -> str:
