@@ -34,14 +34,13 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 
 import torch
 
 from hwlib.device import ChoiceError, Unavailable
 
 from . import bk_reference, bk_scan
-from .sources import load_python_kernel, triton_device_problem, triton_interpreted
+from .sources import load_python_kernel, triton_device_problem, triton_interpreted, warn_fallback
 
 BACKENDS = ("auto", "torch_loop", "torch", "triton", "cuda")
 KERNELS = ("triton", "cuda")     # the backends that launch compiled kernels
@@ -104,8 +103,7 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     order = _AUTO_ORDER.get(device.type, ("torch",))
     name, skipped = _auto_choice(device.type, tuple(order), triton_interpreted())
     for other, why in skipped:
-        warnings.warn(f"resolvent_diagonal: backend 'auto' fell back from {other!r} to {name!r} "
-                      f"on {device.type} tensors: {why}", RuntimeWarning, stacklevel=3)
+        warn_fallback("resolvent_diagonal", other, name, device.type, why)
     return name
 
 

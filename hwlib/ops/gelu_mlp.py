@@ -30,7 +30,6 @@ node and CUDA graphs capture them (no host sync).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from hwlib.device import ChoiceError, Unavailable, info, supports_bf16
 
 from . import fallbacks
-from .sources import note_backend, read_kernel_source
+from .sources import note_backend, read_kernel_source, warn_fallback
 
 BACKENDS = ("auto", "cublaslt", "torch")
 KERNEL_FILE = "gelu_epilogue.cpp"
@@ -158,8 +157,7 @@ def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype 
             raise ValueError(f"backend='cublaslt': {fit}")
         return "cublaslt"
     if problem and torch.device(device).type == "cuda":   # the machine, not this call's sizes: say so
-        warnings.warn(f"gelu_mlp: backend 'auto' fell back from 'cublaslt' to 'torch' on cuda tensors: {problem}",
-                      RuntimeWarning, stacklevel=3)
+        warn_fallback("gelu_mlp", "cublaslt", "torch", "cuda", problem)
     return "torch" if problem or fit_problem(dtype, *sizes) else "cublaslt"
 
 

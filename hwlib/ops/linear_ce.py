@@ -46,7 +46,6 @@ ladder then reports the step ``nonfinite``, never a number).
 from __future__ import annotations
 
 import numbers
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +53,7 @@ import torch.nn.functional as F
 from hwlib.device import ChoiceError, Unavailable
 
 from . import ce_rows_cuda, fallbacks
-from .sources import load_python_kernel, note_backend, select_triton_backend
+from .sources import load_python_kernel, note_backend, select_triton_backend, warn_fallback
 
 BACKENDS = ("auto", "cuda", "triton", "torch")
 KERNEL_FILE = "linear_ce_triton.py"
@@ -161,8 +160,7 @@ def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype 
             return "cuda"
         chosen = select_triton_backend(KERNEL_FILE, backend, device)
         if problem and device.type == "cuda":   # the machine, not this call's dtype or width: say so
-            warnings.warn(f"fused_linear_cross_entropy: backend 'auto' fell back from 'cuda' to {chosen!r} on cuda "
-                          f"tensors: {problem}", RuntimeWarning, stacklevel=3)
+            warn_fallback("fused_linear_cross_entropy", "cuda", chosen, "cuda", problem)
         return chosen
     return select_triton_backend(KERNEL_FILE, backend, device)
 

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -139,6 +140,13 @@ def select_triton_backend(filename: str, backend: str, device) -> str:
     if backend == "triton":
         check_triton_backend(filename, device)
     return backend
+
+
+def warn_fallback(op: str, wanted: str, chosen: str, device_type: str, why: str) -> None:
+    """The warning an op's ``auto`` gives where it falls back from a backend this machine cannot run:
+    which, to what, and why (pointing at the code that called the op's ``select_backend``)."""
+    warnings.warn(f"{op}: backend 'auto' fell back from {wanted!r} to {chosen!r} on {device_type} tensors: {why}",
+                  RuntimeWarning, stacklevel=4)
 
 
 def note_backend(op: str, name: str) -> str:
