@@ -160,6 +160,13 @@ def _counted(workload: str, step: str, profile: str, ceilings: dict | None, elem
         return Prediction(workload, step, "estimate", "the MLP's GELU passes over its [tokens, 4 d] activations at "
                           "one pass per op; an epilogue that writes two outputs can slow its matmul, so less may be "
                           "left", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
+    if step == "23_branch_bias" and workload == "gpt":
+        # The output projections' bias gradients (two a layer) are each a column sum of a bf16 [tokens, d]
+        # gradient, one read of it; in the LayerNorm's backward kernel they are sums of values already in
+        # registers. The forward's bias add moves from the matmul's epilogue to the LayerNorm: no bytes.
+        nb = 2.0 * cfg.n_layer * wl.items_per_step(cfg) * cfg.d_model * 2
+        return Prediction(workload, step, "estimate", "the output projections' bias gradients' own passes over "
+                          "their [tokens, d] gradients", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
     return None
 
 

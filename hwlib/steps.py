@@ -37,6 +37,7 @@ class Settings:
     fp8: bool = False                # FP8 matmuls (e4m3 forward, e5m2 gradients) in the MLP (hwlib.ops.fp8)
     fused_ln: bool = False           # residual add + LayerNorm as one op each way (hwlib.ops.add_layernorm)
     fused_mlp: bool = False          # the MLP's GELU in its matmuls' epilogues, cuBLASLt (hwlib.ops.gelu_mlp)
+    branch_bias: bool = False        # each branch's output bias added, its gradient summed, in the fused LayerNorm after it
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
@@ -148,6 +149,16 @@ LADDER: tuple[Step, ...] = (
          why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the GELU epilogue is measured on GPT-2",
                  "encoder_nli": "its MLP uses the erf GELU, which cuBLASLt's tanh-form epilogue does not compute",
                  **{w: "the GELU epilogue is built into GPT's blocks only" for w in ("vit_bdh", "vit_bdh_linear")}}),
+    Step("23_branch_bias", "each branch's output bias added, and its gradient summed, in the fused residual LayerNorm",
+         {"branch_bias": True}, 1e-2, after="22_gelu_epilogue",
+         why_tolerance="the same sums: the output projections' biases are added to the fp32 stream after their "
+                       "matmuls' bf16 rounding instead of to the fp32 accumulators before it, and their gradients "
+                       "are summed in fp32 in another order: other rounding under bf16",
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the branch biases are moved in GPT-2's blocks",
+                 "encoder_nli": "post-LayerNorm blocks: the fused residual LayerNorm this step builds on is GPT's",
+                 **{w: "the fused residual LayerNorm this step builds on is built into GPT's blocks only"
+                    for w in ("vit_bdh", "vit_bdh_linear")}}),
 )
 RECIPE_NAMES = tuple(s.name for s in LADDER if not s.beyond_recipe)
 

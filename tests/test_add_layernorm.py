@@ -78,6 +78,35 @@ def test_triton_kernels_match_float64(m, d, triton_device):
         assert torch.isfinite(g).all() and rel(g, w) < 1e-5, (name, rel(g, w))
 
 
+def _with_branch_bias(m, d, dtype, device="cpu"):
+    """make()'s inputs and a branch bias c [D] drawn after them: (x, r, c, w, b, ds, dy)."""
+    x, r, w, b, ds, dy = make(m, d, dtype, device=device, key=("r_bias",))
+    g = torch.Generator().manual_seed(int(os.environ.get("HWLIB_TEST_SEED", "0")) + m * 1000 + d)
+    return x, r, torch.randn(d, generator=g, dtype=torch.float64).to(device, dtype), w, b, ds, dy
+
+
+def run_rb(x, r, c, w, b, ds, dy, fn, **kw):
+    """run() with the branch bias c passed as r_bias: (s, y, dx, dr, dc, dw, db)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, r, c, w, b)]
+    s, y = fn(leaves[0], leaves[1], leaves[3], leaves[4], 1e-5, r_bias=leaves[2], **kw)
+    torch.autograd.backward([s, y], [ds.to(s.dtype), dy.to(y.dtype)])
+    return [s.detach(), y.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend,m,d", [("torch", 37, 71), ("torch", 1, 33), ("triton", 37, 71), ("triton", 130, 96),
+                                         ("triton", 9, 50)])
+def test_branch_bias_matches_float64(backend, m, d, triton_device):
+    """s = x + (r + c) with the branch bias c, and its gradient (the column sums of the stream's
+    gradient, a third partial sum in the backward kernel), against float64."""
+    device = triton_device if backend == "triton" else "cpu"
+    got = run_rb(*_with_branch_bias(m, d, torch.float32, device), fn=A.add_layer_norm, backend=backend)
+    want = run_rb(*(t.double().cpu() for t in _with_branch_bias(m, d, torch.float32)),
+                  fn=A.add_layer_norm_reference)
+    for name, g, w in zip(("s", "y", "dx", "dr", "dc", "dw", "db"), got, want):
+        assert torch.isfinite(g).all() and rel(g, w) < 1e-5, (name, rel(g, w))
+    assert got[4].shape == (d,) and rel(got[4], want[2].sum(0)) < 1e-5   # dc is the column sum of dx
+
+
 def test_wide_rows_take_fewer_rows_per_program_and_stay_exact(triton_device):
     """Rows wider than GPT-2's: fewer rows per program, more warps (``launch_config``), the same results."""
     k = A._kernel()
@@ -161,6 +190,10 @@ def test_bad_inputs_fail_with_the_argument_named():
             A.add_layer_norm(x, r, w, b, eps)
     with pytest.raises(ChoiceError):
         A.add_layer_norm(x, r, w, b, backend="cuda")
+    with pytest.raises(ValueError, match=r"r_bias must be \[D\] = \[8\]"):
+        A.add_layer_norm(x, r, w, b, r_bias=w[:5])
+    with pytest.raises(ValueError, match="r_bias must be floating point"):
+        A.add_layer_norm(x, r, w, b, r_bias=w.long())
 
 
 def test_gpt_with_fused_blocks_computes_the_same_loss_and_gradients():
@@ -184,6 +217,41 @@ def test_gpt_with_fused_blocks_computes_the_same_loss_and_gradients():
         assert rel(out[True][1][n], g.double()) < 1e-4, n
 
 
+@pytest.mark.parametrize("fused_mlp", [False, True])
+def test_gpt_with_branch_biases_in_the_layernorm_computes_the_same_loss_and_gradients(fused_mlp):
+    """The smoke GPT with fused blocks, each branch's output bias added in the fused LayerNorm or in its
+    own linear (fp32, torch backends on a CPU): the same loss and the same gradient for every parameter,
+    the output projections' biases included, to fp32 rounding."""
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    cfg = get_workload("gpt").config("smoke")
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for branch_bias in (False, True):
+        model = GPT(cfg, attention="sdpa", fused_ln=True, fused_mlp=fused_mlp, branch_bias=branch_bias).init_weights(0)
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():   # nonzero biases (the same in both models), so that a bias left out or added twice shows
+            for blk in model.blocks:
+                for p in (blk.attn.c_proj.bias, blk.mlp_proj.bias):
+                    p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        out[branch_bias] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert torch.allclose(out[True][0], out[False][0], rtol=1e-6)
+    assert out[True][1].keys() == out[False][1].keys()
+    for n, g in out[False][1].items():
+        assert rel(out[True][1][n], g.double()) < 1e-4, n
+    assert all(out[True][1][f"blocks.{i}.{p}.bias"].abs().max() > 0 for i in range(cfg.n_layer)
+               for p in ("attn.c_proj", "mlp_proj"))
+
+
+def test_gpt_refuses_branch_biases_without_fused_blocks():
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    with pytest.raises(ValueError, match="branch_bias .* needs fused_ln"):
+        GPT(get_workload("gpt").config("smoke"), branch_bias=True)
+
+
 def test_gpt_refuses_fused_blocks_with_checkpointing():
     from hwlib.workloads import get_workload
     from hwlib.workloads.gpt import GPT
@@ -204,9 +272,11 @@ from hwlib.ops.sources import load_python_kernel
 mod = load_python_kernel("add_layernorm_triton.py")
 # as a GPU launch specializes GPT-2's blocks: pointers 16-byte aligned, M and D (768) divisible by 16
 for k, dtypes, consts in (
-        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False})):
+        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": False}),
+        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": True}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": False}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False, "HAS_RB": False})):
     consts = {**consts, "BLOCK_M": mod.DEFAULT_BLOCK_M, "BLOCK_D": 1024}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names)
              if a.endswith("_ptr") or a in ("M", "D")}

@@ -52,6 +52,24 @@ def test_torch_backend_matches_float64(M, K, N, C, lead):
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cublaslt", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (cuBLASLt)"))])
+def test_without_the_output_bias(backend):
+    """b_proj None (a block that adds the bias after the op): the MLP without it, against float64, and
+    no gradient for it; the other gradients as with it."""
+    dev, dt = ("cuda", torch.bfloat16) if backend == "cublaslt" else ("cpu", torch.float32)
+    leaves, dy = _inputs(67, 16, 64, 24, seed=17, device=dev, dtype=dt)
+    four = leaves[:4]
+    y = gm.gelu_mlp(*four, None, backend=backend)
+    got = [y, *torch.autograd.grad(y, four, dy)]
+    l64 = [t.detach().double().requires_grad_() for t in four]
+    y64 = gm.gelu_mlp_reference(*l64, None)
+    ref = [y64, *torch.autograd.grad(y64, l64, dy.double())]
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    for name, a, b in zip(("y", "dx", "dw_fc", "db_fc", "dw_proj"), got, ref):
+        assert a.shape == b.shape and _rel(a, b) < tol, (name, _rel(a, b))
+
+
 def test_non_contiguous_and_empty_inputs():
     leaves, dy = _inputs(12, 16, 32, 8, seed=3)
     x_t = leaves[0].detach().t().contiguous().t().requires_grad_()   # same values, transposed strides

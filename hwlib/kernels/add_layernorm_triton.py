@@ -18,11 +18,17 @@ stream; zero where s has no other use), with s_hat = (s - mu) rstd and g = dy w:
     ds   = ds_in + rstd (g - mean(g) - s_hat mean(g s_hat))     -> dx = ds (fp32), dr = ds (r's dtype)
     dw   = sum_n dy_n s_hat_n,   db = sum_n dy_n                  (partial sums per program, then one sum of both)
 
+With the branch's output bias c [D] passed in (``r_bias``: the branch's last matmul then runs without
+its bias), s_n = x_n + (r_n + c) and dc = sum_n ds_n, a third partial sum of values the backward already
+holds in registers: the bias gradient's own pass over the [M, D] gradient (2 D bytes a row) is gone, and
+the bias is added to the fp32 sum instead of to the matmul's accumulator before its rounding to r's dtype.
+
 Bytes per row (D wide; fp32 stream, 2-byte branch and output):
 
     forward   read x 4D + r 2D, write s 4D + y 2D, + 8 (mu, rstd)          = 12 D
     backward  read dy 2D + s 4D + ds_in 4D, write dx 4D + dr 2D, + 8       = 16 D
-              (the gain once per program, dw/db partials once per program: not per row)
+              (the gain once per program, dw/db partials once per program: not per row;
+              so is the branch bias, in both directions)
 
 28 D bytes a row for both, the least any implementation that keeps an fp32 residual stream and
 recomputes s_hat from s moves: unfused, the add, the LayerNorm, its backward, the gradient's cast
@@ -58,8 +64,8 @@ def launch_config(D: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _add_ln_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr, M, D, eps,
-                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _add_ln_fwd_kernel(x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr, M, D, eps,
+                       HAS_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < M
@@ -68,6 +74,8 @@ def _add_ln_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RB:   # the branch's own output bias, added here instead of in its matmul's epilogue
+        r += tl.load(rb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     s = x + r
     tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=mask)
     mean = tl.sum(s, axis=1) / D
@@ -83,13 +91,15 @@ def _add_ln_fwd_kernel(x_ptr, r_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_
 
 @triton.jit
 def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dr_ptr, part_ptr,
-                       M, D, HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                       M, D, HAS_DS: tl.constexpr, HAS_RB: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    drb = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(pid * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -110,9 +120,15 @@ def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
         tl.store(dr_ptr + offs, dx.to(dr_ptr.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * s_hat, axis=0)
         db += tl.sum(dy, axis=0)
-    # one [2, D] slab per program (dw, then db), so that one reduction over the programs sums both
-    tl.store(part_ptr + pid * 2 * D + cols, dw, mask=cmask)
-    tl.store(part_ptr + pid * 2 * D + D + cols, db, mask=cmask)
+        if HAS_RB:   # the branch bias's gradient: the column sums of ds, already in registers
+            drb += tl.sum(dx, axis=0)
+    # one [2, D] slab per program (dw, then db; [3, D] with the branch bias's), so that one reduction
+    # over the programs sums them all
+    NPART: tl.constexpr = 3 if HAS_RB else 2
+    tl.store(part_ptr + pid * NPART * D + cols, dw, mask=cmask)
+    tl.store(part_ptr + pid * NPART * D + D + cols, db, mask=cmask)
+    if HAS_RB:
+        tl.store(part_ptr + pid * NPART * D + 2 * D + cols, drb, mask=cmask)
 
 
 def _block_d(D: int) -> int:
@@ -120,29 +136,33 @@ def _block_d(D: int) -> int:
 
 
 def add_ln_fwd(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float,
-               s: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> None:
-    """s = x + r and y = LayerNorm(s) into the given buffers (x, r, s, y: contiguous [M, D]; mean,
-    rstd: [M] float32)."""
+               s: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+               r_bias: torch.Tensor | None = None) -> None:
+    """s = x + r (+ r_bias, broadcast over the rows) and y = LayerNorm(s) into the given buffers (x, r,
+    s, y: contiguous [M, D]; mean, rstd: [M] float32; r_bias [D])."""
     M, D = x.shape
     if M == 0:
         return
     bm, nw = launch_config(D)
-    _add_ln_fwd_kernel[(triton.cdiv(M, bm),)](x, r, w, b, s, y, mean, rstd, M, D, eps,
+    _add_ln_fwd_kernel[(triton.cdiv(M, bm),)](x, r, r_bias if r_bias is not None else w, w, b, s, y, mean, rstd,
+                                              M, D, eps, HAS_RB=r_bias is not None,
                                               BLOCK_M=bm, BLOCK_D=_block_d(D), num_warps=nw)
 
 
 def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
                rstd: torch.Tensor, dx: torch.Tensor, dr: torch.Tensor, programs: int,
-               block_m: int | None = None) -> torch.Tensor:
+               block_m: int | None = None, r_bias: bool = False) -> torch.Tensor:
     """dx (and dr, the same values in r's dtype) into the given buffers; returns the float32 partial
-    sums of dw and db, [programs, 2, D] (the caller sums them over the programs: one small reduction).
-    ``block_m`` overrides ``launch_config``'s rows per program (tests: more programs than row blocks)."""
+    sums of dw and db, [programs, 2, D], and with ``r_bias`` the branch bias's too, [programs, 3, D]
+    (the caller sums them over the programs: one small reduction). ``block_m`` overrides
+    ``launch_config``'s rows per program (tests: more programs than row blocks)."""
     M, D = s.shape
-    part = torch.empty(programs, 2, D, dtype=torch.float32, device=s.device)
+    part = torch.empty(programs, 3 if r_bias else 2, D, dtype=torch.float32, device=s.device)
     if M == 0:
         return part.zero_()
     bm, nw = launch_config(D)
     bm = block_m or bm
     _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, part, M, D,
-                                    HAS_DS=ds is not None, BLOCK_M=bm, BLOCK_D=_block_d(D), num_warps=nw)
+                                    HAS_DS=ds is not None, HAS_RB=r_bias, BLOCK_M=bm, BLOCK_D=_block_d(D),
+                                    num_warps=nw)
     return part

@@ -51,9 +51,10 @@ def kernel_source() -> str:
 
 # --- inputs --------------------------------------------------------------------------------------
 
-def check_inputs(x, r, weight, bias, eps) -> None:
+def check_inputs(x, r, weight, bias, eps, r_bias=None) -> None:
     """A clear ValueError naming the argument unless shapes, dtypes and devices fit."""
-    for name, t in (("x", x), ("r", r), ("weight", weight), ("bias", bias)):
+    named = (("x", x), ("r", r), ("weight", weight), ("bias", bias)) + ((("r_bias", r_bias),) if r_bias is not None else ())
+    for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
@@ -63,12 +64,12 @@ def check_inputs(x, r, weight, bias, eps) -> None:
     if tuple(r.shape) != tuple(x.shape):
         raise ValueError(f"r has shape {tuple(r.shape)}; it must be x's, {tuple(x.shape)}")
     D = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
+    for name, t in named[2:]:
         if tuple(t.shape) != (D,):
             raise ValueError(f"{name} must be [D] = [{D}] (x's last dimension), got {tuple(t.shape)}")
-    if not (x.device == r.device == weight.device == bias.device):
-        raise ValueError(f"x, r, weight and bias must be on one device, got {x.device}, {r.device}, "
-                         f"{weight.device}, {bias.device}")
+    if len({t.device for _, t in named}) > 1:
+        raise ValueError(f"{', '.join(n for n, _ in named)} must be on one device, got "
+                         f"{', '.join(str(t.device) for _, t in named)}")
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps > 0:
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     if torch.promote_types(x.dtype, r.dtype) != x.dtype:
@@ -95,8 +96,9 @@ def _programs(M: int, D: int, device: torch.device) -> int:
     return min(blocks, sms * k.PROGRAMS_PER_SM)
 
 
-def _fwd_torch(x, r, w, b, eps, y_dtype):
-    s = x + r.to(x.dtype)
+def _fwd_torch(x, r, r_bias, w, b, eps, y_dtype):
+    rx = r.to(x.dtype)
+    s = x + (rx if r_bias is None else rx + r_bias.to(x.dtype))
     mean = s.mean(-1)
     sc = s - mean[:, None]
     rstd = torch.rsqrt((sc * sc).mean(-1) + eps)
@@ -104,7 +106,7 @@ def _fwd_torch(x, r, w, b, eps, y_dtype):
     return s, y, mean.float(), rstd.float()
 
 
-def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype):
+def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype, r_bias: bool):
     acc = s.dtype
     s_hat = (s - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
     dyf = dy.to(acc)
@@ -112,26 +114,27 @@ def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype):
     dx = (g - s_hat * (g * s_hat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True)) * rstd.to(acc)[:, None]
     if ds is not None:
         dx = dx + ds.to(acc)
-    return dx, dx.to(r_dtype, copy=True), torch.stack([(dyf * s_hat).sum(0), dyf.sum(0)])
+    sums = [(dyf * s_hat).sum(0), dyf.sum(0)] + ([dx.sum(0)] if r_bias else [])
+    return dx, dx.to(r_dtype, copy=True), torch.stack(sums)
 
 
 # --- the ops: one node each for torch.compile, fake impls, the autograd formula ---------------------
 
 @torch.library.custom_op("hwlib::add_layer_norm", mutates_args=())
-def _fwd_op(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-            y_dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fwd_op(x: torch.Tensor, r: torch.Tensor, r_bias: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+            eps: float, y_dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "torch":
-        return _fwd_torch(x, r, weight, bias, eps, y_dtype)
+        return _fwd_torch(x, r, r_bias, weight, bias, eps, y_dtype)
     M = x.shape[0]
     s, y = torch.empty_like(x), torch.empty(x.shape, dtype=y_dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    _kernel().add_ln_fwd(x, r, weight, bias, eps, s, y, mean, rstd)
+    _kernel().add_ln_fwd(x, r, weight, bias, eps, s, y, mean, rstd, r_bias)
     return s, y, mean, rstd
 
 
 @_fwd_op.register_fake
-def _(x, r, weight, bias, eps, y_dtype, backend):
+def _(x, r, r_bias, weight, bias, eps, y_dtype, backend):
     M = x.shape[0]
     return (torch.empty_like(x), torch.empty(x.shape, dtype=y_dtype, device=x.device),
             x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32))
@@ -139,42 +142,48 @@ def _(x, r, weight, bias, eps, y_dtype, backend):
 
 @torch.library.custom_op("hwlib::add_layer_norm_backward", mutates_args=())
 def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-            rstd: torch.Tensor, r_dtype: torch.dtype,
+            rstd: torch.Tensor, r_dtype: torch.dtype, r_bias: bool,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (dx, dr, partial [dw; db] sums [programs, 2, D]: float32 from the kernel, one partial in the
+    # (dx, dr, partial [dw; db] sums [programs, 2, D] (with r_bias [dw; db; dr_bias], [programs, 3, D],
+    # dr_bias = the column sums of ds): float32 from the kernel, one partial in the
     # stream's dtype from the torch backend, so fp64 stays fp64). The sum over the programs is left to
     # the autograd formula, outside this op: compiled, inductor writes it as one of its reductions. Done
     # in here, it ran as an eager column reduction of GPT-2 small's 528 x 1536 partials (3 MB): 0.42 ms
     # a step over 24 calls in step 22's trace on an H100, about 17 us a call.
     if backend == "torch":
-        dx, dr, dwb = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype)
-        return dx, dr, dwb[None]
+        dx, dr, sums = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype, r_bias)
+        return dx, dr, sums[None]
     k = _kernel()
     dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
     part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
-                        _programs(*s.shape, s.device))
+                        _programs(*s.shape, s.device), r_bias=r_bias)
     return dx, dr, part
 
 
 @_bwd_op.register_fake
-def _(dy, ds, s, weight, mean, rstd, r_dtype, backend):
+def _(dy, ds, s, weight, mean, rstd, r_dtype, r_bias, backend):
     programs, acc = (1, s.dtype) if backend == "torch" else (_programs(*s.shape, s.device), torch.float32)
     return (torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device),
-            s.new_empty((programs, 2, weight.shape[0]), dtype=acc))
+            s.new_empty((programs, 3 if r_bias else 2, weight.shape[0]), dtype=acc))
 
 
 def _setup_context(ctx, inputs, output):
-    _, r, weight, bias, _, _, backend = inputs
+    _, r, r_bias, weight, bias, _, _, backend = inputs
     s, _, mean, rstd = output
     ctx.save_for_backward(s, weight, mean, rstd)
     ctx.r_dtype, ctx.backend, ctx.bias_dtype = r.dtype, backend, bias.dtype
+    ctx.r_bias_dtype = None if r_bias is None else r_bias.dtype
 
 
 def _backward(ctx, ds, dy, _dmean, _drstd):
     s, weight, mean, rstd = ctx.saved_tensors
-    dx, dr, part = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, ctx.backend)
-    dw, db = part.sum(0).unbind(0)
-    return dx, dr, dw.to(weight.dtype), db.to(ctx.bias_dtype), None, None, None   # dx is s's dtype, x's
+    has_rb = ctx.r_bias_dtype is not None
+    dx, dr, part = torch.ops.hwlib.add_layer_norm_backward(dy, ds, s, weight, mean, rstd, ctx.r_dtype, has_rb,
+                                                           ctx.backend)
+    sums = part.sum(0).unbind(0)
+    drb = sums[2].to(ctx.r_bias_dtype) if has_rb else None
+    # dx is s's dtype, x's
+    return dx, dr, drb, sums[0].to(weight.dtype), sums[1].to(ctx.bias_dtype), None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -183,27 +192,31 @@ fallbacks.register(_bwd_op)
 
 
 def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
-                   *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                   *, r_bias: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, y)``: the new residual stream ``s = x + r`` (x's dtype) and ``y = layer_norm(s, weight,
     bias, eps)``, in autocast's dtype when autocast is on for the device, else in x's.
 
     ``x`` [..., D] is the residual stream, ``r`` the same shape (a branch's output, of x's dtype or
-    narrower); ``weight``, ``bias`` [D]. Non-contiguous inputs are made contiguous (a copy)."""
-    check_inputs(x, r, weight, bias, eps)
+    narrower); ``weight``, ``bias`` [D]. ``r_bias`` [D], optional, is the branch's output bias, left
+    out of its last matmul: then ``s = x + (r + r_bias)`` in x's dtype, and its gradient (the column
+    sums of the stream's gradient) comes out of the backward kernel's pass. Non-contiguous inputs are
+    made contiguous (a copy)."""
+    check_inputs(x, r, weight, bias, eps, r_bias)
     name = resolve_triton_backend(KERNEL_FILE, backend, x.device.type)
     dev_type = x.device.type
     y_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
     shape, D = x.shape, x.shape[-1]
     s, y, _, _ = torch.ops.hwlib.add_layer_norm(x.reshape(-1, D).contiguous(), r.reshape(-1, D).contiguous(),
+                                                None if r_bias is None else r_bias.contiguous(),
                                                 weight.contiguous(), bias.contiguous(), float(eps), y_dtype, name)
     return s.view(shape), y.view(shape)
 
 
 def add_layer_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                             eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec in float64, differentiable: ``s = x + r``, ``y = F.layer_norm(s, ...)`` (for reference
-    gradients, pass float64 leaves)."""
-    s = x.double() + r.double()
+                             eps: float = 1e-5, r_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec in float64, differentiable: ``s = x + r (+ r_bias)``, ``y = F.layer_norm(s, ...)`` (for
+    reference gradients, pass float64 leaves)."""
+    s = x.double() + r.double() + (0.0 if r_bias is None else r_bias.double())
     return s, F.layer_norm(s, (s.shape[-1],), weight.double(), bias.double(), eps)
 
 

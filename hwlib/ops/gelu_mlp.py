@@ -172,7 +172,7 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype, K: int, 
 
 def check_inputs(x, w_fc, b_fc, w_proj, b_proj) -> None:
     """A clear ValueError naming the argument unless shapes, dtypes and devices fit."""
-    named = (("x", x), ("w_fc", w_fc), ("b_fc", b_fc), ("w_proj", w_proj), ("b_proj", b_proj))
+    named = (("x", x), ("w_fc", w_fc), ("b_fc", b_fc), ("w_proj", w_proj)) + ((("b_proj", b_proj),) if b_proj is not None else ())
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -189,11 +189,11 @@ def check_inputs(x, w_fc, b_fc, w_proj, b_proj) -> None:
         raise ValueError(f"w_proj must be [out, {N}] (w_fc's out_features), got {tuple(w_proj.shape)}")
     if tuple(b_fc.shape) != (N,):
         raise ValueError(f"b_fc must be [{N}] (w_fc's out_features), got {tuple(b_fc.shape)}")
-    if tuple(b_proj.shape) != (C,):
+    if b_proj is not None and tuple(b_proj.shape) != (C,):
         raise ValueError(f"b_proj must be [{C}] (w_proj's out_features), got {tuple(b_proj.shape)}")
     devices = {t.device for _, t in named}
     if len(devices) > 1:
-        raise ValueError(f"x, w_fc, b_fc, w_proj and b_proj must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"{', '.join(n for n, _ in named)} must be on one device, got {sorted(map(str, devices))}")
 
 
 # --- the formulas in torch ops (the torch backend, and the unfused path's arithmetic) ----------------
@@ -238,7 +238,7 @@ def _epilogues_take(rows: torch.Tensor, *ts: torch.Tensor) -> bool:
 # --- the ops -------------------------------------------------------------------------------------
 
 @torch.library.custom_op("hwlib::gelu_mlp", mutates_args=())
-def _fwd_op(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor,
+def _fwd_op(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor | None,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (y, a, pre): the GELU's output and input are kept for the backward
     if backend == "torch" or not _epilogues_take(x, w_fc, b_fc):   # else the same math in torch
@@ -268,20 +268,22 @@ def _(dy, w_proj, pre, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_fc, _, w_proj, _, backend = inputs
+    x, w_fc, _, w_proj, b_proj, backend = inputs
     _, a, pre = output
     ctx.save_for_backward(x, w_fc, w_proj, a, pre)
-    ctx.backend = backend
+    ctx.backend, ctx.has_b_proj = backend, b_proj is not None
     ctx.set_materialize_grads(False)   # a and pre are outputs for the backward only: no zero gradients for them
 
 
 def mlp_backward(ctx, dy, _da, _dpre):
     """The MLP's gradients: dpre from the op (the GELU's derivative in the matmul's epilogue), then
-    dx = dpre W_fc, dW_fc = dpre^T x, db_fc and db_proj as column sums, dW_proj = dy^T a."""
+    dx = dpre W_fc, dW_fc = dpre^T x, db_fc and db_proj as column sums, dW_proj = dy^T a (no db_proj
+    when the op ran without b_proj: the bias was added, and its gradient summed, where the branch's
+    output meets the residual stream, ``hwlib.ops.add_layernorm``)."""
     x, w_fc, w_proj, a, pre = ctx.saved_tensors
     dy = dy.contiguous()
     dpre = torch.ops.hwlib.gelu_mlp_backward(dy, w_proj, pre, ctx.backend)
-    return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, dy.sum(0), None
+    return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, dy.sum(0) if ctx.has_b_proj else None, None
 
 
 _fwd_op.register_autograd(mlp_backward, setup_context=_setup_context)
@@ -289,11 +291,12 @@ fallbacks.register(_fwd_op)
 fallbacks.register(_bwd_op)
 
 
-def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor,
-             *, backend: str = "auto") -> torch.Tensor:
+def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor,
+             b_proj: torch.Tensor | None, *, backend: str = "auto") -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)``.
 
-    ``x`` [..., K]; ``w_fc`` [N, K], ``b_fc`` [N]; ``w_proj`` [C, N], ``b_proj`` [C]. Under autocast the
+    ``x`` [..., K]; ``w_fc`` [N, K], ``b_fc`` [N]; ``w_proj`` [C, N], ``b_proj`` [C] or None (no output
+    bias: a caller that adds it elsewhere, ``hwlib.workloads.blocks``). Under autocast the
     operands are cast to its dtype (as autocast casts ``F.linear``'s), else computed in x's dtype;
     the result is [..., C] in that dtype. Non-contiguous inputs are made contiguous (a copy)."""
     check_inputs(x, w_fc, b_fc, w_proj, b_proj)
@@ -303,16 +306,16 @@ def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: to
     name = resolve_backend(backend, dev, dtype, K, N, C)
     lead = x.shape[:-1]
     with torch.autocast(dev, enabled=False):   # the op's own casts, once, as autocast would make them
-        args = [t.to(dtype).contiguous() for t in (x.reshape(-1, K), w_fc, b_fc, w_proj, b_proj)]
+        args = [None if t is None else t.to(dtype).contiguous() for t in (x.reshape(-1, K), w_fc, b_fc, w_proj, b_proj)]
         y, _, _ = torch.ops.hwlib.gelu_mlp(*args, name)
     return y.view(*lead, C)
 
 
 def gelu_mlp_reference(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor,
-                       b_proj: torch.Tensor) -> torch.Tensor:
+                       b_proj: torch.Tensor | None) -> torch.Tensor:
     """The spec in float64, differentiable (for reference gradients, pass float64 leaves)."""
     h = F.gelu(F.linear(x.double(), w_fc.double(), b_fc.double()), approximate="tanh")
-    return F.linear(h, w_proj.double(), b_proj.double())
+    return F.linear(h, w_proj.double(), None if b_proj is None else b_proj.double())
 
 
 def bytes_removed(rows: int, hidden: int, elem: int = 2) -> dict:

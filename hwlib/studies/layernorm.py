@@ -1,6 +1,7 @@
-"""Notebook 21's study of the fused residual add + LayerNorm (``hwlib.ops.add_layernorm``): the op
-against float64 at odd sizes, and its two kernels alone at GPT-2 small's shape against the bytes they
-must move.
+"""Notebooks 21's and 23's study of the fused residual add + LayerNorm (``hwlib.ops.add_layernorm``):
+the op against float64 at odd sizes, and its two kernels alone at GPT-2 small's shape against the bytes
+they must move; for 23, the same with the branch's output bias (``r_bias``) and the column sum that its
+gradient no longer needs.
 
 Kernel timing: each sample is ``LAUNCHES`` back-to-back launches (``bench.time_fn``'s group), over
 input sets that rotate (together larger than L2): one launch of a ~50 us kernel per sample would time
@@ -22,34 +23,43 @@ FP32_TOL = 1e-5     # relative, against float64: fp32 sums over at most a few hu
 
 
 def _draw(m: int, d: int, gen: torch.Generator, device, dtype, r_dtype):
+    """(x, r, w, b, ds, dy, c): the stream, the branch, gain and bias, the incoming gradients, and a
+    branch bias c [d] (drawn last, so that the rest are the same with or without it)."""
     x = torch.randn(m, d, generator=gen, dtype=torch.float64) * 3 + torch.randn(m, 1, generator=gen, dtype=torch.float64)
     r = torch.randn(m, d, generator=gen, dtype=torch.float64)
     w = 1 + 0.3 * torch.randn(d, generator=gen, dtype=torch.float64)
     b = 0.3 * torch.randn(d, generator=gen, dtype=torch.float64)
     ds, dy = (torch.randn(m, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    return [t.to(device, dt) for t, dt in ((x, dtype), (r, r_dtype), (w, dtype), (b, dtype), (ds, dtype), (dy, dtype))]
+    c = 0.5 * torch.randn(d, generator=gen, dtype=torch.float64)
+    return [t.to(device, dt) for t, dt in ((x, dtype), (r, r_dtype), (w, dtype), (b, dtype), (ds, dtype), (dy, dtype),
+                                           (c, dtype))]
 
 
-def _grads(fn, x, r, w, b, ds, dy, **kw):
+def _grads(fn, x, r, w, b, ds, dy, c=None, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
-    s, y = fn(*leaves, **kw)
+    cl = None if c is None else c.detach().clone().requires_grad_()
+    s, y = fn(*leaves, r_bias=cl, **kw)
     torch.autograd.backward([s, y], [ds.to(s.dtype), dy.to(y.dtype)])
-    return {"s": s.detach(), "y": y.detach(), "dx": leaves[0].grad, "dr": leaves[1].grad,
-            "dw": leaves[2].grad, "db": leaves[3].grad}
+    out = {"s": s.detach(), "y": y.detach(), "dx": leaves[0].grad, "dr": leaves[1].grad,
+           "dw": leaves[2].grad, "db": leaves[3].grad}
+    return out if cl is None else {**out, "dc": cl.grad}
 
 
-def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
+def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = False) -> list[dict]:
     """The op (the backend ``auto`` picks on ``device``) in fp32 against float64 on fresh inputs of
-    sizes that are multiples of nothing: the largest relative error of s, y and the four gradients, and
-    whether it is within fp32's bound."""
+    sizes that are multiples of nothing: the largest relative error of s, y and the four gradients (with
+    ``branch_bias``, a branch bias c passed as ``r_bias`` and its gradient dc too), and whether it is
+    within fp32's bound."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     backend = A.select_backend("auto", device)
     rows = []
     for m, d in sizes:
-        x, r, w, b, ds, dy = _draw(m, d, gen, device, torch.float32, torch.float32)
-        got = _grads(A.add_layer_norm, x, r, w, b, ds, dy, backend=backend)
-        ref = _grads(A.add_layer_norm_reference, *(t.double().cpu() for t in (x, r, w, b, ds, dy)))
+        *ins, c = _draw(m, d, gen, device, torch.float32, torch.float32)
+        c = c if branch_bias else None
+        got = _grads(A.add_layer_norm, *ins, c, backend=backend)
+        ref = _grads(A.add_layer_norm_reference, *(t.double().cpu() for t in ins),
+                     None if c is None else c.double().cpu())
         err = {k: float((got[k].double().cpu() - ref[k]).norm() / ref[k].norm()) for k in ref}
         worst = max(err.values())
         rows.append({"M": m, "D": d, "backend": backend, **{f"{k} rel err": v for k, v in err.items()},
@@ -57,10 +67,12 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     return rows
 
 
-def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, seed: int = 0) -> list[dict]:
+def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, seed: int = 0,
+                branch_bias: bool = False) -> list[dict]:
     """The forward and backward kernels alone at [m, d] with GPT's dtypes (fp32 stream, bf16 branch and
     output) at their default launch configuration: median ms per call (p20, p80), GB/s on the bytes
-    each must move (``add_layernorm.traffic_bytes``) and that over the measured copy ceiling."""
+    each must move (``add_layernorm.traffic_bytes``) and that over the measured copy ceiling. With
+    ``branch_bias``, the kernels that add a branch bias and sum its gradient (the same bytes a row)."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
@@ -68,38 +80,60 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
     gen = torch.Generator().manual_seed(seed)
     sets = []
     for _ in range(INPUT_SETS):
-        x, r, w, b, ds, dy = _draw(m, d, gen, device, torch.float32, torch.bfloat16)
+        x, r, w, b, ds, dy, c = _draw(m, d, gen, device, torch.float32, torch.bfloat16)
+        c = c if branch_bias else None
         s, y = torch.empty_like(x), torch.empty_like(r)
         mean, rstd = torch.empty(m, device=device), torch.empty(m, device=device)
-        k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd)
-        sets.append(dict(x=x, r=r, w=w, b=b, ds=ds, dy=dy.to(torch.bfloat16), s=s, y=y, mean=mean, rstd=rstd,
+        k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd, c)
+        sets.append(dict(x=x, r=r, w=w, b=b, c=c, ds=ds, dy=dy.to(torch.bfloat16), s=s, y=y, mean=mean, rstd=rstd,
                          dx=torch.empty_like(x), dr=torch.empty_like(r)))
     programs = A._programs(m, d, device)
     fwd = lambda i, S=sets: k.add_ln_fwd(*(S[i % INPUT_SETS][n] for n in ("x", "r", "w", "b")), 1e-5,
-                                           *(S[i % INPUT_SETS][n] for n in ("s", "y", "mean", "rstd")))
+                                           *(S[i % INPUT_SETS][n] for n in ("s", "y", "mean", "rstd", "c")))
     bwd = lambda i, S=sets: k.add_ln_bwd(*(S[i % INPUT_SETS][n] for n in ("dy", "ds", "s", "w", "mean", "rstd",
-                                                                          "dx", "dr")), programs)
+                                                                          "dx", "dr")), programs,
+                                         r_bias=branch_bias)
     nbytes = A.traffic_bytes(m, d)
     copy = (ceilings or {}).get("copy_gbps")
     rows = []
     for name, fn in (("forward", fwd), ("backward", bwd)):
         t = bench.time_fn(fn, device, warmup=1, iters=iters, group=LAUNCHES)
         gbps = nbytes[name] / (t.median_ms * 1e-3) / 1e9
-        rows.append({"kernel": name, "M": m, "D": d, "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
+        rows.append({"kernel": name + (" with the branch bias" if branch_bias else ""), "M": m, "D": d,
+                     "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
                      "bytes": nbytes[name], "GB/s": gbps, "share of copy": gbps / copy if copy else None,
                      "floor ms": nbytes[name] / (copy * 1e9) * 1e3 if copy else None})
     return rows
 
 
-def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
+def column_sum_row(m: int, d: int, device, ceilings: dict | None, iters: int = 20, seed: int = 0) -> dict:
+    """What a bias gradient outside the kernel costs: the column sums of a bf16 [m, d] gradient into fp32
+    (torch's reduction, one read of the rows), timed as ``kernel_rows`` times the kernels."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"column_sum_row times CUDA kernels; device is {device}")
+    gen = torch.Generator(device).manual_seed(seed)
+    sets = [torch.randn(m, d, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(INPUT_SETS * 6)]
+    t = bench.time_fn(lambda i: sets[i % len(sets)].sum(0, dtype=torch.float32), device, warmup=1, iters=iters,
+                      group=LAUNCHES)
+    nbytes = float(m * d * 2 + d * 4)
+    copy = (ceilings or {}).get("copy_gbps")
+    gbps = nbytes / (t.median_ms * 1e-3) / 1e9
+    return {"kernel": "a bias gradient's own column sum (bf16 rows)", "M": m, "D": d, "ms": t.median_ms,
+            "p20": t.p20_ms, "p80": t.p80_ms, "bytes": nbytes, "GB/s": gbps,
+            "share of copy": gbps / copy if copy else None,
+            "floor ms": nbytes / (copy * 1e9) * 1e3 if copy else None}
+
+
+def kernel_records(rows: list[dict], *, profile: str, device, notebook: str = NOTEBOOK) -> list[dict]:
     """One ms record per kernel (its GB/s alongside); the shape in fields."""
     recs = []
     for r in rows:
         f = {"study": "add_layernorm_kernel", "kernel": r["kernel"], "M": r["M"], "D": r["D"]}
-        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_ms",
+        recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_ms",
                                         value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile,
                                         device=device, fields=f))
-        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_gbps",
+        recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_gbps",
                                         value=r["GB/s"], unit="GB/s", profile=profile, device=device, fields=f))
     return recs
 
@@ -110,9 +144,9 @@ def kernel_prose(rows: list[dict]) -> str:
         return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
     parts = []
     for r in rows:
-        text = (f"the {r['kernel']} kernel took {r['ms'] * 1e3:.1f} us per call at {r['M']:,} x {r['D']} "
+        text = (f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['M']:,} x {r['D']} "
                 f"({r['GB/s']:,.0f} GB/s on the {r['bytes'] / 1e6:.0f} MB it must move")
         if r["share of copy"] is not None:
             text += f", {r['share of copy']:.0%} of the measured copy bandwidth; its floor is {r['floor ms'] * 1e3:.1f} us"
         parts.append(text + ")")
-    return "Alone, " + "; ".join(parts) + "."
+    return "Alone (median per call): " + "; ".join(parts) + "."

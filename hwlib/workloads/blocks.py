@@ -22,7 +22,8 @@ from ..ops.gelu_mlp import gelu_mlp
 
 
 class PreNormBlock(nn.Module):
-    def __init__(self, d_model: int, make_mixer: Callable[[], nn.Module], mixer_name: str, fused_mlp: bool = False):
+    def __init__(self, d_model: int, make_mixer: Callable[[], nn.Module], mixer_name: str, fused_mlp: bool = False,
+                 branch_bias: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model)
         self.mixer_name = mixer_name
@@ -32,6 +33,9 @@ class PreNormBlock(nn.Module):
         self.mlp_proj = nn.Linear(4 * d_model, d_model)
         # The MLP as one op with its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp).
         self.fused_mlp = fused_mlp
+        # forward_fused only: each branch's output bias (the mixer's and the MLP's last linear) added in
+        # the fused LayerNorm after it, which sums its gradient in its own backward pass.
+        self.branch_bias = branch_bias
 
     @property
     def mixer(self) -> nn.Module:
@@ -51,14 +55,26 @@ class PreNormBlock(nn.Module):
             return gelu_mlp(h, self.mlp_fc.weight, self.mlp_fc.bias, self.mlp_proj.weight, self.mlp_proj.bias)
         return self.mlp_proj(self.mlp(h))
 
+    def mlp_out_unbiased(self, h):
+        """(the MLP branch before mlp_proj's bias, that bias)."""
+        if self.fused_mlp:
+            return gelu_mlp(h, self.mlp_fc.weight, self.mlp_fc.bias, self.mlp_proj.weight, None), self.mlp_proj.bias
+        return F.linear(self.mlp(h), self.mlp_proj.weight), self.mlp_proj.bias
+
+    def _branch(self, full, unbiased, h):
+        """(r, r_bias) for the fused LayerNorm: r_bias None where the branch adds its own bias."""
+        return unbiased(h) if self.branch_bias else (full(h), None)
+
     def forward_fused(self, x, pending=None):
         """The same block with each residual add fused into the LayerNorm after it
         (``hwlib.ops.add_layernorm``): takes the stream ``x`` before the previous block's last add and
-        that add's branch output ``pending`` (None for the first block), and returns the stream and
-        this block's MLP output, still to be added by the next fused LayerNorm (or the final one)."""
+        that add's branch output ``pending`` = (r, r_bias) (None for the first block; r_bias None
+        unless ``branch_bias``), and returns the stream and this block's MLP output as such a pair,
+        still to be added by the next fused LayerNorm (or the final one)."""
         if pending is None:
             h = self.ln_1(x)
         else:
-            x, h = add_layer_norm(x, pending, self.ln_1.weight, self.ln_1.bias, self.ln_1.eps)
-        x, h = add_layer_norm(x, self.mixer(h), self.ln_2.weight, self.ln_2.bias, self.ln_2.eps)
-        return x, self.mlp_out(h)
+            x, h = add_layer_norm(x, pending[0], self.ln_1.weight, self.ln_1.bias, self.ln_1.eps, r_bias=pending[1])
+        r, r_bias = self._branch(self.mixer, lambda t: self.mixer.forward_unbiased(t), h)
+        x, h = add_layer_norm(x, r, self.ln_2.weight, self.ln_2.bias, self.ln_2.eps, r_bias=r_bias)
+        return x, self._branch(self.mlp_out, self.mlp_out_unbiased, h)

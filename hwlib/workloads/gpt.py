@@ -78,6 +78,15 @@ class CausalSelfAttention(nn.Module):
                              persistent=False)
 
     def forward(self, x):
+        return self.c_proj(self._attend(x))
+
+    def forward_unbiased(self, x):
+        """(output before c_proj's bias, that bias): for a block that adds the bias where the branch
+        meets the residual stream (``PreNormBlock.branch_bias``)."""
+        return F.linear(self._attend(x), self.c_proj.weight), self.c_proj.bias
+
+    def _attend(self, x):
+        """The heads' outputs, [B, T, C], before the output projection."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.d, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -88,18 +97,18 @@ class CausalSelfAttention(nn.Module):
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(~self.causal[:T, :T], float("-inf"))
             y = F.softmax(att, dim=-1) @ v
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return y.transpose(1, 2).contiguous().view(B, T, C)
 
 
-def gpt_block(cfg: GPTConfig, attention: str, fused_mlp: bool = False) -> PreNormBlock:
+def gpt_block(cfg: GPTConfig, attention: str, fused_mlp: bool = False, branch_bias: bool = False) -> PreNormBlock:
     """A GPT-2 block: causal self-attention as the mixer of the shared pre-LayerNorm block."""
-    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention), "attn", fused_mlp)
+    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention), "attn", fused_mlp, branch_bias)
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
                  checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False,
-                 fused_mlp: bool = False):
+                 fused_mlp: bool = False, branch_bias: bool = False):
         super().__init__()
         self.cfg = cfg
         # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
@@ -111,11 +120,15 @@ class GPT(nn.Module):
         if fused_ln and (self.checkpointed or self.checkpoint_head):
             raise ValueError(f"checkpointing={checkpointing!r} with fused_ln: a checkpointed block recomputes from "
                              f"its whole input, which the fused blocks hand on unsummed; use one or the other")
+        if branch_bias and not fused_ln:
+            raise ValueError("branch_bias adds each branch's output bias inside the fused residual LayerNorm: "
+                             "it needs fused_ln")
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         # fused_mlp: each MLP one op, its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp).
-        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp) for _ in range(cfg.n_layer))
+        # branch_bias: each branch's output bias added, and its gradient summed, in the fused LayerNorm after it.
+        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp, branch_bias) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "GPT":
@@ -153,7 +166,8 @@ class GPT(nn.Module):
         pending = None
         for block in self.blocks:
             x, pending = block.forward_fused(x, pending)
-        return add_layer_norm(x, pending, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)[1]
+        r, r_bias = pending
+        return add_layer_norm(x, r, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps, r_bias=r_bias)[1]
 
     def _head(self, h, targets):
         """Logits, or the mean loss, from ``h = ln_f(x)``."""
@@ -185,7 +199,8 @@ class GPTWorkload(TokenLMWorkload):
             raise ValueError("fp8 and fused_mlp both replace the MLP's matmuls: use one or the other")
         model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
-                    fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp).init_weights(seed)
+                    fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp,
+                    branch_bias=settings.branch_bias).init_weights(seed)
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)
