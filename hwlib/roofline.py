@@ -167,6 +167,14 @@ def _counted(workload: str, step: str, profile: str, ceilings: dict | None, elem
         nb = 2.0 * cfg.n_layer * wl.items_per_step(cfg) * cfg.d_model * 2
         return Prediction(workload, step, "estimate", "the output projections' bias gradients' own passes over "
                           "their [tokens, d] gradients", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
+    if step == "24_qkv_grad" and workload == "gpt":
+        # hwlib/kernels/qkv_grad_triton.py's count: the QKV bias gradient's reduction re-reads dq, dk, dv
+        # (3 d bf16 values a token) after the packing copy; packed and summed in one pass, once per layer.
+        from .ops.qkv_attention import traffic_bytes
+        per = traffic_bytes(wl.items_per_step(cfg), cfg.d_model)
+        nb = float(cfg.n_layer * (per["unfused"] - per["fused"]))
+        return Prediction(workload, step, "estimate", "the QKV bias gradient's own read of dq, dk and dv",
+                          bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
     return None
 
 

@@ -38,6 +38,7 @@ class Settings:
     fused_ln: bool = False           # residual add + LayerNorm as one op each way (hwlib.ops.add_layernorm)
     fused_mlp: bool = False          # the MLP's GELU in its matmuls' epilogues, cuBLASLt (hwlib.ops.gelu_mlp)
     branch_bias: bool = False        # each branch's output bias added, its gradient summed, in the fused LayerNorm after it
+    fused_qkv: bool = False          # QKV projection + attention as one op: dq, dk, dv packed with the bias gradient (hwlib.ops.qkv_attention)
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
@@ -159,6 +160,15 @@ LADDER: tuple[Step, ...] = (
                  "encoder_nli": "post-LayerNorm blocks: the fused residual LayerNorm this step builds on is GPT's",
                  **{w: "the fused residual LayerNorm this step builds on is built into GPT's blocks only"
                     for w in ("vit_bdh", "vit_bdh_linear")}}),
+    Step("24_qkv_grad", "the QKV projection and the attention as one op: dq, dk, dv packed into the projection's "
+         "gradient with its bias gradient summed in the same pass",
+         {"fused_qkv": True}, 1e-2, after="23_branch_bias",
+         why_tolerance="the same matmuls and the same fused attention kernel (cuDNN's, called directly); the QKV "
+                       "bias gradient is summed in fp32 in another order: other rounding under bf16",
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={"resnet_bk": "no attention: its token mixing is the BK-Core",
+                 "encoder_nli": "its attention is masked per sequence (packed, step 11): the op runs causal attention",
+                 **{w: "the op is built into GPT's causal attention only" for w in ("vit_bdh", "vit_bdh_linear")}}),
 )
 RECIPE_NAMES = tuple(s.name for s in LADDER if not s.beyond_recipe)
 

@@ -12,7 +12,7 @@ profiled window is put in one category by its name (``classify``):
 * ``lm_head_ce``: the output projection's three matmuls (``split_head_gemms``) and the
   cross-entropy's kernels (log-softmax, NLL, a fused linear cross-entropy);
 * ``elementwise``: LayerNorm, GELU, residual adds, casts: Triton kernels of inductor, the fused
-  residual add + LayerNorm (``_add_ln_*``), ATen's elementwise and reduction kernels;
+  residual add + LayerNorm (``_add_ln_*``), the QKV gradient packing (``_qkv_grad_*``), ATen's elementwise and reduction kernels;
 * ``optimizer``: the (fused) AdamW's multi-tensor kernels;
 * ``other``: copies, memsets, embedding gathers and whatever matched nothing above;
 
@@ -72,7 +72,7 @@ RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("attention", re.compile(r"flash|fmha|sdpa|attention|_attn|scaled_dot_product")),
     ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|splitk|gemv|_scaled_mm|"
                         r"^aten::(mm|addmm|bmm|baddbmm)$")),
-    ("elementwise", re.compile(r"triton|elementwise|layer_norm|layernorm|_add_ln_|gelu|reduce_kernel|vectorized|"
+    ("elementwise", re.compile(r"triton|elementwise|layer_norm|layernorm|_add_ln_|_qkv_grad|gelu|reduce_kernel|vectorized|"
                                r"unrolled|compiledfxgraph|cpp_fused|^aten::(add|mul|sub|div|copy_|_to_copy|"
                                r"fill_|zero_|native_layer_norm|gelu|tanh)")),
 )

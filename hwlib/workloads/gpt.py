@@ -25,6 +25,8 @@ import torch.utils.checkpoint
 
 from ..ops.add_layernorm import add_layer_norm
 from ..ops.linear_ce import fused_linear_cross_entropy
+from ..ops.qkv_attention import attention_problem, qkv_attention
+from ..ops.sources import warn_fallback
 from ..shapes import padded
 from ..steps import Settings
 from .checkpointing import HEAD_CHUNK, parse_checkpointing
@@ -68,9 +70,12 @@ PROFILES = {
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, attention: str):
+    def __init__(self, cfg: GPTConfig, attention: str, fused_qkv: bool = False):
         super().__init__()
         self.n_head, self.d = cfg.n_head, cfg.d_model
+        # fused_qkv: the QKV projection and the attention as one op (hwlib.ops.qkv_attention), whose
+        # backward packs dq, dk, dv into the projection's gradient and sums the bias's in one pass.
+        self.fused_qkv = fused_qkv
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.attention = attention
@@ -88,6 +93,11 @@ class CausalSelfAttention(nn.Module):
     def _attend(self, x):
         """The heads' outputs, [B, T, C], before the output projection."""
         B, T, C = x.shape
+        if self.fused_qkv and self.attention == "sdpa":
+            why = attention_problem(x.device.type)
+            if why is None:
+                return qkv_attention(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
+            warn_fallback("qkv_attention", "qkv_attention", "F.scaled_dot_product_attention", x.device.type, why)
         q, k, v = self.c_attn(x).split(self.d, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":
@@ -100,15 +110,17 @@ class CausalSelfAttention(nn.Module):
         return y.transpose(1, 2).contiguous().view(B, T, C)
 
 
-def gpt_block(cfg: GPTConfig, attention: str, fused_mlp: bool = False, branch_bias: bool = False) -> PreNormBlock:
+def gpt_block(cfg: GPTConfig, attention: str, fused_mlp: bool = False, branch_bias: bool = False,
+              fused_qkv: bool = False) -> PreNormBlock:
     """A GPT-2 block: causal self-attention as the mixer of the shared pre-LayerNorm block."""
-    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention), "attn", fused_mlp, branch_bias)
+    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention, fused_qkv), "attn", fused_mlp,
+                        branch_bias)
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
                  checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False,
-                 fused_mlp: bool = False, branch_bias: bool = False):
+                 fused_mlp: bool = False, branch_bias: bool = False, fused_qkv: bool = False):
         super().__init__()
         self.cfg = cfg
         # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
@@ -120,6 +132,8 @@ class GPT(nn.Module):
         if fused_ln and (self.checkpointed or self.checkpoint_head):
             raise ValueError(f"checkpointing={checkpointing!r} with fused_ln: a checkpointed block recomputes from "
                              f"its whole input, which the fused blocks hand on unsummed; use one or the other")
+        if fused_qkv and attention != "sdpa":
+            raise ValueError(f"fused_qkv runs fused attention: it needs attention='sdpa', got {attention!r}")
         if branch_bias and not fused_ln:
             raise ValueError("branch_bias adds each branch's output bias inside the fused residual LayerNorm: "
                              "it needs fused_ln")
@@ -128,7 +142,8 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         # fused_mlp: each MLP one op, its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp).
         # branch_bias: each branch's output bias added, and its gradient summed, in the fused LayerNorm after it.
-        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp, branch_bias) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp, branch_bias, fused_qkv)
+                                    for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
     def init_weights(self, seed: int) -> "GPT":
@@ -200,7 +215,7 @@ class GPTWorkload(TokenLMWorkload):
         model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
                     fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp,
-                    branch_bias=settings.branch_bias).init_weights(seed)
+                    branch_bias=settings.branch_bias, fused_qkv=settings.fused_qkv).init_weights(seed)
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)

@@ -1,0 +1,135 @@
+"""Notebook 24's study of the QKV projection + attention op (``hwlib.ops.qkv_attention``): the op
+against float64 at odd sizes, and its packing kernel alone at GPT-2 small's shape against the two
+kernels inductor writes for the same work (the packing copy, then the bias gradient's reduction).
+
+Kernel timing as notebook 21's (``hwlib.studies.layernorm``): each sample is ``LAUNCHES`` back-to-back
+launches over input sets that rotate (together larger than L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import bench, results
+from ..ops import qkv_attention as Q
+
+NOTEBOOK = "24_qkv_grad"
+LAUNCHES = 20
+INPUT_SETS = 4          # 4 x (dq, dk, dv, dqkv) at 16,384 x 3 x 768 bf16: ~600 MB, far beyond a 50 MB L2
+# (B, T, C, heads): T a multiple of nothing; head widths 16, 32 and 64, which cuDNN's kernels take
+ODD_SIZES = ((2, 9, 48, 3), (1, 70, 64, 2), (3, 33, 128, 2))
+FP32_TOL = 1e-5        # relative, against float64 (CPU, fp32)
+ERROR_FACTOR, ERROR_SLACK = 1.5, 4e-3   # GPU, bf16: no worse than the unfused path's error by this bound
+
+
+def _draw(B, T, C, gen, device):
+    x = torch.randn(B, T, C, generator=gen, dtype=torch.float64)
+    w = torch.randn(3 * C, C, generator=gen, dtype=torch.float64) / C ** 0.5
+    b = 0.3 * torch.randn(3 * C, generator=gen, dtype=torch.float64)
+    dy = torch.randn(B, T, C, generator=gen, dtype=torch.float64)
+    return [t.to(device, torch.float32) for t in (x, w, b)], dy.to(device, torch.float32)
+
+
+def _grads(fn, leaves, dy, n_head, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    y = fn(*leaves, n_head, **kw)
+    return dict(zip(("y", "dx", "dw", "db"), [y.detach(), *torch.autograd.grad(y, leaves, dy.to(y.dtype))]))
+
+
+def unfused(x, weight, bias, n_head):
+    """The path the op replaces: the projection, [B, H, T, D] views, SDPA, the heads transposed back."""
+    B, T, C = x.shape
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in F.linear(x, weight, bias).split(C, dim=2))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+
+
+def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
+    """The op against float64 on fresh inputs of sizes that are multiples of nothing: on a CPU in fp32
+    within fp32's bound; on a GPU under bf16 autocast (cuDNN's attention takes 16-bit operands), no
+    worse than the unfused path's error on the same operands (``ERROR_FACTOR`` x it + ``ERROR_SLACK``)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    backend = Q.select_backend("auto", device)
+    rows = []
+    for B, T, C, H in sizes:
+        leaves, dy = _draw(B, T, C, gen, device)
+        ref = _grads(Q.qkv_attention_reference, [t.double() for t in leaves], dy.double(), H)
+        err = lambda got: {k: float((got[k].double() - ref[k]).norm() / ref[k].norm()) for k in ref}
+        if device.type == "cuda":
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                ours, theirs = err(_grads(Q.qkv_attention, leaves, dy, H)), err(_grads(unfused, leaves, dy, H))
+            ok = all(ours[k] <= ERROR_FACTOR * theirs[k] + ERROR_SLACK for k in ours)
+            rows.append({"B": B, "T": T, "C": C, "heads": H, "backend": backend, "precision": "bf16 autocast",
+                         **{f"{k} rel err": v for k, v in ours.items()},
+                         **{f"{k} unfused": v for k, v in theirs.items()}, "within tolerance": ok})
+        else:
+            ours = err(_grads(Q.qkv_attention, leaves, dy, H, backend=backend))
+            rows.append({"B": B, "T": T, "C": C, "heads": H, "backend": backend, "precision": "fp32",
+                         **{f"{k} rel err": v for k, v in ours.items()},
+                         "within tolerance": max(ours.values()) < FP32_TOL})
+    return rows
+
+
+def kernel_rows(B: int, T: int, C: int, n_head: int, device, ceilings: dict | None, iters: int = 20,
+                seed: int = 0) -> list[dict]:
+    """The packing kernel alone at [B, T, C] (bf16 [B, H, T, D] gradients, contiguous), against the
+    same work compiled by inductor from torch ops (the packing copy, then the column sum): median ms
+    per call (p20, p80), GB/s on the bytes each moves (``qkv_attention.traffic_bytes``) and that over
+    the measured copy ceiling."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
+    k = Q._kernel()
+    D, N = C // n_head, B * T
+    gen = torch.Generator(device).manual_seed(seed)
+    sets = [[torch.randn(B, n_head, T, D, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(3)]
+            + [torch.empty(N, 3 * C, device=device, dtype=torch.bfloat16)] for _ in range(INPUT_SETS)]
+
+    def pack_and_sum(dq, dk, dv):
+        dqkv = torch.cat([t.transpose(1, 2).reshape(N, C) for t in (dq, dk, dv)], dim=1)
+        return dqkv, dqkv.sum(0, dtype=torch.float32)
+
+    compiled = torch.compile(pack_and_sum, fullgraph=True)
+    ours = lambda i: k.pack_qkv_grad(*sets[i % INPUT_SETS])
+    theirs = lambda i: compiled(*sets[i % INPUT_SETS][:3])
+    nbytes = Q.traffic_bytes(N, C)
+    copy = (ceilings or {}).get("copy_gbps")
+    rows = []
+    for name, fn, nb in (("packed and summed in one pass (Triton)", ours, nbytes["fused"]),
+                         ("inductor: the packing copy, then the column sum", theirs, nbytes["unfused"])):
+        t = bench.time_fn(fn, device, warmup=2, iters=iters, group=LAUNCHES)
+        gbps = nb / (t.median_ms * 1e-3) / 1e9
+        rows.append({"kernel": name, "tokens": N, "C": C, "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
+                     "bytes": nb, "GB/s": gbps, "share of copy": gbps / copy if copy else None,
+                     "floor ms": nb / (copy * 1e9) * 1e3 if copy else None})
+    return rows
+
+
+def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
+    """One ms record per kernel (its GB/s alongside); the shape in fields."""
+    recs = []
+    for r in rows:
+        f = {"study": "qkv_grad_kernel", "kernel": r["kernel"], "tokens": r["tokens"], "C": r["C"]}
+        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_ms",
+                                        value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile,
+                                        device=device, fields=f))
+        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_gbps",
+                                        value=r["GB/s"], unit="GB/s", profile=profile, device=device, fields=f))
+    return recs
+
+
+def kernel_prose(rows: list[dict]) -> str:
+    """The kernels alone, in words built from ``rows``."""
+    if not rows:
+        return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
+    parts = []
+    for r in rows:
+        text = (f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['tokens']:,} tokens x 3 x {r['C']} "
+                f"({r['GB/s']:,.0f} GB/s on the {r['bytes'] / 1e6:.0f} MB it moves")
+        if r["share of copy"] is not None:
+            text += f", {r['share of copy']:.0%} of the measured copy bandwidth"
+        parts.append(text + ")")
+    ratio = rows[1]["ms"] / rows[0]["ms"] if len(rows) == 2 else None
+    tail = f" The one pass takes {1 / ratio:.2f}x the time of the two." if ratio else ""
+    return "Alone (median per call): " + "; ".join(parts) + "." + tail

@@ -1,0 +1,166 @@
+"""The QKV projection + causal attention op (hwlib.ops.qkv_attention): the heads' output and the
+gradients of x, the weight and the bias against float64 on fresh random inputs of odd sizes, for both
+packing backends (the Triton kernel compiled on CUDA where a GPU is visible, else interpreted on CPU
+tensors); the packing kernel alone on strided inputs; under torch.compile; GPT with the op against
+GPT without; the bad-input paths; on a GPU, under bf16 autocast no worse than the unfused path.
+HWLIB_TEST_SEED=<int> draws fresh inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hwlib.device import ChoiceError
+from hwlib.ops import qkv_attention as Q
+
+GPU = torch.cuda.is_available()
+
+
+def make(B, T, C, dtype=torch.float32, device="cpu"):
+    seed = int(os.environ.get("HWLIB_TEST_SEED", "0")) + zlib.crc32(repr((B, T, C, str(dtype))).encode())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+    w = torch.randn(3 * C, C, generator=g, dtype=torch.float64) / C ** 0.5
+    b = 0.3 * torch.randn(3 * C, generator=g, dtype=torch.float64)
+    dy = torch.randn(B, T, C, generator=g, dtype=torch.float64)
+    return [t.to(device, dtype) for t in (x, w, b)], dy.to(device, dtype)
+
+
+def grads(fn, leaves, dy, n_head, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    y = fn(*leaves, n_head, **kw)
+    return [y.detach(), *torch.autograd.grad(y, leaves, dy.to(y.dtype))]
+
+
+def reference(leaves, dy, n_head):
+    return grads(Q.qkv_attention_reference, [t.double().cpu() for t in leaves], dy.double().cpu(), n_head)
+
+
+def rel(a, b):
+    return float((a.double().cpu() - b).norm() / b.norm())
+
+
+NAMES = ("y", "dx", "dw", "db")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("B,T,C,H", [(2, 9, 24, 3), (1, 17, 64, 4), (3, 5, 16, 1), (2, 70, 40, 5)])
+def test_matches_float64(backend, B, T, C, H, request):
+    device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    leaves, dy = make(B, T, C, device=device)
+    got = grads(Q.qkv_attention, leaves, dy, H, backend=backend)
+    want = reference(leaves, dy, H)
+    for name, g, w in zip(NAMES, got, want):
+        assert g.shape == w.shape and torch.isfinite(g).all() and rel(g, w) < 1e-5, (name, rel(g, w))
+
+
+def test_the_packing_kernel_alone_on_strided_gradients(triton_device):
+    """dq, dk, dv with strides of their own (one [B, T, H, D] storage transposed, one contiguous, one a
+    slice of a wider tensor), every element of the output written (NaN first), partial sums that add
+    up to the column sums, rows past a block's end masked (N = 70 is no multiple of the block)."""
+    k = Q._kernel()
+    B, H, T, D = 2, 5, 35, 8
+    g = torch.Generator().manual_seed(1)
+    dq = torch.randn(B, T, H, D, generator=g).transpose(1, 2).to(triton_device)
+    dk = torch.randn(B, H, T, D, generator=g).to(triton_device)
+    dv = torch.randn(B, H, T, 2 * D, generator=g).to(triton_device)[..., :D]
+    out = torch.full((B * T, 3 * H * D), float("nan"), device=triton_device)
+    part = k.pack_qkv_grad(dq, dk, dv, out)
+    want = torch.cat([t.transpose(1, 2).reshape(B * T, H * D) for t in (dq, dk, dv)], dim=1)
+    assert torch.equal(out, want)
+    assert part.shape == (k.row_blocks(B * T), 3 * H * D) and part.dtype == torch.float32
+    assert torch.allclose(part.sum(0), want.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_under_torch_compile_the_ops_are_nodes_and_match_eager():
+    leaves, dy = make(2, 9, 24)
+    eager = grads(Q.qkv_attention, leaves, dy, 3, backend="torch")
+    compiled = grads(torch.compile(Q.qkv_attention, fullgraph=True), leaves, dy, 3, backend="torch")
+    for name, c, e in zip(NAMES, compiled, eager):
+        assert torch.allclose(c, e, rtol=1e-5, atol=1e-6), name
+
+
+def test_gpt_with_the_op_computes_the_same_loss_and_gradients():
+    """The smoke GPT built from one seed, with and without the op (fp32, on a CPU): the same loss and the
+    same gradient for every parameter, the QKV bias's included, to fp32 rounding."""
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    cfg = get_workload("gpt").config("smoke")
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for fused in (False, True):
+        model = GPT(cfg, attention="sdpa", fused_qkv=fused).init_weights(0)
+        with torch.no_grad():   # a nonzero QKV bias, so that a bias gradient left out shows
+            gen = torch.Generator().manual_seed(5)
+            for blk in model.blocks:
+                blk.attn.c_attn.bias.copy_(0.3 * torch.randn(blk.attn.c_attn.bias.shape, generator=gen))
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        out[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert torch.allclose(out[True][0], out[False][0], rtol=1e-6)
+    for n, g in out[False][1].items():
+        assert rel(out[True][1][n], g.double()) < 1e-4, n
+
+
+def test_gpt_refuses_the_op_without_fused_attention():
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    with pytest.raises(ValueError, match="fused_qkv runs fused attention: it needs attention='sdpa'"):
+        GPT(get_workload("gpt").config("smoke"), attention="manual", fused_qkv=True)
+
+
+def test_bad_inputs_fail_with_the_argument_named():
+    (x, w, b), _ = make(2, 4, 8)
+    cases = [((x[0], w, b, 2), "x must be [B, T, C]"), ((x, w[:, :7], b, 2), "weight must be [3C, C] = [24, 8]"),
+             ((x, w, b[:5], 2), "bias must be [3C] = [24]"), ((x, w, b, 3), "n_head must be a positive integer"),
+             ((x, w, b, 0), "n_head must be"), ((x, w.long(), b, 2), "weight must be floating point"),
+             ((x, "w", b, 2), "weight must be a torch.Tensor")]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            Q.qkv_attention(*args)
+    with pytest.raises(ChoiceError):
+        Q.qkv_attention(x, w, b, 2, backend="cuda")
+
+
+def test_traffic_is_the_kernel_files_count():
+    t = Q.traffic_bytes(16384, 768)
+    assert t == {"fused": 2 * 16384 * 3 * 768 * 2.0, "unfused": 3 * 16384 * 3 * 768 * 2.0}
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuDNN attention)")
+def test_under_bf16_autocast_no_worse_than_the_unfused_path():
+    """GPT's setting on a GPU: fp32 parameters, bf16 autocast, T and C of GPT-2's kind but small; the
+    op against the unfused projection + SDPA (which dispatches to the same cuDNN kernel), each against
+    float64: no more than 1.5 times the unfused error plus bf16's rounding."""
+    leaves, dy = make(4, 128, 192, device="cuda")
+    want = reference(leaves, dy, 3)
+
+    def unfused(x, w, b, n_head):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in F.linear(x, w, b).split(C, dim=2))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours = grads(Q.qkv_attention, leaves, dy, 3)
+        theirs = grads(unfused, leaves, dy, 3)
+    assert ours[0].dtype == torch.bfloat16 and [g.dtype for g in ours[1:]] == [torch.float32] * 3
+    for name, o, t, w in zip(NAMES, ours, theirs, want):
+        assert rel(o, w) <= 1.5 * rel(t, w) + 4e-3, (name, rel(o, w), rel(t, w))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuDNN attention)")
+def test_under_cuda_graphs_equals_eager():
+    leaves, dy = make(2, 64, 128, dtype=torch.bfloat16, device="cuda")
+    eager = grads(Q.qkv_attention, leaves, dy, 2)
+    torch._dynamo.reset()
+    fn = torch.compile(Q.qkv_attention, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):   # warm-up, record, replay
+        got = grads(fn, leaves, dy, 2)
+    for name, a, b in zip(NAMES, got, eager):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), name
