@@ -53,6 +53,9 @@ NAMES = ("y", "dx", "dw", "db")
 @pytest.mark.parametrize("B,T,C,H", [(2, 9, 24, 3), (1, 17, 64, 4), (3, 5, 16, 1), (2, 70, 40, 5)])
 def test_matches_float64(backend, B, T, C, H, request):
     device = request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
+    if device == "cuda":
+        pytest.skip("cuDNN's attention takes 16-bit operands: on a GPU the Triton packing is checked under bf16 "
+                    "autocast (test_under_bf16_autocast_no_worse_than_the_unfused_path)")
     leaves, dy = make(B, T, C, device=device)
     got = grads(Q.qkv_attention, leaves, dy, H, backend=backend)
     want = reference(leaves, dy, H)
@@ -152,6 +155,28 @@ def test_under_bf16_autocast_no_worse_than_the_unfused_path():
     assert ours[0].dtype == torch.bfloat16 and [g.dtype for g in ours[1:]] == [torch.float32] * 3
     for name, o, t, w in zip(NAMES, ours, theirs, want):
         assert rel(o, w) <= 1.5 * rel(t, w) + 4e-3, (name, rel(o, w), rel(t, w))
+
+
+def test_what_cudnn_takes_is_said_before_a_call():
+    """fp32 operands or odd head widths on CUDA: a ValueError naming them (cuDNN's kernels would return
+    garbage for fp32, not an error); a CPU takes any."""
+    assert Q.fit_problem("cuda", torch.float32, 64).startswith("cuDNN's fused attention takes bf16 or fp16")
+    assert "multiples of 8 up to 128, got 12" in Q.fit_problem("cuda", torch.bfloat16, 12)
+    assert "got 256" in Q.fit_problem("cuda", torch.float16, 256)
+    assert Q.fit_problem("cuda", torch.bfloat16, 64) is None and Q.fit_problem("cpu", torch.float32, 12) is None
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuDNN attention)")
+def test_fp32_on_a_gpu_is_refused_and_gpt_takes_the_unfused_path():
+    (x, w, b), _ = make(2, 16, 64, device="cuda")
+    with pytest.raises(ValueError, match="takes bf16 or fp16 operands, got torch.float32"):
+        Q.qkv_attention(x, w, b, 2)
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    cfg = get_workload("gpt").config("smoke")
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(4)).cuda()
+    losses = [GPT(cfg, attention="sdpa", fused_qkv=f).init_weights(0).cuda()(idx[:, :-1], idx[:, 1:]) for f in (0, 1)]
+    assert torch.isfinite(losses[1]) and torch.allclose(losses[0], losses[1])
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuDNN attention)")

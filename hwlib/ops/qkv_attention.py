@@ -73,6 +73,22 @@ def attention_problem(device_type: str) -> str | None:
     return None
 
 
+# cuDNN's fused attention kernels: 16-bit operands, head widths a multiple of 8 up to 128
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 128
+
+
+def fit_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why this call's operands do not suit the fused attention kernel, or None."""
+    if device_type != "cuda":
+        return None
+    if dtype not in CUDA_DTYPES:
+        return f"cuDNN's fused attention takes bf16 or fp16 operands, got {dtype} (run under autocast)"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"cuDNN's fused attention takes head widths that are multiples of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
 # --- inputs --------------------------------------------------------------------------------------
 
 def check_inputs(x, weight, bias, n_head) -> None:
@@ -206,7 +222,8 @@ def qkv_attention(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_h
 
     Under autocast the operands are cast to its dtype (as autocast casts ``F.linear``'s), else
     computed in x's dtype. ``Unavailable`` where the device has no fused attention kernel this op calls
-    (``attention_problem``)."""
+    (``attention_problem``); a ValueError where the call's dtype or head width does not suit it
+    (``fit_problem``: on CUDA, bf16 or fp16 and head widths multiples of 8 up to 128)."""
     check_inputs(x, weight, bias, n_head)
     why = attention_problem(x.device.type)
     if why:
@@ -215,6 +232,9 @@ def qkv_attention(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_h
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     B, T, C = x.shape
+    fit = fit_problem(dev, dtype, C // n_head)
+    if fit:
+        raise ValueError(f"qkv_attention: {fit}")
     with torch.autocast(dev, enabled=False):   # the op's own casts, once, as autocast would make them
         xs, w, b = (t.to(dtype).contiguous() for t in (x.reshape(B * T, C), weight, bias))
         _, out, _, _, _ = torch.ops.hwlib.qkv_attention(xs, w, b, T, n_head, name)

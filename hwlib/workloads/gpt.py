@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 
 from ..ops.add_layernorm import add_layer_norm
 from ..ops.linear_ce import fused_linear_cross_entropy
-from ..ops.qkv_attention import attention_problem, qkv_attention
+from ..ops.qkv_attention import attention_problem, fit_problem, qkv_attention
 from ..ops.sources import warn_fallback
 from ..shapes import padded
 from ..steps import Settings
@@ -95,9 +95,12 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         if self.fused_qkv and self.attention == "sdpa":
             why = attention_problem(x.device.type)
-            if why is None:
+            dev = x.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            if why is None and fit_problem(dev, dtype, C // self.n_head) is None:
                 return qkv_attention(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
-            warn_fallback("qkv_attention", "qkv_attention", "F.scaled_dot_product_attention", x.device.type, why)
+            if why:   # the machine cannot run it: say so; a call it does not fit takes the unfused path quietly
+                warn_fallback("qkv_attention", "qkv_attention", "F.scaled_dot_product_attention", dev, why)
         q, k, v = self.c_attn(x).split(self.d, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":
