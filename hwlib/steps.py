@@ -39,6 +39,7 @@ class Settings:
     fused_mlp: bool = False          # the MLP's GELU in its matmuls' epilogues, cuBLASLt (hwlib.ops.gelu_mlp)
     branch_bias: bool = False        # each branch's output bias added, its gradient summed, in the fused LayerNorm after it
     fused_qkv: bool = False          # QKV projection + attention as one op: dq, dk, dv packed with the bias gradient (hwlib.ops.qkv_attention)
+    fc_bias_column: bool = False     # mlp_fc's bias gradient from its weight-gradient matmul, through a column of ones ln_2 writes
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
@@ -169,6 +170,16 @@ LADDER: tuple[Step, ...] = (
          why_na={"resnet_bk": "no attention: its token mixing is the BK-Core",
                  "encoder_nli": "its attention is masked per sequence (packed, step 11): the op runs causal attention",
                  **{w: "the op is built into GPT's causal attention only" for w in ("vit_bdh", "vit_bdh_linear")}}),
+    Step("25_bias_column", "the MLP's first bias gradient out of its weight-gradient matmul, through a column of "
+         "ones the LayerNorm writes beside its output", {"fc_bias_column": True}, 1e-2, after="24_qkv_grad",
+         why_tolerance="the same sums: mlp_fc's bias gradient is a column of a bf16 matmul with fp32 accumulation "
+                       "instead of a column sum in fp32, in another order, rounded once into bf16 either way: other "
+                       "rounding under bf16",
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the bias column is built into GPT's fused MLP",
+                 "encoder_nli": "its MLP uses the erf GELU, which the fused MLP this step builds on does not compute",
+                 **{w: "the fused MLP this step builds on is built into GPT's blocks only"
+                    for w in ("vit_bdh", "vit_bdh_linear")}}),
 )
 RECIPE_NAMES = tuple(s.name for s in LADDER if not s.beyond_recipe)
 

@@ -107,6 +107,28 @@ def test_branch_bias_matches_float64(backend, m, d, triton_device):
     assert got[4].shape == (d,) and rel(got[4], want[2].sum(0)) < 1e-5   # dc is the column sum of dx
 
 
+@pytest.mark.parametrize("backend,m,d", [("torch", 37, 71), ("triton", 37, 71), ("triton", 9, 48)])
+def test_ones_column_after_y(backend, m, d, triton_device):
+    """ones_column: y is BIAS_COLUMNS wider, a one then zeros after its D columns; the rest is the op
+    without it, to fp32 rounding against float64, whatever gradient arrives for the extra columns."""
+    device = triton_device if backend == "triton" else "cpu"
+    x, r, w, b, ds, dy = make(m, d, torch.float32, device=device, key=("ones",))
+    P = A.BIAS_COLUMNS
+    dy_wide = torch.cat([dy, torch.randn(m, P, generator=torch.Generator().manual_seed(9)).to(dy)], dim=1)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+    s, y = A.add_layer_norm(*leaves, ones_column=True, backend=backend)
+    assert y.shape == (m, d + P)
+    col = torch.zeros(P); col[0] = 1
+    assert torch.equal(y[:, d:].detach().cpu(), col.expand(m, P))
+    torch.autograd.backward([s, y], [ds, dy_wide])
+    got = [s.detach(), y[:, :d].detach()] + [t.grad for t in leaves]
+    want = ref(x, r, w, b, ds, dy)
+    for name, g, wt in zip(NAMES, got, want):
+        assert rel(g, wt) < 1e-5, (name, rel(g, wt))
+    with pytest.raises(ValueError, match="ones_column must be a bool"):
+        A.add_layer_norm(x, r, w, b, ones_column=1)
+
+
 def test_wide_rows_take_fewer_rows_per_program_and_stay_exact(triton_device):
     """Rows wider than GPT-2's: fewer rows per program, more warps (``launch_config``), the same results."""
     k = A._kernel()
@@ -245,6 +267,33 @@ def test_gpt_with_branch_biases_in_the_layernorm_computes_the_same_loss_and_grad
                for p in ("attn.c_proj", "mlp_proj"))
 
 
+def test_gpt_with_the_bias_column_computes_the_same_loss_and_gradients():
+    """The smoke GPT with fused blocks, branch biases and the fused MLP, mlp_fc's bias gradient from a column
+    sum or from the bias column (fp32, torch backends on a CPU): the same loss and gradients."""
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    cfg = get_workload("gpt").config("smoke")
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(6))
+    out = {}
+    for col in (False, True):
+        model = GPT(cfg, attention="sdpa", fused_ln=True, fused_mlp=True, branch_bias=True,
+                    fc_bias_column=col).init_weights(0)
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for blk in model.blocks:
+                blk.mlp_fc.bias.copy_(0.3 * torch.randn(blk.mlp_fc.bias.shape, generator=gen))
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        out[col] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert torch.allclose(out[True][0], out[False][0], rtol=1e-6)
+    for n, g in out[False][1].items():
+        assert rel(out[True][1][n], g.double()) < 1e-4, n
+    with pytest.raises(ValueError, match="fc_bias_column .* needs fused_mlp"):
+        GPT(cfg, fused_ln=True, fc_bias_column=True)
+    with pytest.raises(ValueError, match="fc_bias_column .* needs fused_ln"):
+        GPT(cfg, fused_mlp=True, fc_bias_column=True)
+
+
 def test_gpt_refuses_branch_biases_without_fused_blocks():
     from hwlib.workloads import get_workload
     from hwlib.workloads.gpt import GPT
@@ -272,11 +321,13 @@ from hwlib.ops.sources import load_python_kernel
 mod = load_python_kernel("add_layernorm_triton.py")
 # as a GPU launch specializes GPT-2's blocks: pointers 16-byte aligned, M and D (768) divisible by 16
 for k, dtypes, consts in (
-        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": False}),
-        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": True}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": False}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False, "HAS_RB": False})):
+        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": False, "PAD": 0}),
+        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": True, "PAD": 0}),
+        (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": True, "PAD": 16}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": False, "PAD": 0}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True, "PAD": 0}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True, "PAD": 16}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False, "HAS_RB": False, "PAD": 0})):
     consts = {**consts, "BLOCK_M": mod.DEFAULT_BLOCK_M, "BLOCK_D": 1024}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names)
              if a.endswith("_ptr") or a in ("M", "D")}

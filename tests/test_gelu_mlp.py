@@ -70,6 +70,33 @@ def test_without_the_output_bias(backend):
         assert a.shape == b.shape and _rel(a, b) < tol, (name, _rel(a, b))
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cublaslt", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (cuBLASLt)"))])
+def test_with_the_bias_column(backend):
+    """bias_column: x carries a column of ones and zeros after its K columns (as add_layer_norm's
+    ones_column writes it); the output, dW_fc and db_fc (now a column of one matmul) against float64,
+    and x's gradient as wide as x, zero in the extra columns."""
+    from hwlib.ops.add_layernorm import BIAS_COLUMNS as P
+    dev, dt = ("cuda", torch.bfloat16) if backend == "cublaslt" else ("cpu", torch.float32)
+    leaves, dy = _inputs(67, 16, 64, 24, seed=19, device=dev, dtype=dt)
+    x = leaves[0].detach()
+    pad = torch.zeros(67, P, device=dev, dtype=dt)
+    pad[:, 0] = 1
+    x_wide = torch.cat([x, pad], dim=1).requires_grad_()
+    y = gm.gelu_mlp(x_wide, *leaves[1:], bias_column=True, backend=backend)
+    got = [y, *torch.autograd.grad(y, [x_wide, *leaves[1:]], dy)]
+    assert got[1].shape == (67, 16 + P) and float(got[1][:, 16:].abs().max()) == 0.0
+    got[1] = got[1][:, :16]
+    ref = _reference(leaves, dy)
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    for name, a, b in zip(("y", "dx", "dw_fc", "db_fc", "dw_proj", "db_proj"), got, ref):
+        assert a.shape == b.shape and _rel(a, b) < tol, (name, _rel(a, b))
+    with pytest.raises(ValueError, match=r"with bias_column, x must be \[\.\.\., K \+ 16\]"):
+        gm.gelu_mlp(x, *leaves[1:], bias_column=True)
+    with pytest.raises(ValueError, match="bias_column must be a bool"):
+        gm.gelu_mlp(x, *leaves[1:], bias_column="yes")
+
+
 def test_non_contiguous_and_empty_inputs():
     leaves, dy = _inputs(12, 16, 32, 8, seed=3)
     x_t = leaves[0].detach().t().contiguous().t().requires_grad_()   # same values, transposed strides

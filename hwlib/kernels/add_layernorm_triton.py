@@ -18,6 +18,12 @@ stream; zero where s has no other use), with s_hat = (s - mu) rstd and g = dy w:
     ds   = ds_in + rstd (g - mean(g) - s_hat mean(g s_hat))     -> dx = ds (fp32), dr = ds (r's dtype)
     dw   = sum_n dy_n s_hat_n,   db = sum_n dy_n                  (partial sums per program, then one sum of both)
 
+With the bias column (``ones_column``), y is written PAD wider (``hwlib.ops.add_layernorm.BIAS_COLUMNS``):
+y_n, then 1, then zeros. A
+matmul of the next linear's output gradient with these rows gives that linear's bias gradient as one
+more column of its weight gradient (``hwlib.ops.gelu_mlp``), instead of a column sum of its own. The
+backward reads dy's first D columns (the column is a constant; its gradient is not needed).
+
 With the branch's output bias c [D] passed in (``r_bias``: the branch's last matmul then runs without
 its bias), s_n = x_n + (r_n + c) and dc = sum_n ds_n, a third partial sum of values the backward already
 holds in registers: the bias gradient's own pass over the [M, D] gradient (2 D bytes a row) is gone, and
@@ -25,7 +31,7 @@ the bias is added to the fp32 sum instead of to the matmul's accumulator before 
 
 Bytes per row (D wide; fp32 stream, 2-byte branch and output):
 
-    forward   read x 4D + r 2D, write s 4D + y 2D, + 8 (mu, rstd)          = 12 D
+    forward   read x 4D + r 2D, write s 4D + y 2D, + 8 (mu, rstd)          = 12 D   (+ 2 PAD with the bias column)
     backward  read dy 2D + s 4D + ds_in 4D, write dx 4D + dr 2D, + 8       = 16 D
               (the gain once per program, dw/db partials once per program: not per row;
               so is the branch bias, in both directions)
@@ -65,7 +71,7 @@ def launch_config(D: int) -> tuple[int, int]:
 
 @triton.jit
 def _add_ln_fwd_kernel(x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr, M, D, eps,
-                       HAS_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                       HAS_RB: tl.constexpr, PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < M
@@ -84,15 +90,21 @@ def _add_ln_fwd_kernel(x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_pt
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = sc * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    yrow = rows.to(tl.int64)[:, None] * (D + PAD)   # y's rows are D + PAD wide: the bias column after D
+    tl.store(y_ptr + yrow + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if PAD > 0:   # the bias column: a one, then zeros to the end of the row
+        pcols = tl.arange(0, PAD)
+        ones = tl.where(pcols == 0, 1.0, 0.0)
+        tl.store(y_ptr + yrow + D + pcols[None, :], (ones[None, :] + tl.zeros([BLOCK_M, PAD], tl.float32)).to(
+            y_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(mean_ptr + rows, mean, mask=rmask)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
 
 
 @triton.jit
 def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dr_ptr, part_ptr,
-                       M, D, HAS_DS: tl.constexpr, HAS_RB: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       M, D, HAS_DS: tl.constexpr, HAS_RB: tl.constexpr, PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -105,7 +117,9 @@ def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # dy's rows are D + PAD wide (the bias column's gradient after D: the column is a constant, unread)
+        dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * (D + PAD) + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32)
         s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
@@ -139,20 +153,22 @@ def add_ln_fwd(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tenso
                s: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                r_bias: torch.Tensor | None = None) -> None:
     """s = x + r (+ r_bias, broadcast over the rows) and y = LayerNorm(s) into the given buffers (x, r,
-    s, y: contiguous [M, D]; mean, rstd: [M] float32; r_bias [D])."""
+    s: contiguous [M, D]; y: contiguous [M, D], or [M, D + PAD] with the bias column written after D;
+    mean, rstd: [M] float32; r_bias [D])."""
     M, D = x.shape
     if M == 0:
         return
     bm, nw = launch_config(D)
     _add_ln_fwd_kernel[(triton.cdiv(M, bm),)](x, r, r_bias if r_bias is not None else w, w, b, s, y, mean, rstd,
-                                              M, D, eps, HAS_RB=r_bias is not None,
+                                              M, D, eps, HAS_RB=r_bias is not None, PAD=y.shape[1] - D,
                                               BLOCK_M=bm, BLOCK_D=_block_d(D), num_warps=nw)
 
 
 def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
                rstd: torch.Tensor, dx: torch.Tensor, dr: torch.Tensor, programs: int,
                block_m: int | None = None, r_bias: bool = False) -> torch.Tensor:
-    """dx (and dr, the same values in r's dtype) into the given buffers; returns the float32 partial
+    """dx (and dr, the same values in r's dtype) into the given buffers (dy [M, D], or [M, D + PAD]
+    from a y written with the bias column); returns the float32 partial
     sums of dw and db, [programs, 2, D], and with ``r_bias`` the branch bias's too, [programs, 3, D]
     (the caller sums them over the programs: one small reduction). ``block_m`` overrides
     ``launch_config``'s rows per program (tests: more programs than row blocks)."""
@@ -163,6 +179,7 @@ def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: to
     bm, nw = launch_config(D)
     bm = block_m or bm
     _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, part, M, D,
-                                    HAS_DS=ds is not None, HAS_RB=r_bias, BLOCK_M=bm, BLOCK_D=_block_d(D),
+                                    HAS_DS=ds is not None, HAS_RB=r_bias, PAD=dy.shape[1] - D, BLOCK_M=bm,
+                                    BLOCK_D=_block_d(D),
                                     num_warps=nw)
     return part

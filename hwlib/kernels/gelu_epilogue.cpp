@@ -32,9 +32,15 @@
 // At GPT-2 small's MLP each MN term is 100 MB: 6 MN bytes fewer per layer and step (302 MB, ~0.1 ms of a
 // 3 TB/s HBM) at one pass per op.
 //
+// With the bias column (hwlib.ops.gelu_mlp's bias_column): x's rows are K + 8 wide, the LayerNorm's output
+// beside a column of ones (ldx K + 8; the forward reads the first K); the input gradient dx = dpre W_fc is
+// a plain matmul written into rows K + 8 wide (lddx), so that it is the gradient of that wider tensor, and
+// the bias gradient comes out of the weight-gradient matmul dpre^T [x, 1] (in torch, outside this file).
+//
 // Layouts. cuBLASLt is column-major: a row-major [R, C] matrix is its column-major [C, R] transpose.
-//   forward   D = pre^T [N, M] = W x^T:     A = W, stored [K, N] (lda K), transposed; B = x^T, [K, M]
+//   forward   D = pre^T [N, M] = W x^T:     A = W, stored [K, N] (lda K), transposed; B = x^T, [K, M] (ldb ldx)
 //   backward  D = dpre^T [N, M] = W^T dy^T: A = W as [N, C] (lda N); B = dy^T, [C, M] (ldb C)
+//   dx        D = dx^T [K, M] (ldd lddx) = W_fc^T dpre^T: A = W_fc as [K, N] (lda K); B = dpre^T, [N, M] (ldb N)
 // Every leading dimension must be a multiple of 8 elements (16 bytes) and every pointer 16-byte
 // aligned: the binding checks both.
 
@@ -68,8 +74,9 @@ struct Desc {
 // (lda) when transposed, else [m, k]; B [n, k] (ldb) when transposed, else [k, n]. `epilogue` reads or
 // writes `bias` ([m]) and `aux` ([m, n], ld m) where it uses them.
 int matmul(cublasLtHandle_t handle, cublasOperation_t transa, const void* A, long long lda, cublasOperation_t transb,
-           const void* B, long long ldb, void* D, long long m, long long n, long long k, cublasLtEpilogue_t epilogue,
-           const void* bias, const void* aux, void* ws, long long ws_bytes, cudaStream_t stream) {
+           const void* B, long long ldb, void* D, long long ldd, long long m, long long n, long long k,
+           cublasLtEpilogue_t epilogue, const void* bias, const void* aux, void* ws, long long ws_bytes,
+           cudaStream_t stream) {
   Desc g;
   LT_CHECK(cublasLtMatmulDescCreate(&g.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   LT_CHECK(cublasLtMatmulDescSetAttribute(g.op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
@@ -84,7 +91,7 @@ int matmul(cublasLtHandle_t handle, cublasOperation_t transa, const void* A, lon
   const bool ta = transa == CUBLAS_OP_T, tb = transb == CUBLAS_OP_T;
   LT_CHECK(cublasLtMatrixLayoutCreate(&g.a, CUDA_R_16BF, ta ? k : m, ta ? m : k, lda));
   LT_CHECK(cublasLtMatrixLayoutCreate(&g.b, CUDA_R_16BF, tb ? n : k, tb ? k : n, ldb));
-  LT_CHECK(cublasLtMatrixLayoutCreate(&g.d, CUDA_R_16BF, m, n, m));
+  LT_CHECK(cublasLtMatrixLayoutCreate(&g.d, CUDA_R_16BF, m, n, ldd));
   LT_CHECK(cublasLtMatmulPreferenceCreate(&g.pref));
   const size_t ws_size = (size_t)ws_bytes;
   LT_CHECK(cublasLtMatmulPreferenceSetAttribute(g.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
@@ -116,15 +123,22 @@ extern "C" const char* gelu_epilogue_error_string(int code) {
   }
 }
 
-extern "C" int gelu_epilogue_forward(void* handle, const void* x, const void* w, const void* bias, void* out,
-                                     void* pre, long long M, long long N, long long K, void* ws, long long ws_bytes,
-                                     void* stream) {
-  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_T, w, K, CUBLAS_OP_N, x, K, out, N, M, K,
+extern "C" int gelu_epilogue_forward(void* handle, const void* x, long long ldx, const void* w, const void* bias,
+                                     void* out, void* pre, long long M, long long N, long long K, void* ws,
+                                     long long ws_bytes, void* stream) {
+  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_T, w, K, CUBLAS_OP_N, x, ldx, out, N, N, M, K,
                 CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre, ws, ws_bytes, (cudaStream_t)stream);
 }
 
 extern "C" int gelu_epilogue_backward(void* handle, const void* dy, const void* w, const void* pre, void* dpre,
                                       long long M, long long N, long long C, void* ws, long long ws_bytes, void* stream) {
-  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_N, w, N, CUBLAS_OP_N, dy, C, dpre, N, M, C, CUBLASLT_EPILOGUE_DGELU,
-                nullptr, pre, ws, ws_bytes, (cudaStream_t)stream);
+  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_N, w, N, CUBLAS_OP_N, dy, C, dpre, N, N, M, C,
+                CUBLASLT_EPILOGUE_DGELU, nullptr, pre, ws, ws_bytes, (cudaStream_t)stream);
+}
+
+extern "C" int gelu_epilogue_input_grad(void* handle, const void* dpre, const void* w, void* dx, long long lddx,
+                                        long long M, long long N, long long K, void* ws, long long ws_bytes,
+                                        void* stream) {
+  return matmul((cublasLtHandle_t)handle, CUBLAS_OP_N, w, K, CUBLAS_OP_N, dpre, N, dx, lddx, K, M, N,
+                CUBLASLT_EPILOGUE_DEFAULT, nullptr, nullptr, ws, ws_bytes, (cudaStream_t)stream);
 }

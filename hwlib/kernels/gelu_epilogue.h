@@ -17,8 +17,9 @@ extern "C" {
 
 const char* gelu_epilogue_error_string(int code);
 
-int gelu_epilogue_forward(void* handle, const void* x, const void* w, const void* bias, void* out, void* pre, long long M, long long N, long long K, void* ws, long long ws_bytes, void* stream);
+int gelu_epilogue_forward(void* handle, const void* x, long long ldx, const void* w, const void* bias, void* out, void* pre, long long M, long long N, long long K, void* ws, long long ws_bytes, void* stream);
 int gelu_epilogue_backward(void* handle, const void* dy, const void* w, const void* pre, void* dpre, long long M, long long N, long long C, void* ws, long long ws_bytes, void* stream);
+int gelu_epilogue_input_grad(void* handle, const void* dpre, const void* w, void* dx, long long lddx, long long M, long long N, long long K, void* ws, long long ws_bytes, void* stream);
 
 #ifdef __cplusplus
 }

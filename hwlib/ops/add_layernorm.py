@@ -38,6 +38,11 @@ from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, r
 
 BACKENDS = TRITON_BACKENDS
 KERNEL_FILE = "add_layernorm_triton.py"
+# The bias column's width: a one and 15 zeros after each row of y, so that a matmul of y's rows gives the
+# next linear's bias gradient beside its weight gradient (hwlib.ops.gelu_mlp). 16 keeps the rows a multiple
+# of 32 bytes apart in bf16: Triton vectorizes stores at strides it knows are multiples of 16 elements,
+# and cuBLASLt's leading dimensions must be multiples of 16 bytes.
+BIAS_COLUMNS = 16
 
 
 def _kernel():
@@ -96,20 +101,24 @@ def _programs(M: int, D: int, device: torch.device) -> int:
     return min(blocks, sms * k.PROGRAMS_PER_SM)
 
 
-def _fwd_torch(x, r, r_bias, w, b, eps, y_dtype):
+def _fwd_torch(x, r, r_bias, w, b, eps, y_dtype, pad: int = 0):
     rx = r.to(x.dtype)
     s = x + (rx if r_bias is None else rx + r_bias.to(x.dtype))
     mean = s.mean(-1)
     sc = s - mean[:, None]
     rstd = torch.rsqrt((sc * sc).mean(-1) + eps)
     y = (sc * rstd[:, None] * w.to(s.dtype) + b.to(s.dtype)).to(y_dtype)
+    if pad:   # the bias column: a one, then zeros
+        col = torch.zeros(y.shape[0], pad, dtype=y_dtype, device=y.device)
+        col[:, 0] = 1
+        y = torch.cat([y, col], dim=1)
     return s, y, mean.float(), rstd.float()
 
 
 def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype, r_bias: bool):
     acc = s.dtype
     s_hat = (s - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
-    dyf = dy.to(acc)
+    dyf = dy[:, :s.shape[1]].to(acc)   # dy may carry the bias column's (unused) gradient after D
     g = dyf * w.to(acc)
     dx = (g - s_hat * (g * s_hat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True)) * rstd.to(acc)[:, None]
     if ds is not None:
@@ -122,11 +131,13 @@ def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype, r_bias: bool):
 
 @torch.library.custom_op("hwlib::add_layer_norm", mutates_args=())
 def _fwd_op(x: torch.Tensor, r: torch.Tensor, r_bias: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-            eps: float, y_dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            eps: float, y_dtype: torch.dtype, pad: int,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # pad: 0, or BIAS_COLUMNS for y with the bias column after its D columns
     if backend == "torch":
-        return _fwd_torch(x, r, r_bias, weight, bias, eps, y_dtype)
-    M = x.shape[0]
-    s, y = torch.empty_like(x), torch.empty(x.shape, dtype=y_dtype, device=x.device)
+        return _fwd_torch(x, r, r_bias, weight, bias, eps, y_dtype, pad)
+    M, D = x.shape
+    s, y = torch.empty_like(x), torch.empty((M, D + pad), dtype=y_dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     _kernel().add_ln_fwd(x, r, weight, bias, eps, s, y, mean, rstd, r_bias)
@@ -134,9 +145,9 @@ def _fwd_op(x: torch.Tensor, r: torch.Tensor, r_bias: torch.Tensor | None, weigh
 
 
 @_fwd_op.register_fake
-def _(x, r, r_bias, weight, bias, eps, y_dtype, backend):
-    M = x.shape[0]
-    return (torch.empty_like(x), torch.empty(x.shape, dtype=y_dtype, device=x.device),
+def _(x, r, r_bias, weight, bias, eps, y_dtype, pad, backend):
+    M, D = x.shape
+    return (torch.empty_like(x), torch.empty((M, D + pad), dtype=y_dtype, device=x.device),
             x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32))
 
 
@@ -168,7 +179,7 @@ def _(dy, ds, s, weight, mean, rstd, r_dtype, r_bias, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    _, r, r_bias, weight, bias, _, _, backend = inputs
+    _, r, r_bias, weight, bias, _, _, _, backend = inputs
     s, _, mean, rstd = output
     ctx.save_for_backward(s, weight, mean, rstd)
     ctx.r_dtype, ctx.backend, ctx.bias_dtype = r.dtype, backend, bias.dtype
@@ -183,7 +194,7 @@ def _backward(ctx, ds, dy, _dmean, _drstd):
     sums = part.sum(0).unbind(0)
     drb = sums[2].to(ctx.r_bias_dtype) if has_rb else None
     # dx is s's dtype, x's
-    return dx, dr, drb, sums[0].to(weight.dtype), sums[1].to(ctx.bias_dtype), None, None, None
+    return dx, dr, drb, sums[0].to(weight.dtype), sums[1].to(ctx.bias_dtype), None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -192,24 +203,30 @@ fallbacks.register(_bwd_op)
 
 
 def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
-                   *, r_bias: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                   *, r_bias: torch.Tensor | None = None, ones_column: bool = False,
+                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, y)``: the new residual stream ``s = x + r`` (x's dtype) and ``y = layer_norm(s, weight,
     bias, eps)``, in autocast's dtype when autocast is on for the device, else in x's.
 
     ``x`` [..., D] is the residual stream, ``r`` the same shape (a branch's output, of x's dtype or
     narrower); ``weight``, ``bias`` [D]. ``r_bias`` [D], optional, is the branch's output bias, left
     out of its last matmul: then ``s = x + (r + r_bias)`` in x's dtype, and its gradient (the column
-    sums of the stream's gradient) comes out of the backward kernel's pass. Non-contiguous inputs are
-    made contiguous (a copy)."""
+    sums of the stream's gradient) comes out of the backward kernel's pass. With ``ones_column``, y is
+    ``BIAS_COLUMNS`` wider, [..., D + BIAS_COLUMNS]: y, then a column of ones, then zeros (the bias column
+    a following ``gelu_mlp(..., bias_column=True)`` takes its bias gradient from). Non-contiguous inputs
+    are made contiguous (a copy)."""
     check_inputs(x, r, weight, bias, eps, r_bias)
+    if not isinstance(ones_column, bool):
+        raise ValueError(f"ones_column must be a bool, got {ones_column!r}")
     name = resolve_triton_backend(KERNEL_FILE, backend, x.device.type)
     dev_type = x.device.type
     y_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
     shape, D = x.shape, x.shape[-1]
     s, y, _, _ = torch.ops.hwlib.add_layer_norm(x.reshape(-1, D).contiguous(), r.reshape(-1, D).contiguous(),
                                                 None if r_bias is None else r_bias.contiguous(),
-                                                weight.contiguous(), bias.contiguous(), float(eps), y_dtype, name)
-    return s.view(shape), y.view(shape)
+                                                weight.contiguous(), bias.contiguous(), float(eps), y_dtype,
+                                                BIAS_COLUMNS if ones_column else 0, name)
+    return s.view(shape), y.view(*shape[:-1], y.shape[-1])
 
 
 def add_layer_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from hwlib.device import ChoiceError, Unavailable, info, supports_bf16
 
 from . import fallbacks
+from .add_layernorm import BIAS_COLUMNS
 from .sources import note_backend, read_kernel_source, warn_fallback
 
 BACKENDS = ("auto", "cublaslt", "torch")
@@ -55,17 +56,21 @@ BINDING = r"""
 // CUDA graph's private pool while one is captured).
 static constexpr int64_t WS_BYTES = 32ll << 20;
 
-static void check_mat(const torch::Tensor& t, const char* name, int64_t dims) {
+static void check_mat(const torch::Tensor& t, const char* name, int64_t dims, bool row_strided = false) {
   TORCH_CHECK(t.is_cuda(), "gelu_epilogue: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == torch::kBFloat16, "gelu_epilogue: ", name, " must be bfloat16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dims, "gelu_epilogue: ", name, " must be ", dims, "-d, got ", t.dim(), "-d");
-  TORCH_CHECK(t.is_contiguous(), "gelu_epilogue: ", name, " must be contiguous");
+  if (row_strided)   // rows of unit stride, each starting 16 bytes after a multiple of 16 bytes
+    TORCH_CHECK(t.stride(1) == 1 && t.stride(0) >= t.size(1) && t.stride(0) % 8 == 0, "gelu_epilogue: ", name,
+                " must have rows of unit stride, a multiple of 8 elements apart");
+  else
+    TORCH_CHECK(t.is_contiguous(), "gelu_epilogue: ", name, " must be contiguous");
   TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, "gelu_epilogue: ", name,
               " must be 16-byte aligned");
 }
 
 std::vector<torch::Tensor> gelu_forward(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
-  check_mat(x, "x", 2); check_mat(w, "weight", 2); check_mat(b, "bias", 1);
+  check_mat(x, "x", 2, true); check_mat(w, "weight", 2); check_mat(b, "bias", 1);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && b.size(0) == N, "gelu_epilogue: x [M, K], weight [N, K], bias [N]");
   TORCH_CHECK(K % 8 == 0 && N % 8 == 0, "gelu_epilogue: K and N must be multiples of 8, got ", K, " and ", N);
@@ -73,9 +78,9 @@ std::vector<torch::Tensor> gelu_forward(torch::Tensor x, torch::Tensor w, torch:
   auto out = torch::empty({M, N}, x.options());
   auto pre = torch::empty({M, N}, x.options());
   auto ws = torch::empty({WS_BYTES}, x.options().dtype(torch::kUInt8));
-  const int err = gelu_epilogue_forward(at::cuda::getCurrentCUDABlasLtHandle(), x.data_ptr(), w.data_ptr(),
-                                        b.data_ptr(), out.data_ptr(), pre.data_ptr(), M, N, K, ws.data_ptr(),
-                                        WS_BYTES, c10::cuda::getCurrentCUDAStream().stream());
+  const int err = gelu_epilogue_forward(at::cuda::getCurrentCUDABlasLtHandle(), x.data_ptr(), x.stride(0),
+                                        w.data_ptr(), b.data_ptr(), out.data_ptr(), pre.data_ptr(), M, N, K,
+                                        ws.data_ptr(), WS_BYTES, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "gelu_epilogue forward: ", gelu_epilogue_error_string(err));
   return {out, pre};
 }
@@ -95,9 +100,27 @@ torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre
   TORCH_CHECK(err == 0, "gelu_epilogue backward: ", gelu_epilogue_error_string(err));
   return dpre;
 }
+
+// dx = dpre W into rows `width` wide (>= K, a multiple of 8), the columns past K zero
+torch::Tensor input_grad_padded(torch::Tensor dpre, torch::Tensor w, int64_t width) {
+  check_mat(dpre, "dpre", 2); check_mat(w, "weight", 2);
+  const int64_t M = dpre.size(0), N = dpre.size(1), K = w.size(1);
+  TORCH_CHECK(w.size(0) == N, "gelu_epilogue: dpre [M, N], weight [N, K]");
+  TORCH_CHECK(K % 8 == 0 && N % 8 == 0 && width >= K && width % 8 == 0,
+              "gelu_epilogue: K, N and the padded width must be multiples of 8, got ", K, ", ", N, " and ", width);
+  const c10::cuda::CUDAGuard guard(dpre.device());
+  auto dx = torch::empty({M, width}, dpre.options());
+  dx.narrow(1, K, width - K).zero_();
+  auto ws = torch::empty({WS_BYTES}, dpre.options().dtype(torch::kUInt8));
+  const int err = gelu_epilogue_input_grad(at::cuda::getCurrentCUDABlasLtHandle(), dpre.data_ptr(), w.data_ptr(),
+                                           dx.data_ptr(), width, M, N, K, ws.data_ptr(), WS_BYTES,
+                                           c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "gelu_epilogue input gradient: ", gelu_epilogue_error_string(err));
+  return dx;
+}
 """
 
-FUNCTIONS = ["gelu_forward", "gelu_backward"]
+FUNCTIONS = ["gelu_forward", "gelu_backward", "input_grad_padded"]
 _MODULE = None
 
 
@@ -240,7 +263,9 @@ def _epilogues_take(rows: torch.Tensor, *ts: torch.Tensor) -> bool:
 @torch.library.custom_op("hwlib::gelu_mlp", mutates_args=())
 def _fwd_op(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor, b_proj: torch.Tensor | None,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (y, a, pre): the GELU's output and input are kept for the backward
+    # (y, a, pre): the GELU's output and input are kept for the backward. x's first K columns are the
+    # input: with the bias column, x is wider (gelu_mlp's bias_column) and the matmul reads a row-strided view
+    x = x[:, :w_fc.shape[1]]
     if backend == "torch" or not _epilogues_take(x, w_fc, b_fc):   # else the same math in torch
         return _fwd_torch(x, w_fc, b_fc, w_proj, b_proj)
     return forward_epilogues(x, w_fc, b_fc, w_proj, b_proj)
@@ -267,11 +292,26 @@ def _(dy, w_proj, pre, backend):
     return torch.empty_like(pre)
 
 
+@torch.library.custom_op("hwlib::gelu_mlp_input_grad", mutates_args=())
+def _dx_op(dpre: torch.Tensor, w_fc: torch.Tensor, width: int, backend: str) -> torch.Tensor:
+    # dx = dpre W_fc written into rows `width` wide, zero past K: the gradient of an input that carries the
+    # bias column. cuBLASLt writes the rows in place (its output's leading dimension); torch pads a copy.
+    if backend == "torch" or not _epilogues_take(dpre, w_fc):
+        return F.pad(dpre @ w_fc, (0, width - w_fc.shape[1]))
+    return module().input_grad_padded(dpre, w_fc, width)
+
+
+@_dx_op.register_fake
+def _(dpre, w_fc, width, backend):
+    return dpre.new_empty((dpre.shape[0], width))
+
+
 def _setup_context(ctx, inputs, output):
     x, w_fc, _, w_proj, b_proj, backend = inputs
     _, a, pre = output
     ctx.save_for_backward(x, w_fc, w_proj, a, pre)
     ctx.backend, ctx.has_b_proj = backend, b_proj is not None
+    ctx.bias_column = x.shape[1] != w_fc.shape[1]
     ctx.set_materialize_grads(False)   # a and pre are outputs for the backward only: no zero gradients for them
 
 
@@ -279,34 +319,55 @@ def mlp_backward(ctx, dy, _da, _dpre):
     """The MLP's gradients: dpre from the op (the GELU's derivative in the matmul's epilogue), then
     dx = dpre W_fc, dW_fc = dpre^T x, db_fc and db_proj as column sums, dW_proj = dy^T a (no db_proj
     when the op ran without b_proj: the bias was added, and its gradient summed, where the branch's
-    output meets the residual stream, ``hwlib.ops.add_layernorm``)."""
+    output meets the residual stream, ``hwlib.ops.add_layernorm``). With the bias column (x = [x, 1, 0...]),
+    dW_fc and db_fc are the first K columns and the next of one matmul, dpre^T x, and dx has x's width."""
     x, w_fc, w_proj, a, pre = ctx.saved_tensors
     dy = dy.contiguous()
     dpre = torch.ops.hwlib.gelu_mlp_backward(dy, w_proj, pre, ctx.backend)
-    return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, dy.sum(0) if ctx.has_b_proj else None, None
+    db_proj = dy.sum(0) if ctx.has_b_proj else None
+    if ctx.bias_column:
+        K = w_fc.shape[1]
+        dwb = dpre.t() @ x
+        return (torch.ops.hwlib.gelu_mlp_input_grad(dpre, w_fc, x.shape[1], ctx.backend), dwb[:, :K], dwb[:, K],
+                dy.t() @ a, db_proj, None)
+    return dpre @ w_fc, dpre.t() @ x, dpre.sum(0), dy.t() @ a, db_proj, None
 
 
 _fwd_op.register_autograd(mlp_backward, setup_context=_setup_context)
 fallbacks.register(_fwd_op)
 fallbacks.register(_bwd_op)
+fallbacks.register(_dx_op)
 
 
 def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: torch.Tensor,
-             b_proj: torch.Tensor | None, *, backend: str = "auto") -> torch.Tensor:
+             b_proj: torch.Tensor | None, *, bias_column: bool = False, backend: str = "auto") -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj)``.
 
     ``x`` [..., K]; ``w_fc`` [N, K], ``b_fc`` [N]; ``w_proj`` [C, N], ``b_proj`` [C] or None (no output
     bias: a caller that adds it elsewhere, ``hwlib.workloads.blocks``). Under autocast the
     operands are cast to its dtype (as autocast casts ``F.linear``'s), else computed in x's dtype;
-    the result is [..., C] in that dtype. Non-contiguous inputs are made contiguous (a copy)."""
-    check_inputs(x, w_fc, b_fc, w_proj, b_proj)
+    the result is [..., C] in that dtype. Non-contiguous inputs are made contiguous (a copy).
+
+    ``bias_column``: x is [..., K + BIAS_COLUMNS] as ``add_layer_norm(..., ones_column=True)`` writes it,
+    the input, then a column of ones, then zeros; the MLP reads the first K columns, and its backward
+    takes b_fc's gradient from the weight-gradient matmul (one more column of dpre^T x) instead of a
+    column sum of its own; x's gradient is as wide as x (zero in the extra columns)."""
+    if not isinstance(bias_column, bool):
+        raise ValueError(f"bias_column must be a bool, got {bias_column!r}")
+    if bias_column:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != w_fc.shape[-1] + BIAS_COLUMNS:
+            raise ValueError(f"with bias_column, x must be [..., K + {BIAS_COLUMNS}] = [..., {w_fc.shape[-1] + BIAS_COLUMNS}] "
+                             f"(w_fc's in_features and the bias column), got {tuple(getattr(x, 'shape', ()))}")
+        check_inputs(x[..., :w_fc.shape[-1]], w_fc, b_fc, w_proj, b_proj)
+    else:
+        check_inputs(x, w_fc, b_fc, w_proj, b_proj)
     dev = x.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-    K, N, C = x.shape[-1], w_fc.shape[0], w_proj.shape[0]
+    W, K, N, C = x.shape[-1], w_fc.shape[1], w_fc.shape[0], w_proj.shape[0]
     name = resolve_backend(backend, dev, dtype, K, N, C)
     lead = x.shape[:-1]
     with torch.autocast(dev, enabled=False):   # the op's own casts, once, as autocast would make them
-        args = [None if t is None else t.to(dtype).contiguous() for t in (x.reshape(-1, K), w_fc, b_fc, w_proj, b_proj)]
+        args = [None if t is None else t.to(dtype).contiguous() for t in (x.reshape(-1, W), w_fc, b_fc, w_proj, b_proj)]
         y, _, _ = torch.ops.hwlib.gelu_mlp(*args, name)
     return y.view(*lead, C)
 

@@ -23,7 +23,7 @@ from ..ops.gelu_mlp import gelu_mlp
 
 class PreNormBlock(nn.Module):
     def __init__(self, d_model: int, make_mixer: Callable[[], nn.Module], mixer_name: str, fused_mlp: bool = False,
-                 branch_bias: bool = False):
+                 branch_bias: bool = False, fc_bias_column: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(d_model)
         self.mixer_name = mixer_name
@@ -36,6 +36,11 @@ class PreNormBlock(nn.Module):
         # forward_fused only: each branch's output bias (the mixer's and the MLP's last linear) added in
         # the fused LayerNorm after it, which sums its gradient in its own backward pass.
         self.branch_bias = branch_bias
+        # forward_fused only: ln_2 writes a column of ones beside its output, and the fused MLP takes mlp_fc's
+        # bias gradient from its weight-gradient matmul through it (hwlib.ops.gelu_mlp's bias_column).
+        if fc_bias_column and not fused_mlp:
+            raise ValueError("fc_bias_column is a bias column of the fused MLP (hwlib.ops.gelu_mlp): it needs fused_mlp")
+        self.fc_bias_column = fc_bias_column
 
     @property
     def mixer(self) -> nn.Module:
@@ -48,17 +53,20 @@ class PreNormBlock(nn.Module):
     def mlp(self, h):
         return F.gelu(self.mlp_fc(h), approximate="tanh")
 
-    def mlp_out(self, h):
+    def mlp_out(self, h, bias_column: bool = False):
         """The MLP branch, W_proj GELU(W_fc h): one op with the GELU in the matmuls' epilogues when
-        ``fused_mlp`` is set, else the two linears around ``mlp``."""
+        ``fused_mlp`` is set, else the two linears around ``mlp``. ``bias_column``: h carries ln_2's
+        column of ones (fused MLP only)."""
         if self.fused_mlp:
-            return gelu_mlp(h, self.mlp_fc.weight, self.mlp_fc.bias, self.mlp_proj.weight, self.mlp_proj.bias)
+            return gelu_mlp(h, self.mlp_fc.weight, self.mlp_fc.bias, self.mlp_proj.weight, self.mlp_proj.bias,
+                            bias_column=bias_column)
         return self.mlp_proj(self.mlp(h))
 
-    def mlp_out_unbiased(self, h):
+    def mlp_out_unbiased(self, h, bias_column: bool = False):
         """(the MLP branch before mlp_proj's bias, that bias)."""
         if self.fused_mlp:
-            return gelu_mlp(h, self.mlp_fc.weight, self.mlp_fc.bias, self.mlp_proj.weight, None), self.mlp_proj.bias
+            return (gelu_mlp(h, self.mlp_fc.weight, self.mlp_fc.bias, self.mlp_proj.weight, None,
+                             bias_column=bias_column), self.mlp_proj.bias)
         return F.linear(self.mlp(h), self.mlp_proj.weight), self.mlp_proj.bias
 
     def _branch(self, full, unbiased, h):
@@ -76,5 +84,6 @@ class PreNormBlock(nn.Module):
         else:
             x, h = add_layer_norm(x, pending[0], self.ln_1.weight, self.ln_1.bias, self.ln_1.eps, r_bias=pending[1])
         r, r_bias = self._branch(self.mixer, lambda t: self.mixer.forward_unbiased(t), h)
-        x, h = add_layer_norm(x, r, self.ln_2.weight, self.ln_2.bias, self.ln_2.eps, r_bias=r_bias)
-        return x, self._branch(self.mlp_out, self.mlp_out_unbiased, h)
+        col = self.fc_bias_column
+        x, h = add_layer_norm(x, r, self.ln_2.weight, self.ln_2.bias, self.ln_2.eps, r_bias=r_bias, ones_column=col)
+        return x, self._branch(lambda t: self.mlp_out(t, col), lambda t: self.mlp_out_unbiased(t, col), h)

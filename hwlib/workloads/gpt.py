@@ -114,16 +114,17 @@ class CausalSelfAttention(nn.Module):
 
 
 def gpt_block(cfg: GPTConfig, attention: str, fused_mlp: bool = False, branch_bias: bool = False,
-              fused_qkv: bool = False) -> PreNormBlock:
+              fused_qkv: bool = False, fc_bias_column: bool = False) -> PreNormBlock:
     """A GPT-2 block: causal self-attention as the mixer of the shared pre-LayerNorm block."""
     return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention, fused_qkv), "attn", fused_mlp,
-                        branch_bias)
+                        branch_bias, fc_bias_column)
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
                  checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False,
-                 fused_mlp: bool = False, branch_bias: bool = False, fused_qkv: bool = False):
+                 fused_mlp: bool = False, branch_bias: bool = False, fused_qkv: bool = False,
+                 fc_bias_column: bool = False):
         super().__init__()
         self.cfg = cfg
         # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
@@ -137,6 +138,8 @@ class GPT(nn.Module):
                              f"its whole input, which the fused blocks hand on unsummed; use one or the other")
         if fused_qkv and attention != "sdpa":
             raise ValueError(f"fused_qkv runs fused attention: it needs attention='sdpa', got {attention!r}")
+        if fc_bias_column and not fused_ln:
+            raise ValueError("fc_bias_column has the fused residual LayerNorm write a column of ones: it needs fused_ln")
         if branch_bias and not fused_ln:
             raise ValueError("branch_bias adds each branch's output bias inside the fused residual LayerNorm: "
                              "it needs fused_ln")
@@ -145,7 +148,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         # fused_mlp: each MLP one op, its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp).
         # branch_bias: each branch's output bias added, and its gradient summed, in the fused LayerNorm after it.
-        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp, branch_bias, fused_qkv)
+        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp, branch_bias, fused_qkv, fc_bias_column)
                                     for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
 
@@ -218,7 +221,8 @@ class GPTWorkload(TokenLMWorkload):
         model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
                     fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp,
-                    branch_bias=settings.branch_bias, fused_qkv=settings.fused_qkv).init_weights(seed)
+                    branch_bias=settings.branch_bias, fused_qkv=settings.fused_qkv,
+                    fc_bias_column=settings.fc_bias_column).init_weights(seed)
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)
