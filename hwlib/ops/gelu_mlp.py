@@ -60,11 +60,12 @@ static void check_mat(const torch::Tensor& t, const char* name, int64_t dims, bo
   TORCH_CHECK(t.is_cuda(), "gelu_epilogue: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == torch::kBFloat16, "gelu_epilogue: ", name, " must be bfloat16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dims, "gelu_epilogue: ", name, " must be ", dims, "-d, got ", t.dim(), "-d");
-  if (row_strided)   // rows of unit stride, each starting 16 bytes after a multiple of 16 bytes
+  if (row_strided) {   // rows of unit stride, a multiple of 16 bytes apart
     TORCH_CHECK(t.stride(1) == 1 && t.stride(0) >= t.size(1) && t.stride(0) % 8 == 0, "gelu_epilogue: ", name,
                 " must have rows of unit stride, a multiple of 8 elements apart");
-  else
+  } else {
     TORCH_CHECK(t.is_contiguous(), "gelu_epilogue: ", name, " must be contiguous");
+  }
   TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, "gelu_epilogue: ", name,
               " must be 16-byte aligned");
 }
