@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench, results
+from .. import bench
 from ..ops import gelu_mlp as G
 from ..ops.add_layernorm import BIAS_COLUMNS
+from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "25_bias_column"
 LAUNCHES = 20
@@ -107,10 +108,8 @@ def kernel_rows(M: int, K: int, N: int, device, iters: int = 20, seed: int = 0) 
 
 def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
     """One ms record per kernel; the shape in fields."""
-    return [results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_ms", value=r["ms"],
-                                p20=r["p20"], p80=r["p80"], unit="ms", profile=profile, device=device,
-                                fields={"study": "bias_column_kernel", "kernel": r["kernel"], "M": r["M"],
-                                        "K": r["K"], "N": r["N"]}) for r in rows]
+    return records_of(rows, notebook=NOTEBOOK, study="bias_column_kernel", keys=("kernel", "M", "K", "N"),
+                      profile=profile, device=device)
 
 
 def kernel_prose(rows: list[dict]) -> str:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import bench, results
+from .. import bench
 from ..ops import gelu_mlp as G
+from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "22_gelu_epilogue"
 LAUNCHES = 20
@@ -104,11 +105,8 @@ def kernel_rows(M: int, K: int, N: int, C: int, device, iters: int = 20, seed: i
 
 def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
     """One ms record per part and implementation; the shape in fields."""
-    return [results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_ms", value=r["ms"],
-                                p20=r["p20"], p80=r["p80"], unit="ms", profile=profile, device=device,
-                                fields={"study": "gelu_epilogue_kernel", "part": r["part"], "impl": r["impl"],
-                                        "M": r["M"], "K": r["K"], "N": r["N"], "C": r["C"]})
-            for r in rows]
+    return records_of(rows, notebook=NOTEBOOK, study="gelu_epilogue_kernel",
+                      keys=("part", "impl", "M", "K", "N", "C"), profile=profile, device=device)
 
 
 def kernel_prose(rows: list[dict]) -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench, results
+from .. import bench
 from ..ops import add_layernorm as A
+from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "21_fused_layernorm"
 LAUNCHES = 20
@@ -127,15 +128,8 @@ def column_sum_row(m: int, d: int, device, ceilings: dict | None, iters: int = 2
 
 def kernel_records(rows: list[dict], *, profile: str, device, notebook: str = NOTEBOOK) -> list[dict]:
     """One ms record per kernel (its GB/s alongside); the shape in fields."""
-    recs = []
-    for r in rows:
-        f = {"study": "add_layernorm_kernel", "kernel": r["kernel"], "M": r["M"], "D": r["D"]}
-        recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_ms",
-                                        value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile,
-                                        device=device, fields=f))
-        recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_gbps",
-                                        value=r["GB/s"], unit="GB/s", profile=profile, device=device, fields=f))
-    return recs
+    return records_of(rows, notebook=notebook, study="add_layernorm_kernel", keys=("kernel", "M", "D"),
+                      profile=profile, device=device)
 
 
 def kernel_prose(rows: list[dict]) -> str:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import bench, results
+from .. import bench
 from ..ops import qkv_attention as Q
+from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "24_qkv_grad"
 LAUNCHES = 20
@@ -108,15 +109,8 @@ def kernel_rows(B: int, T: int, C: int, n_head: int, device, ceilings: dict | No
 
 def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
     """One ms record per kernel (its GB/s alongside); the shape in fields."""
-    recs = []
-    for r in rows:
-        f = {"study": "qkv_grad_kernel", "kernel": r["kernel"], "tokens": r["tokens"], "C": r["C"]}
-        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_ms",
-                                        value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile,
-                                        device=device, fields=f))
-        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="kernel_gbps",
-                                        value=r["GB/s"], unit="GB/s", profile=profile, device=device, fields=f))
-    return recs
+    return records_of(rows, notebook=NOTEBOOK, study="qkv_grad_kernel", keys=("kernel", "tokens", "C"),
+                      profile=profile, device=device)
 
 
 def kernel_prose(rows: list[dict]) -> str:
