@@ -134,6 +134,7 @@ def test_wide_rows_take_fewer_rows_per_program_and_stay_exact(triton_device):
     k = A._kernel()
     assert k.launch_config(768) == (4, 4) and k.launch_config(50) == (4, 4)
     assert k.launch_config(2048) == (2, 4) and k.launch_config(5000) == (1, 8) and k.launch_config(20000) == (1, 16)
+    assert k.launch_config(768, k.BACKWARD_BLOCK_M) == (2, 4) and k.launch_config(2048, k.BACKWARD_BLOCK_M) == (2, 4)
     got = run(*make(3, 5000, torch.float32, device=triton_device), fn=A.add_layer_norm, backend="triton")
     want = ref(*make(3, 5000, torch.float32))
     for name, g, w in zip(NAMES, got, want):
@@ -328,7 +329,8 @@ for k, dtypes, consts in (
         (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True, "PAD": 0}),
         (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True, "PAD": 16}),
         (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False, "HAS_RB": False, "PAD": 0})):
-    consts = {**consts, "BLOCK_M": mod.DEFAULT_BLOCK_M, "BLOCK_D": 1024}
+    consts = {**consts, "BLOCK_M": mod.DEFAULT_BLOCK_M if k is mod._add_ln_fwd_kernel else mod.BACKWARD_BLOCK_M,
+              "BLOCK_D": 1024}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names)
              if a.endswith("_ptr") or a in ("M", "D")}
     sig = {a: "constexpr" if a in consts else dtypes.get(a, "*fp32") if a.endswith("_ptr") else

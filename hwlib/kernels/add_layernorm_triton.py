@@ -58,14 +58,21 @@ import triton.language as tl
 # the forward took 50.9 us a call and the backward 75.8 us, against 51 and 68 us for their bytes at
 # the copy ceiling. Wider rows keep a program near 4,096 values per input and a thread near 32:
 # untimed beyond D = 768.
+# The backward takes half the rows per program: a sweep on an H100 (GPT-2's shape with the branch bias and
+# the bias column, rows per program 1-8 x warps 2-16 x programs per SM 2-16, each the median of 10 samples
+# of 20 launches) timed 2 rows, 4 warps, 4 programs per SM at 76.8 us against 82.4 us at 4 rows; more
+# warps per row were far slower (8 warps at 2 rows: 274 us). The forward's configurations all took
+# 55.6-59.1 us: it keeps 4 rows.
 DEFAULT_BLOCK_M, DEFAULT_WARPS = 4, 4
+BACKWARD_BLOCK_M = 2
 PROGRAMS_PER_SM = 4     # backward: persistent programs per multiprocessor
 
 
-def launch_config(D: int) -> tuple[int, int]:
-    """(rows per program, warps) for rows of width ``D``."""
+def launch_config(D: int, block_m: int = DEFAULT_BLOCK_M) -> tuple[int, int]:
+    """(rows per program, warps) for rows of width ``D``, at most ``block_m`` rows (the forward's
+    default; the backward passes ``BACKWARD_BLOCK_M``)."""
     block_d = _block_d(D)
-    block_m = max(1, min(DEFAULT_BLOCK_M, 4096 // block_d))
+    block_m = max(1, min(block_m, 4096 // block_d))
     return block_m, min(16, max(DEFAULT_WARPS, block_m * block_d // 1024))
 
 
@@ -176,7 +183,7 @@ def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: to
     part = torch.empty(programs, 3 if r_bias else 2, D, dtype=torch.float32, device=s.device)
     if M == 0:
         return part.zero_()
-    bm, nw = launch_config(D)
+    bm, nw = launch_config(D, BACKWARD_BLOCK_M)
     bm = block_m or bm
     _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, part, M, D,
                                     HAS_DS=ds is not None, HAS_RB=r_bias, PAD=dy.shape[1] - D, BLOCK_M=bm,

@@ -94,7 +94,7 @@ def _programs(M: int, D: int, device: torch.device) -> int:
     """Persistent backward programs for [M, D] rows at the kernel's launch configuration: a few per
     multiprocessor, never more than there are row blocks."""
     k = _kernel()
-    blocks = max(1, -(-M // k.launch_config(D)[0]))
+    blocks = max(1, -(-M // k.launch_config(D, k.BACKWARD_BLOCK_M)[0]))
     if device.type != "cuda":
         return min(blocks, 4)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
