@@ -129,6 +129,22 @@ def test_ones_column_after_y(backend, m, d, triton_device):
         A.add_layer_norm(x, r, w, b, ones_column=1)
 
 
+@pytest.mark.parametrize("m,d", [(37, 71), (130, 96)])
+def test_branch_bias_and_ones_column_together_in_the_kernels(m, d, triton_device):
+    """Step 25's launch: the branch bias (HAS_RB) and the bias column (PAD) in one call, against float64."""
+    x, r, c, w, b, ds, dy = _with_branch_bias(m, d, torch.float32, triton_device)
+    P = A.BIAS_COLUMNS
+    leaves = [t.detach().clone().requires_grad_() for t in (x, r, c, w, b)]
+    s, y = A.add_layer_norm(leaves[0], leaves[1], leaves[3], leaves[4], r_bias=leaves[2], ones_column=True,
+                            backend="triton")
+    assert y.shape == (m, d + P) and float(y[:, d].min()) == 1.0 and float(y[:, d + 1:].abs().max()) == 0.0
+    torch.autograd.backward([s, y], [ds, torch.cat([dy, torch.ones(m, P).to(dy)], dim=1)])
+    got = [s.detach(), y[:, :d].detach()] + [t.grad for t in leaves]
+    want = run_rb(*(t.double().cpu() for t in (x, r, c, w, b, ds, dy)), fn=A.add_layer_norm_reference)
+    for name, g, wt in zip(("s", "y", "dx", "dr", "dc", "dw", "db"), got, want):
+        assert rel(g, wt) < 1e-5, (name, rel(g, wt))
+
+
 def test_wide_rows_take_fewer_rows_per_program_and_stay_exact(triton_device):
     """Rows wider than GPT-2's: fewer rows per program, more warps (``launch_config``), the same results."""
     k = A._kernel()

@@ -95,6 +95,8 @@ def test_with_the_bias_column(backend):
         gm.gelu_mlp(x, *leaves[1:], bias_column=True)
     with pytest.raises(ValueError, match="bias_column must be a bool"):
         gm.gelu_mlp(x, *leaves[1:], bias_column="yes")
+    with pytest.raises(ValueError, match="w_fc must be a torch.Tensor"):
+        gm.gelu_mlp(x_wide, "w", *leaves[2:], bias_column=True)
 
 
 def test_non_contiguous_and_empty_inputs():
@@ -216,6 +218,8 @@ def test_fp8_and_the_epilogue_are_one_or_the_other():
     wl = get_workload("gpt")
     with pytest.raises(ValueError, match="fp8 and fused_mlp"):
         wl.build(wl.profiles["smoke"], Settings(fp8=True, fused_mlp=True), 0)
+    with pytest.raises(ValueError, match="fp8 and branch_bias"):   # the unbiased branch would go around FP8
+        wl.build(wl.profiles["smoke"], Settings(fp8=True, fused_ln=True, branch_bias=True), 0)
 
 
 # --- on a GPU: the cuBLASLt epilogues ----------------------------------------------------------------

@@ -81,10 +81,10 @@ def test_the_packing_kernel_alone_on_strided_gradients(triton_device):
     assert torch.allclose(part.sum(0), want.sum(0), rtol=1e-5, atol=1e-5)
 
 
-def test_under_torch_compile_the_ops_are_nodes_and_match_eager():
+def test_under_torch_compile_matches_eager_in_one_graph():
     leaves, dy = make(2, 9, 24)
     eager = grads(Q.qkv_attention, leaves, dy, 3, backend="torch")
-    compiled = grads(torch.compile(Q.qkv_attention, fullgraph=True), leaves, dy, 3, backend="torch")
+    compiled = grads(torch.compile(Q.qkv_attention, fullgraph=True), leaves, dy, 3, backend="torch")   # no graph break
     for name, c, e in zip(NAMES, compiled, eager):
         assert torch.allclose(c, e, rtol=1e-5, atol=1e-6), name
 
@@ -120,7 +120,7 @@ def test_gpt_refuses_the_op_without_fused_attention():
 
 def test_bad_inputs_fail_with_the_argument_named():
     (x, w, b), _ = make(2, 4, 8)
-    cases = [((x[0], w, b, 2), "x must be [B, T, C]"), ((x, w[:, :7], b, 2), "weight must be [3C, C] = [24, 8]"),
+    cases = [((x[0], w, b, 2), "x must be [B, T, C]"), ((x[:, :0], w, b, 2), "at least one sequence and one token"), ((x, w[:, :7], b, 2), "weight must be [3C, C] = [24, 8]"),
              ((x, w, b[:5], 2), "bias must be [3C] = [24]"), ((x, w, b, 3), "n_head must be a positive integer"),
              ((x, w, b, 0), "n_head must be"), ((x, w.long(), b, 2), "weight must be floating point"),
              ((x, "w", b, 2), "weight must be a torch.Tensor")]

@@ -32,9 +32,9 @@
 // At GPT-2 small's MLP each MN term is 100 MB: 6 MN bytes fewer per layer and step (302 MB, ~0.1 ms of a
 // 3 TB/s HBM) at one pass per op.
 //
-// With the bias column (hwlib.ops.gelu_mlp's bias_column): x's rows are K + 8 wide, the LayerNorm's output
-// beside a column of ones (ldx K + 8; the forward reads the first K); the input gradient dx = dpre W_fc is
-// a plain matmul written into rows K + 8 wide (lddx), so that it is the gradient of that wider tensor, and
+// With the bias column (hwlib.ops.gelu_mlp's bias_column): x's rows are K + 16 wide, the LayerNorm's output
+// beside a column of ones and zeros (ldx K + 16; the forward reads the first K); the input gradient
+// dx = dpre W_fc is a plain matmul written into rows K + 16 wide (lddx), the gradient of that wider tensor, and
 // the bias gradient comes out of the weight-gradient matmul dpre^T [x, 1] (in torch, outside this file).
 //
 // Layouts. cuBLASLt is column-major: a row-major [R, C] matrix is its column-major [C, R] transpose.
@@ -70,7 +70,7 @@ struct Desc {
     if (s_ != CUBLAS_STATUS_SUCCESS) return (int)s_;     \
   } while (0)
 
-// D [m, n] (column-major, ldd m) = op(A) op(B), bf16 in and out, fp32 accumulate; A is stored [k, m]
+// D [m, n] (column-major, ldd >= m) = op(A) op(B), bf16 in and out, fp32 accumulate; A is stored [k, m]
 // (lda) when transposed, else [m, k]; B [n, k] (ldb) when transposed, else [k, n]. `epilogue` reads or
 // writes `bias` ([m]) and `aux` ([m, n], ld m) where it uses them.
 int matmul(cublasLtHandle_t handle, cublasOperation_t transa, const void* A, long long lda, cublasOperation_t transb,

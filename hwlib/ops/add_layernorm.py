@@ -134,6 +134,8 @@ def _fwd_op(x: torch.Tensor, r: torch.Tensor, r_bias: torch.Tensor | None, weigh
             eps: float, y_dtype: torch.dtype, pad: int,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # pad: 0, or BIAS_COLUMNS for y with the bias column after its D columns
+    if pad not in (0, BIAS_COLUMNS):   # the kernel's tl.arange(0, PAD) needs a power of two: only these are built
+        raise ValueError(f"pad must be 0 or {BIAS_COLUMNS}, got {pad}")
     if backend == "torch":
         return _fwd_torch(x, r, r_bias, weight, bias, eps, y_dtype, pad)
     M, D = x.shape

@@ -352,9 +352,13 @@ def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: to
     ``bias_column``: x is [..., K + BIAS_COLUMNS] as ``add_layer_norm(..., ones_column=True)`` writes it,
     the input, then a column of ones, then zeros; the MLP reads the first K columns, and its backward
     takes b_fc's gradient from the weight-gradient matmul (one more column of dpre^T x) instead of a
-    column sum of its own; x's gradient is as wide as x (zero in the extra columns)."""
+    column sum of its own; x's gradient is as wide as x (zero in the extra columns). That gradient of
+    b_fc is right only where column K of x is all ones, as ``add_layer_norm`` writes it: the op does not
+    check it (a check would read the column again)."""
     if not isinstance(bias_column, bool):
         raise ValueError(f"bias_column must be a bool, got {bias_column!r}")
+    if bias_column and not (isinstance(w_fc, torch.Tensor) and w_fc.dim() == 2):
+        check_inputs(x, w_fc, b_fc, w_proj, b_proj)   # names what is wrong with w_fc
     if bias_column:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != w_fc.shape[-1] + BIAS_COLUMNS:
             raise ValueError(f"with bias_column, x must be [..., K + {BIAS_COLUMNS}] = [..., {w_fc.shape[-1] + BIAS_COLUMNS}] "

@@ -98,8 +98,8 @@ def check_inputs(x, weight, bias, n_head) -> None:
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got {t.dtype}")
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
+    if x.dim() != 3 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"x must be [B, T, C] with at least one sequence and one token, got shape {tuple(x.shape)}")
     C = x.shape[-1]
     if not isinstance(n_head, int) or isinstance(n_head, bool) or n_head < 1 or C % n_head:
         raise ValueError(f"n_head must be a positive integer dividing C = {C}, got {n_head!r}")

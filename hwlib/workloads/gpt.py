@@ -100,7 +100,7 @@ class CausalSelfAttention(nn.Module):
             if why is None and fit_problem(dev, dtype, C // self.n_head) is None:
                 return qkv_attention(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
             if why:   # the machine cannot run it: say so; a call it does not fit takes the unfused path quietly
-                warn_fallback("qkv_attention", "qkv_attention", "F.scaled_dot_product_attention", dev, why)
+                warn_fallback("fused_qkv", "qkv_attention", "F.scaled_dot_product_attention", dev, why)
         q, k, v = self.c_attn(x).split(self.d, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":
@@ -218,6 +218,9 @@ class GPTWorkload(TokenLMWorkload):
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
         if settings.fp8 and settings.fused_mlp:
             raise ValueError("fp8 and fused_mlp both replace the MLP's matmuls: use one or the other")
+        if settings.fp8 and settings.branch_bias:   # the unbiased branch calls F.linear on mlp_proj's weight
+            raise ValueError("fp8 and branch_bias: the branch without its bias would run mlp_proj's matmul in bf16, "
+                             "around its FP8 layer; use one or the other")
         model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
                     fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp,
