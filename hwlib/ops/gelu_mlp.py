@@ -102,7 +102,10 @@ torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre
   return dpre;
 }
 
-// dx = dpre W into rows `width` wide (>= K, a multiple of 8), the columns past K zero
+// dx = dpre W into rows `width` wide (>= K, a multiple of 8), the columns past K zero. cuBLASLt's first-ranked
+// kernel for it took about 8 us more than torch.mm's plain product (a probe on an H100, GPT-2's MLP shape);
+// torch's own call with an output leading dimension (at::cuda::blas::gemm<at::BFloat16>) did not link against
+// torch 2.11 (its bf16 specialization is not exported): tried and taken back.
 torch::Tensor input_grad_padded(torch::Tensor dpre, torch::Tensor w, int64_t width) {
   check_mat(dpre, "dpre", 2); check_mat(w, "weight", 2);
   const int64_t M = dpre.size(0), N = dpre.size(1), K = w.size(1);
