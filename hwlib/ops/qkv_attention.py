@@ -9,7 +9,8 @@ attention together so that its backward can do both in one pass
 (``hwlib/kernels/qkv_grad_triton.py``: the formulas and bytes). The projection's matmuls are torch's
 (cuBLAS, with the bias in the forward matmul's epilogue, as ``F.linear``); the attention is torch's
 fused kernel for the device, called directly: cuDNN's on CUDA (what SDPA dispatches to on an H100),
-the flash-attention CPU kernel on a CPU.
+the flash-attention CPU kernel on a CPU. Being called directly, it ignores SDPA's backend choice
+(``torch.nn.attention.sdpa_kernel``).
 
 Precision is the unfused path's under autocast: the operands are cast to its dtype, the attention
 and the matmuls accumulate in fp32, and the bias gradient is summed in fp32 and rounded once into the
