@@ -14,3 +14,16 @@ def test_a_ms_record_per_row_and_a_bandwidth_record_where_the_row_has_one():
         ("kernel_gbps", 100.0, {"study": "s", "kernel": "a", "M": 8}),
         ("kernel_ms", 0.7, {"study": "s", "kernel": "b", "M": 8})]
     assert recs[0]["p20"] == 0.4 and recs[0]["p80"] == 0.6 and all(r["notebook"] == "nb" for r in recs)
+
+
+def test_a_timed_row_against_the_copy_ceiling_and_in_words():
+    from hwlib.bench import Timing
+    from hwlib.studies.kernel_records import bandwidth_words, timed_row
+    t = Timing(median_ms=0.5, p20_ms=0.4, p80_ms=0.6, n=3)
+    r = timed_row("k", t, 1e9, {"copy_gbps": 4000.0}, M=8)
+    assert r["kernel"] == "k" and r["M"] == 8 and r["GB/s"] == 2000.0 and r["share of copy"] == 0.5
+    assert r["floor ms"] == 0.25 and (r["ms"], r["p20"], r["p80"]) == (0.5, 0.4, 0.6)
+    assert bandwidth_words(r) == "(2,000 GB/s on the 1000 MB it moves, 50% of the measured copy bandwidth; its floor is 250.0 us)"
+    bare = timed_row("k", t, 1e9, None)
+    assert bare["share of copy"] is None and bare["floor ms"] is None
+    assert bandwidth_words(bare) == "(2,000 GB/s on the 1000 MB it moves)"

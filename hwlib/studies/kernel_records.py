@@ -1,9 +1,28 @@
-"""The records of a table of kernels timed alone (the rows of a study's ``kernel_rows``), one format for
-every study that times kernels beside a ladder step."""
+"""A table of kernels timed alone (the rows of a study's ``kernel_rows``): one row format against the
+bytes a kernel moves, its words, and its records, for every study that times kernels beside a ladder step."""
 
 from __future__ import annotations
 
-from .. import results
+from .. import bench, results
+
+
+def timed_row(kernel: str, t: bench.Timing, nbytes: float, ceilings: dict | None, **shape) -> dict:
+    """A row for ``kernel`` timed as ``t`` moving ``nbytes``: median ms (p20, p80), GB/s on those bytes, that
+    over the measured copy ceiling and the bytes' time at it (None without ceilings); ``shape`` in front."""
+    copy = (ceilings or {}).get("copy_gbps")
+    gbps = nbytes / (t.median_ms * 1e-3) / 1e9
+    return {"kernel": kernel, **shape, "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms, "bytes": nbytes,
+            "GB/s": gbps, "share of copy": gbps / copy if copy else None,
+            "floor ms": nbytes / (copy * 1e9) * 1e3 if copy else None}
+
+
+def bandwidth_words(r: dict) -> str:
+    """A ``timed_row`` in words: "({GB/s} GB/s on the {MB} MB it moves, {share} of the measured copy
+    bandwidth; its floor is {us} us)"."""
+    text = f"({r['GB/s']:,.0f} GB/s on the {r['bytes'] / 1e6:.0f} MB it moves"
+    if r["share of copy"] is not None:
+        text += f", {r['share of copy']:.0%} of the measured copy bandwidth; its floor is {r['floor ms'] * 1e3:.1f} us"
+    return text + ")"
 
 
 def kernel_records(rows: list[dict], *, notebook: str, study: str, keys: tuple[str, ...], profile: str,

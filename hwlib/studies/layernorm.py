@@ -14,6 +14,7 @@ import torch
 
 from .. import bench
 from ..ops import add_layernorm as A
+from .kernel_records import bandwidth_words, timed_row
 from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "21_fused_layernorm"
@@ -95,16 +96,10 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
                                                                           "dx", "dr")), programs,
                                          r_bias=branch_bias)
     nbytes = A.traffic_bytes(m, d)
-    copy = (ceilings or {}).get("copy_gbps")
-    rows = []
-    for name, fn in (("forward", fwd), ("backward", bwd)):
-        t = bench.time_fn(fn, device, warmup=1, iters=iters, group=LAUNCHES)
-        gbps = nbytes[name] / (t.median_ms * 1e-3) / 1e9
-        rows.append({"kernel": name + (" with the branch bias" if branch_bias else ""), "M": m, "D": d,
-                     "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
-                     "bytes": nbytes[name], "GB/s": gbps, "share of copy": gbps / copy if copy else None,
-                     "floor ms": nbytes[name] / (copy * 1e9) * 1e3 if copy else None})
-    return rows
+    return [timed_row(name + (" with the branch bias" if branch_bias else ""),
+                      bench.time_fn(fn, device, warmup=1, iters=iters, group=LAUNCHES), nbytes[name], ceilings,
+                      M=m, D=d)
+            for name, fn in (("forward", fwd), ("backward", bwd))]
 
 
 def column_sum_row(m: int, d: int, device, ceilings: dict | None, iters: int = 20, seed: int = 0) -> dict:
@@ -117,13 +112,7 @@ def column_sum_row(m: int, d: int, device, ceilings: dict | None, iters: int = 2
     sets = [torch.randn(m, d, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(INPUT_SETS * 6)]
     t = bench.time_fn(lambda i: sets[i % len(sets)].sum(0, dtype=torch.float32), device, warmup=1, iters=iters,
                       group=LAUNCHES)
-    nbytes = float(m * d * 2 + d * 4)
-    copy = (ceilings or {}).get("copy_gbps")
-    gbps = nbytes / (t.median_ms * 1e-3) / 1e9
-    return {"kernel": "a bias gradient's own column sum (bf16 rows)", "M": m, "D": d, "ms": t.median_ms,
-            "p20": t.p20_ms, "p80": t.p80_ms, "bytes": nbytes, "GB/s": gbps,
-            "share of copy": gbps / copy if copy else None,
-            "floor ms": nbytes / (copy * 1e9) * 1e3 if copy else None}
+    return timed_row("a bias gradient's own column sum (bf16 rows)", t, float(m * d * 2 + d * 4), ceilings, M=m, D=d)
 
 
 def kernel_records(rows: list[dict], *, profile: str, device, notebook: str = NOTEBOOK) -> list[dict]:
@@ -138,9 +127,5 @@ def kernel_prose(rows: list[dict]) -> str:
         return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
     parts = []
     for r in rows:
-        text = (f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['M']:,} x {r['D']} "
-                f"({r['GB/s']:,.0f} GB/s on the {r['bytes'] / 1e6:.0f} MB it must move")
-        if r["share of copy"] is not None:
-            text += f", {r['share of copy']:.0%} of the measured copy bandwidth; its floor is {r['floor ms'] * 1e3:.1f} us"
-        parts.append(text + ")")
+        parts.append(f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['M']:,} x {r['D']} {bandwidth_words(r)}")
     return "Alone (median per call): " + "; ".join(parts) + "."

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import bench
 from ..ops import qkv_attention as Q
+from .kernel_records import bandwidth_words, timed_row
 from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "24_qkv_grad"
@@ -95,16 +96,10 @@ def kernel_rows(B: int, T: int, C: int, n_head: int, device, ceilings: dict | No
     ours = lambda i: k.pack_qkv_grad(*sets[i % INPUT_SETS])
     theirs = lambda i: compiled(*sets[i % INPUT_SETS][:3])
     nbytes = Q.traffic_bytes(N, C)
-    copy = (ceilings or {}).get("copy_gbps")
-    rows = []
-    for name, fn, nb in (("packed and summed in one pass (Triton)", ours, nbytes["fused"]),
-                         ("inductor: the packing copy, then the column sum", theirs, nbytes["unfused"])):
-        t = bench.time_fn(fn, device, warmup=2, iters=iters, group=LAUNCHES)
-        gbps = nb / (t.median_ms * 1e-3) / 1e9
-        rows.append({"kernel": name, "tokens": N, "C": C, "ms": t.median_ms, "p20": t.p20_ms, "p80": t.p80_ms,
-                     "bytes": nb, "GB/s": gbps, "share of copy": gbps / copy if copy else None,
-                     "floor ms": nb / (copy * 1e9) * 1e3 if copy else None})
-    return rows
+    return [timed_row(name, bench.time_fn(fn, device, warmup=2, iters=iters, group=LAUNCHES), nb, ceilings,
+                      tokens=N, C=C)
+            for name, fn, nb in (("packed and summed in one pass (Triton)", ours, nbytes["fused"]),
+                                 ("inductor: the packing copy, then the column sum", theirs, nbytes["unfused"]))]
 
 
 def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
@@ -119,11 +114,8 @@ def kernel_prose(rows: list[dict]) -> str:
         return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
     parts = []
     for r in rows:
-        text = (f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['tokens']:,} tokens x 3 x {r['C']} "
-                f"({r['GB/s']:,.0f} GB/s on the {r['bytes'] / 1e6:.0f} MB it moves")
-        if r["share of copy"] is not None:
-            text += f", {r['share of copy']:.0%} of the measured copy bandwidth"
-        parts.append(text + ")")
+        parts.append(f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['tokens']:,} tokens x 3 x {r['C']} "
+                     f"{bandwidth_words(r)}")
     ratio = rows[1]["ms"] / rows[0]["ms"] if len(rows) == 2 else None
     tail = f" The one pass takes {1 / ratio:.2f}x the time of the two." if ratio else ""
     return "Alone (median per call): " + "; ".join(parts) + "." + tail
