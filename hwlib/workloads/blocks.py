@@ -69,10 +69,6 @@ class PreNormBlock(nn.Module):
                              bias_column=bias_column), self.mlp_proj.bias)
         return F.linear(self.mlp(h), self.mlp_proj.weight), self.mlp_proj.bias
 
-    def _branch(self, full, unbiased, h):
-        """(r, r_bias) for the fused LayerNorm: r_bias None where the branch adds its own bias."""
-        return unbiased(h) if self.branch_bias else (full(h), None)
-
     def forward_fused(self, x, pending=None):
         """The same block with each residual add fused into the LayerNorm after it
         (``hwlib.ops.add_layernorm``): takes the stream ``x`` before the previous block's last add and
@@ -83,7 +79,8 @@ class PreNormBlock(nn.Module):
             h = self.ln_1(x)
         else:
             x, h = add_layer_norm(x, pending[0], self.ln_1.weight, self.ln_1.bias, self.ln_1.eps, r_bias=pending[1])
-        r, r_bias = self._branch(self.mixer, lambda t: self.mixer.forward_unbiased(t), h)
+        # each branch as (r, r_bias): r_bias None where the branch adds its own bias
+        r, r_bias = self.mixer.forward_unbiased(h) if self.branch_bias else (self.mixer(h), None)
         col = self.fc_bias_column
         x, h = add_layer_norm(x, r, self.ln_2.weight, self.ln_2.bias, self.ln_2.eps, r_bias=r_bias, ones_column=col)
-        return x, self._branch(lambda t: self.mlp_out(t, col), lambda t: self.mlp_out_unbiased(t, col), h)
+        return x, self.mlp_out_unbiased(h, col) if self.branch_bias else (self.mlp_out(h, col), None)
