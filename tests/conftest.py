@@ -70,3 +70,38 @@ def compile_for_sm90(tmp_path):
                            timeout=300)
         assert r.returncode == 0 and "compiled" in r.stdout, (r.stdout + r.stderr)[-3000:]
     return run
+
+
+@pytest.fixture
+def gpt_grads_match():
+    """``check(base, changed, biases=(), scale=0.5)``: the smoke GPT built from one seed with the
+    keyword arguments ``base`` and with ``changed`` (fp32, on a CPU), the biases named in ``biases``
+    (per block, e.g. "attn.c_proj") drawn nonzero and the same in both, so that a bias gradient left
+    out or added twice shows; asserts the same loss and the same gradient for every parameter, to fp32
+    rounding, and returns the changed model's gradients by name."""
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+
+    def check(base: dict, changed: dict, biases: tuple[str, ...] = (), scale: float = 0.5) -> dict:
+        cfg = get_workload("gpt").config("smoke")
+        idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+        out = []
+        for kw in (base, changed):
+            model = GPT(cfg, attention="sdpa", **kw).init_weights(0)
+            gen = torch.Generator().manual_seed(2)
+            with torch.no_grad():
+                for blk in model.blocks:
+                    for name in biases:
+                        p = blk.get_submodule(name).bias
+                        p.copy_(scale * torch.randn(p.shape, generator=gen))
+            loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        (loss0, g0), (loss1, g1) = out
+        assert torch.allclose(loss1, loss0, rtol=1e-6)
+        assert g1.keys() == g0.keys()
+        for n, g in g0.items():
+            assert float((g1[n].double() - g.double()).norm() / g.double().norm()) < 1e-4, n
+        return g1
+
+    return check

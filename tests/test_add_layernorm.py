@@ -257,54 +257,24 @@ def test_gpt_with_fused_blocks_computes_the_same_loss_and_gradients():
 
 
 @pytest.mark.parametrize("fused_mlp", [False, True])
-def test_gpt_with_branch_biases_in_the_layernorm_computes_the_same_loss_and_gradients(fused_mlp):
+def test_gpt_with_branch_biases_in_the_layernorm_computes_the_same_loss_and_gradients(fused_mlp, gpt_grads_match):
     """The smoke GPT with fused blocks, each branch's output bias added in the fused LayerNorm or in its
-    own linear (fp32, torch backends on a CPU): the same loss and the same gradient for every parameter,
-    the output projections' biases included, to fp32 rounding."""
-    from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
-    cfg = get_workload("gpt").config("smoke")
-    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(2))
-    out = {}
-    for branch_bias in (False, True):
-        model = GPT(cfg, attention="sdpa", fused_ln=True, fused_mlp=fused_mlp, branch_bias=branch_bias).init_weights(0)
-        gen = torch.Generator().manual_seed(3)
-        with torch.no_grad():   # nonzero biases (the same in both models), so that a bias left out or added twice shows
-            for blk in model.blocks:
-                for p in (blk.attn.c_proj.bias, blk.mlp_proj.bias):
-                    p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-        loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        out[branch_bias] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    assert torch.allclose(out[True][0], out[False][0], rtol=1e-6)
-    assert out[True][1].keys() == out[False][1].keys()
-    for n, g in out[False][1].items():
-        assert rel(out[True][1][n], g.double()) < 1e-4, n
-    assert all(out[True][1][f"blocks.{i}.{p}.bias"].abs().max() > 0 for i in range(cfg.n_layer)
-               for p in ("attn.c_proj", "mlp_proj"))
+    own linear (torch backends on a CPU): the same loss and gradients, the output projections' biases'
+    included."""
+    fused = dict(fused_ln=True, fused_mlp=fused_mlp)
+    grads = gpt_grads_match(fused, {**fused, "branch_bias": True}, biases=("attn.c_proj", "mlp_proj"))
+    moved = [n for n in grads if n.endswith(("attn.c_proj.bias", "mlp_proj.bias"))]
+    assert moved and all(grads[n].abs().max() > 0 for n in moved)
 
 
-def test_gpt_with_the_bias_column_computes_the_same_loss_and_gradients():
+def test_gpt_with_the_bias_column_computes_the_same_loss_and_gradients(gpt_grads_match):
     """The smoke GPT with fused blocks, branch biases and the fused MLP, mlp_fc's bias gradient from a column
-    sum or from the bias column (fp32, torch backends on a CPU): the same loss and gradients."""
+    sum or from the bias column (torch backends on a CPU): the same loss and gradients."""
     from hwlib.workloads import get_workload
     from hwlib.workloads.gpt import GPT
+    base = dict(fused_ln=True, fused_mlp=True, branch_bias=True)
+    gpt_grads_match(base, {**base, "fc_bias_column": True}, biases=("mlp_fc",), scale=0.3)
     cfg = get_workload("gpt").config("smoke")
-    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(6))
-    out = {}
-    for col in (False, True):
-        model = GPT(cfg, attention="sdpa", fused_ln=True, fused_mlp=True, branch_bias=True,
-                    fc_bias_column=col).init_weights(0)
-        gen = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for blk in model.blocks:
-                blk.mlp_fc.bias.copy_(0.3 * torch.randn(blk.mlp_fc.bias.shape, generator=gen))
-        loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        out[col] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    assert torch.allclose(out[True][0], out[False][0], rtol=1e-6)
-    for n, g in out[False][1].items():
-        assert rel(out[True][1][n], g.double()) < 1e-4, n
     with pytest.raises(ValueError, match="fc_bias_column .* needs fused_mlp"):
         GPT(cfg, fused_ln=True, fc_bias_column=True)
     with pytest.raises(ValueError, match="fc_bias_column .* needs fused_ln"):

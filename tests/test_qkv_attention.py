@@ -89,26 +89,10 @@ def test_under_torch_compile_matches_eager_in_one_graph():
         assert torch.allclose(c, e, rtol=1e-5, atol=1e-6), name
 
 
-def test_gpt_with_the_op_computes_the_same_loss_and_gradients():
+def test_gpt_with_the_op_computes_the_same_loss_and_gradients(gpt_grads_match):
     """The smoke GPT built from one seed, with and without the op (fp32, on a CPU): the same loss and the
-    same gradient for every parameter, the QKV bias's included, to fp32 rounding."""
-    from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
-    cfg = get_workload("gpt").config("smoke")
-    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(4))
-    out = {}
-    for fused in (False, True):
-        model = GPT(cfg, attention="sdpa", fused_qkv=fused).init_weights(0)
-        with torch.no_grad():   # a nonzero QKV bias, so that a bias gradient left out shows
-            gen = torch.Generator().manual_seed(5)
-            for blk in model.blocks:
-                blk.attn.c_attn.bias.copy_(0.3 * torch.randn(blk.attn.c_attn.bias.shape, generator=gen))
-        loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        out[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    assert torch.allclose(out[True][0], out[False][0], rtol=1e-6)
-    for n, g in out[False][1].items():
-        assert rel(out[True][1][n], g.double()) < 1e-4, n
+    same gradient for every parameter, the QKV bias's included (drawn nonzero), to fp32 rounding."""
+    gpt_grads_match({}, {"fused_qkv": True}, biases=("attn.c_attn",), scale=0.3)
 
 
 def test_gpt_refuses_the_op_without_fused_attention():
