@@ -27,3 +27,12 @@ def test_a_timed_row_against_the_copy_ceiling_and_in_words():
     bare = timed_row("k", t, 1e9, None)
     assert bare["share of copy"] is None and bare["floor ms"] is None
     assert bandwidth_words(bare) == "(2,000 GB/s on the 1000 MB it moves)"
+
+
+def test_a_table_in_words_and_none_timed():
+    from hwlib.bench import Timing
+    from hwlib.studies.kernel_records import alone_words, timed_row
+    rows = [timed_row("k", Timing(median_ms=0.05, p20_ms=0.04, p80_ms=0.06, n=3), 1.5e8, None, M=4)]
+    assert alone_words(rows, lambda r: f"{r['M']} rows") == \
+        "Alone (median per call): k: 50.0 us per call at 4 rows (3,000 GB/s on the 150 MB it moves)."
+    assert alone_words([], str).startswith("The kernels were not timed alone here")

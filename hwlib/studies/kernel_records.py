@@ -25,6 +25,15 @@ def bandwidth_words(r: dict) -> str:
     return text + ")"
 
 
+def alone_words(rows: list[dict], where) -> str:
+    """A table of ``timed_row``s in words: each kernel's median per call at ``where(row)`` (its shape in
+    words) and its bandwidth; a sentence saying so where nothing was timed."""
+    if not rows:
+        return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
+    return "Alone (median per call): " + "; ".join(
+        f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {where(r)} {bandwidth_words(r)}" for r in rows) + "."
+
+
 def kernel_records(rows: list[dict], *, notebook: str, study: str, keys: tuple[str, ...], profile: str,
                    device) -> list[dict]:
     """A ``kernel_ms`` record per row (median, p20, p80), and a ``kernel_gbps`` record beside it where the

@@ -14,7 +14,7 @@ import torch
 
 from .. import bench
 from ..ops import add_layernorm as A
-from .kernel_records import bandwidth_words, timed_row
+from .kernel_records import alone_words, timed_row
 from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "21_fused_layernorm"
@@ -123,9 +123,4 @@ def kernel_records(rows: list[dict], *, profile: str, device, notebook: str = NO
 
 def kernel_prose(rows: list[dict]) -> str:
     """The kernels alone, in words built from ``rows``."""
-    if not rows:
-        return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
-    parts = []
-    for r in rows:
-        parts.append(f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['M']:,} x {r['D']} {bandwidth_words(r)}")
-    return "Alone (median per call): " + "; ".join(parts) + "."
+    return alone_words(rows, lambda r: f"{r['M']:,} x {r['D']}")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import bench
 from ..ops import qkv_attention as Q
-from .kernel_records import bandwidth_words, timed_row
+from .kernel_records import alone_words, timed_row
 from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "24_qkv_grad"
@@ -109,13 +109,8 @@ def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
 
 
 def kernel_prose(rows: list[dict]) -> str:
-    """The kernels alone, in words built from ``rows``."""
-    if not rows:
-        return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
-    parts = []
-    for r in rows:
-        parts.append(f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {r['tokens']:,} tokens x 3 x {r['C']} "
-                     f"{bandwidth_words(r)}")
-    ratio = rows[1]["ms"] / rows[0]["ms"] if len(rows) == 2 else None
-    tail = f" The one pass takes {1 / ratio:.2f}x the time of the two." if ratio else ""
-    return "Alone (median per call): " + "; ".join(parts) + "." + tail
+    """The kernels alone, in words built from ``rows``, and the one pass's time over the two's."""
+    words = alone_words(rows, lambda r: f"{r['tokens']:,} tokens x 3 x {r['C']}")
+    if len(rows) != 2:
+        return words
+    return words + f" The one pass takes {rows[0]['ms'] / rows[1]['ms']:.2f}x the time of the two."
