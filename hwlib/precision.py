@@ -13,6 +13,13 @@ import torch
 AUTOCAST_CHOICES = (None, "bf16", "fp16")
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an op that autocast would cast computes ``x`` in: autocast's dtype where autocast is on
+    for x's device, else x's own (the ops that make their own casts, as autocast would, ask this)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 def _new_precision_api() -> bool:
     # torch >= 2.9 has per-backend fp32_precision; mixing it with the legacy allow_tf32 flags
     # raises, so hwlib uses exactly one of the two APIs.

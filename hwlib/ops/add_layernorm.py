@@ -32,6 +32,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from ..precision import compute_dtype
 from . import fallbacks
 from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
                       select_triton_backend)
@@ -221,8 +222,7 @@ def add_layer_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias:
     if not isinstance(ones_column, bool):
         raise ValueError(f"ones_column must be a bool, got {ones_column!r}")
     name = resolve_triton_backend(KERNEL_FILE, backend, x.device.type)
-    dev_type = x.device.type
-    y_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
+    y_dtype = compute_dtype(x)
     shape, D = x.shape, x.shape[-1]
     s, y, _, _ = torch.ops.hwlib.add_layer_norm(x.reshape(-1, D).contiguous(), r.reshape(-1, D).contiguous(),
                                                 None if r_bias is None else r_bias.contiguous(),

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..precision import compute_dtype
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 EPS = 1e-12          # amax floor: an all-zero tensor gets a finite scale (and quantizes to zeros)
@@ -146,8 +148,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     is on, else x's. The bias is added outside the FP8 matmul, in ``out_dtype``."""
     check_shapes(x, weight, scaling)
     if out_dtype is None:
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        out_dtype = compute_dtype(x)
     lead = x.shape[:-1]
     y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype, scaling == "row")
     y = y.reshape(*lead, weight.shape[0])

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hwlib.device import ChoiceError, Unavailable, info, supports_bf16
+from hwlib.precision import compute_dtype
 
 from . import fallbacks
 from .add_layernorm import BIAS_COLUMNS
@@ -370,7 +371,7 @@ def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: to
     else:
         check_inputs(x, w_fc, b_fc, w_proj, b_proj)
     dev = x.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    dtype = compute_dtype(x)
     W, K, N, C = x.shape[-1], w_fc.shape[1], w_fc.shape[0], w_proj.shape[0]
     name = resolve_backend(backend, dev, dtype, K, N, C)
     lead = x.shape[:-1]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..device import Unavailable
+from ..precision import compute_dtype
 from . import fallbacks
 from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
                       select_triton_backend)
@@ -231,7 +232,7 @@ def qkv_attention(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_h
         raise Unavailable(f"qkv_attention: {why}")
     name = resolve_triton_backend(KERNEL_FILE, backend, x.device.type)
     dev = x.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    dtype = compute_dtype(x)
     B, T, C = x.shape
     fit = fit_problem(dev, dtype, C // n_head)
     if fit:

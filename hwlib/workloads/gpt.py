@@ -27,6 +27,7 @@ from ..ops.add_layernorm import add_layer_norm
 from ..ops.linear_ce import fused_linear_cross_entropy
 from ..ops.qkv_attention import attention_problem, fit_problem, qkv_attention
 from ..ops.sources import warn_fallback
+from ..precision import compute_dtype
 from ..shapes import padded
 from ..steps import Settings
 from .checkpointing import HEAD_CHUNK, parse_checkpointing
@@ -94,10 +95,9 @@ class CausalSelfAttention(nn.Module):
         """The heads' outputs, [B, T, C], before the output projection."""
         B, T, C = x.shape
         if self.fused_qkv and self.attention == "sdpa":
-            why = attention_problem(x.device.type)
             dev = x.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            if why is None and fit_problem(dev, dtype, C // self.n_head) is None:
+            why = attention_problem(dev)
+            if why is None and fit_problem(dev, compute_dtype(x), C // self.n_head) is None:
                 return qkv_attention(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
             if why:   # the machine cannot run it: say so; a call it does not fit takes the unfused path quietly
                 warn_fallback("fused_qkv", "qkv_attention", "F.scaled_dot_product_attention", dev, why)
