@@ -76,13 +76,11 @@ def test_with_the_bias_column(backend):
     """bias_column: x carries a column of ones and zeros after its K columns (as add_layer_norm's
     ones_column writes it); the output, dW_fc and db_fc (now a column of one matmul) against float64,
     and x's gradient as wide as x, zero in the extra columns."""
-    from hwlib.ops.add_layernorm import BIAS_COLUMNS as P
+    from hwlib.ops.add_layernorm import BIAS_COLUMNS as P, with_bias_column
     dev, dt = ("cuda", torch.bfloat16) if backend == "cublaslt" else ("cpu", torch.float32)
     leaves, dy = _inputs(67, 16, 64, 24, seed=19, device=dev, dtype=dt)
     x = leaves[0].detach()
-    pad = torch.zeros(67, P, device=dev, dtype=dt)
-    pad[:, 0] = 1
-    x_wide = torch.cat([x, pad], dim=1).requires_grad_()
+    x_wide = with_bias_column(x).requires_grad_()
     y = gm.gelu_mlp(x_wide, *leaves[1:], bias_column=True, backend=backend)
     got = [y, *torch.autograd.grad(y, [x_wide, *leaves[1:]], dy)]
     assert got[1].shape == (67, 16 + P) and float(got[1][:, 16:].abs().max()) == 0.0

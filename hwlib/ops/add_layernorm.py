@@ -109,11 +109,15 @@ def _fwd_torch(x, r, r_bias, w, b, eps, y_dtype, pad: int = 0):
     sc = s - mean[:, None]
     rstd = torch.rsqrt((sc * sc).mean(-1) + eps)
     y = (sc * rstd[:, None] * w.to(s.dtype) + b.to(s.dtype)).to(y_dtype)
-    if pad:   # the bias column: a one, then zeros
-        col = torch.zeros(y.shape[0], pad, dtype=y_dtype, device=y.device)
-        col[:, 0] = 1
-        y = torch.cat([y, col], dim=1)
-    return s, y, mean.float(), rstd.float()
+    return s, with_bias_column(y) if pad else y, mean.float(), rstd.float()
+
+
+def with_bias_column(y: torch.Tensor) -> torch.Tensor:
+    """y [M, D] followed by the bias column, [M, D + BIAS_COLUMNS]: a one, then zeros (what ``ones_column``
+    writes; the torch backend's, and the input a test or study builds for ``gelu_mlp(bias_column=True)``)."""
+    col = torch.zeros(y.shape[0], BIAS_COLUMNS, dtype=y.dtype, device=y.device)
+    col[:, 0] = 1
+    return torch.cat([y, col], dim=1)
 
 
 def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype, r_bias: bool):

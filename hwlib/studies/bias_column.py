@@ -12,7 +12,7 @@ import torch
 
 from .. import bench
 from ..ops import gelu_mlp as G
-from ..ops.add_layernorm import BIAS_COLUMNS
+from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
 from .kernel_records import kernel_records as records_of
 
 NOTEBOOK = "25_bias_column"
@@ -30,13 +30,6 @@ def _draw(M, K, N, C, gen, device, dtype):
           0.1 * torch.randn(C, generator=gen, dtype=torch.float64)]
     dy = torch.randn(M, C, generator=gen, dtype=torch.float64)
     return [t.to(device, dtype) for t in ts], dy.to(device, dtype)
-
-
-def with_column(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] followed by the bias column, as ``add_layer_norm(..., ones_column=True)`` writes it."""
-    col = torch.zeros(x.shape[0], BIAS_COLUMNS, dtype=x.dtype, device=x.device)
-    col[:, 0] = 1
-    return torch.cat([x, col], dim=1)
 
 
 def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
@@ -60,7 +53,7 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
             y = G.gelu_mlp(*leaves, bias_column=column)
             return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
 
-        got = run(with_column(x), True)
+        got = run(with_bias_column(x), True)
         pad_zero = float(got[1][:, K:].abs().max()) == 0.0
         got[1] = got[1][:, :K]
         err = [float((g.double() - r).norm() / r.norm()) for g, r in zip(got, ref)]
@@ -87,7 +80,7 @@ def kernel_rows(M: int, K: int, N: int, device, iters: int = 20, seed: int = 0) 
     sets = []
     for _ in range(INPUT_SETS):
         x = torch.randn(M, K, generator=gen, **bf)
-        sets.append(dict(dpre=torch.randn(M, N, generator=gen, **bf), x=x, xc=with_column(x),
+        sets.append(dict(dpre=torch.randn(M, N, generator=gen, **bf), x=x, xc=with_bias_column(x),
                          w=torch.randn(N, K, generator=gen, **bf) / K ** 0.5))
     colsum = torch.compile(lambda t: t.sum(0), fullgraph=True)
     mod = G.module()
