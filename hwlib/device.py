@@ -221,6 +221,13 @@ def supports_cp_async(di: DeviceInfo) -> bool:
     return di.kind == "cuda" and di.capability is not None and di.capability[0] >= 8
 
 
+def supports_cudnn_attention(di: DeviceInfo) -> bool:
+    """cuDNN's fused attention (the kernels SDPA dispatches to on Hopper) needs Ampere (sm_80) or newer
+    and cuDNN 9 in torch."""
+    return (di.kind == "cuda" and di.capability is not None and di.capability[0] >= 8
+            and (di.versions.get("cudnn") or 0) >= 90000)
+
+
 def supports_fp8(di: DeviceInfo) -> bool:
     return di.kind == "cuda" and di.capability is not None and tuple(di.capability) >= (8, 9)
 

@@ -34,6 +34,15 @@ def test_capability_gates(cap, bf16, tf32, fp8):
     assert (D.supports_bf16(di), D.supports_tf32(di), D.supports_fp8(di)) == (bf16, tf32, fp8)
 
 
+@pytest.mark.parametrize("cap,cudnn,ok", [((9, 0), 91900, True), ((8, 0), 90100, True), ((7, 5), 91900, False),
+                                         ((9, 0), 8907, False), ((9, 0), None, False)])
+def test_cudnn_attention_gate(cap, cudnn, ok):
+    di = fake(cap=cap)
+    di.versions["cudnn"] = cudnn
+    assert D.supports_cudnn_attention(di) is ok
+    assert not D.supports_cudnn_attention(fake(kind="cpu"))
+
+
 def test_cpu_gates():
     di = fake(kind="cpu")
     assert D.supports_bf16(di) and not D.supports_tf32(di) and not D.supports_fp8(di)

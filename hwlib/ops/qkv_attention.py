@@ -30,9 +30,11 @@ impls, so torch.compile keeps each as one node and CUDA graphs capture them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..device import Unavailable
+from ..device import Unavailable, info, supports_cudnn_attention
 from ..precision import compute_dtype
 from . import fallbacks
 from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
@@ -60,18 +62,22 @@ def select_backend(backend: str, device: torch.device | str) -> str:
 def attention_problem(device_type: str) -> str | None:
     """Why this op cannot run its fused attention on tensors of ``device_type`` ("cuda": the current
     GPU), or None: cuDNN's attention on CUDA (sm_80 or newer, cuDNN 9), the flash-attention kernel on a
-    CPU. torch.compile calls it once while tracing and keeps its answer."""
+    CPU. torch.compile calls it once while tracing and keeps its answer as a constant."""
+    return _attention_problem(device_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_problem(device_type: str) -> str | None:
+    # asked once per process and device type: an eager step asks on every forward
     if device_type == "cpu":
         return None
     if device_type != "cuda":
         return f"no fused attention kernel of torch's is called for {device_type} tensors"
-    if not torch.backends.cudnn.is_available():
-        return "cuDNN is not available to torch"
-    major, minor = torch.cuda.get_device_capability()
-    if major < 8:
-        return f"cuDNN's fused attention needs sm_80 or newer; this GPU is sm_{major}{minor}"
-    if (torch.backends.cudnn.version() or 0) < 90000:
-        return f"cuDNN's fused attention needs cuDNN 9; torch has {torch.backends.cudnn.version()}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    if not supports_cudnn_attention(di := info("cuda")):
+        return (f"cuDNN's fused attention needs an sm_80 or newer GPU and cuDNN 9; {di.name} is sm_"
+                f"{''.join(map(str, di.capability))} with cuDNN {di.versions.get('cudnn')}")
     return None
 
 
