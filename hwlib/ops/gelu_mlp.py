@@ -198,8 +198,9 @@ def resolve_backend(backend: str, device_type: str, dtype: torch.dtype, K: int, 
 
 # --- inputs --------------------------------------------------------------------------------------
 
-def check_inputs(x, w_fc, b_fc, w_proj, b_proj) -> None:
-    """A clear ValueError naming the argument unless shapes, dtypes and devices fit."""
+def check_inputs(x, w_fc, b_fc, w_proj, b_proj, extra_columns: int = 0) -> None:
+    """A clear ValueError naming the argument unless shapes, dtypes and devices fit; x carries
+    ``extra_columns`` more than w_fc's in_features (the bias column's)."""
     named = (("x", x), ("w_fc", w_fc), ("b_fc", b_fc), ("w_proj", w_proj)) + ((("b_proj", b_proj),) if b_proj is not None else ())
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -211,8 +212,9 @@ def check_inputs(x, w_fc, b_fc, w_proj, b_proj) -> None:
             raise ValueError(f"{name} must be 2-d [out_features, in_features], got shape {tuple(w.shape)}")
     N, K = w_fc.shape
     C = w_proj.shape[0]
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"x's last dimension ({tuple(x.shape)}) must equal w_fc's in_features ({K})")
+    if x.dim() < 1 or x.shape[-1] != K + extra_columns:
+        with_col = f" plus the bias column ({K} + {extra_columns})" if extra_columns else f" ({K})"
+        raise ValueError(f"x's last dimension ({tuple(x.shape)}) must equal w_fc's in_features{with_col}")
     if w_proj.shape[1] != N:
         raise ValueError(f"w_proj must be [out, {N}] (w_fc's out_features), got {tuple(w_proj.shape)}")
     if tuple(b_fc.shape) != (N,):
@@ -361,15 +363,7 @@ def gelu_mlp(x: torch.Tensor, w_fc: torch.Tensor, b_fc: torch.Tensor, w_proj: to
     check it (a check would read the column again)."""
     if not isinstance(bias_column, bool):
         raise ValueError(f"bias_column must be a bool, got {bias_column!r}")
-    if bias_column and not (isinstance(w_fc, torch.Tensor) and w_fc.dim() == 2):
-        check_inputs(x, w_fc, b_fc, w_proj, b_proj)   # names what is wrong with w_fc
-    if bias_column:
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != w_fc.shape[-1] + BIAS_COLUMNS:
-            raise ValueError(f"with bias_column, x must be [..., K + {BIAS_COLUMNS}] = [..., {w_fc.shape[-1] + BIAS_COLUMNS}] "
-                             f"(w_fc's in_features and the bias column), got {tuple(getattr(x, 'shape', ()))}")
-        check_inputs(x[..., :w_fc.shape[-1]], w_fc, b_fc, w_proj, b_proj)
-    else:
-        check_inputs(x, w_fc, b_fc, w_proj, b_proj)
+    check_inputs(x, w_fc, b_fc, w_proj, b_proj, extra_columns=BIAS_COLUMNS if bias_column else 0)
     dev = x.device.type
     dtype = compute_dtype(x)
     W, K, N, C = x.shape[-1], w_fc.shape[1], w_fc.shape[0], w_proj.shape[0]
