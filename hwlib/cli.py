@@ -1,7 +1,7 @@
 """Command line: ``hwlib reproduce``, ``hwlib env``, ``hwlib table``, ``hwlib readme``.
 
-``reproduce`` executes the numbered notebooks in order through papermill, each in its own process
-with a time limit, into ``outputs/<run>/executed/``. It goes on past a failing notebook, records
+``reproduce`` executes the numbered notebooks in their run order (``run_order``) through papermill,
+each in its own process with a time limit, into ``outputs/<run>/executed/``. It goes on past a failing notebook, records
 each notebook's outcome in ``outputs/<run>/state.json`` (so a rerun skips what is done, unless
 ``--force``), rebuilds tables, figures and ``summary.json`` from whatever results exist, then
 reports the failures and exits non-zero if there were any. ``99_*`` notebooks derive everything
@@ -103,8 +103,35 @@ def positive_seconds(text: str) -> float:
     return v
 
 
+# A notebook's number is its place in the reading; its metadata's ``hwlib.run_after`` moves it later
+# in a run. "ladder": a study that times ladder steps itself (16's profiles, 19's ablations and noise
+# pairs, 20's inductor knobs, 98's live run) runs after every notebook without the key, so that it sees
+# the whole ladder in the run's records, and so that the graphs it compiles into the run's cache are
+# never found there by a later ladder notebook, whose compile seconds would then read as nothing.
+# "all": after those too (99's tables, built from every other notebook's results).
+RUN_AFTER = {None: 0, "ladder": 1, "all": 2}
+
+
+def run_after(path: Path) -> str | None:
+    """A notebook's ``hwlib.run_after`` metadata (None where it has none)."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
+    except (OSError, ValueError) as e:
+        raise CliError(f"{path.name}: not a readable notebook ({type(e).__name__}: {e})") from None
+    value = (meta.get("hwlib") or {}).get("run_after")
+    if value not in RUN_AFTER:
+        raise CliError(f"{path.name}: metadata hwlib.run_after must be one of "
+                       f"{', '.join(repr(k) for k in RUN_AFTER if k)} or absent, got {value!r}")
+    return value
+
+
+def run_order(nbs: list[Path]) -> list[Path]:
+    """``nbs`` in the order a run executes them: by ``RUN_AFTER`` group, then by name."""
+    return sorted(nbs, key=lambda p: (RUN_AFTER[run_after(p)], p.name))
+
+
 def list_notebooks(folder: Path) -> list[Path]:
-    nbs = sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+    nbs = run_order(list(folder.glob("[0-9][0-9]_*.ipynb")))
     if not nbs:
         raise CliError(f"no numbered notebooks (NN_name.ipynb) in {folder}")
     return nbs
@@ -123,7 +150,7 @@ def select(nbs: list[Path], only: str | None) -> list[Path]:
         if not hit:
             raise CliError(f"--only: unknown notebook {w!r}; choose from: {', '.join(p.stem for p in nbs)}")
         out += [h for h in hit if h not in out]
-    return sorted(out)
+    return run_order(out)
 
 
 # Parameters reproduce passes itself (a run holds one profile, device and name): not for --set.

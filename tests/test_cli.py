@@ -156,3 +156,34 @@ def test_set_option_passes_a_parameter_and_records_it(tmp_path, outputs, capsys)
                       ("00.profile=full", "reproduce sets 'profile' itself; use --profile")):
         assert reproduce(d, "run", "--set", bad) == 2
         assert says in capsys.readouterr().err, bad
+
+
+def test_run_order_puts_ladder_studies_after_the_ladder_and_tables_last(tmp_path, outputs):
+    d = tmp_path / "nbs"
+    d.mkdir()
+    for name in ("00_env", "05_study", "07_step", "98_live", "99_tables"):
+        make_nb(d / f"{name}.ipynb", WRITE.format(name=name[:2]))
+    for name, after in (("05_study", "ladder"), ("98_live", "ladder"), ("99_tables", "all")):
+        nb = nbf.read(d / f"{name}.ipynb", as_version=4)
+        nb.metadata["hwlib"] = {"run_after": after}
+        nbf.write(nb, d / f"{name}.ipynb")
+    assert [p.stem[:2] for p in cli.list_notebooks(d)] == ["00", "07", "05", "98", "99"]
+    # --only keeps the run order, whatever order it names them in
+    assert [p.stem[:2] for p in cli.select(cli.list_notebooks(d), "99,05,07")] == ["07", "05", "99"]
+    assert reproduce(d, "ordered") == 0
+    state = json.loads((outputs / "ordered" / "state.json").read_text())
+    assert [k[:2] for k in state if not k.startswith("_")] == ["00", "07", "05", "98", "99"]
+    nb = nbf.read(d / "07_step.ipynb", as_version=4)
+    nb.metadata["hwlib"] = {"run_after": "later"}
+    nbf.write(nb, d / "07_step.ipynb")
+    with pytest.raises(cli.CliError, match=r"07_step.ipynb: metadata hwlib.run_after must be one of 'ladder', 'all'"):
+        cli.list_notebooks(d)
+
+
+def test_the_series_runs_every_ladder_step_before_the_studies_that_time_them():
+    from hwlib.steps import STEP_NAMES
+    order = [p.stem for p in cli.list_notebooks(cli.NOTEBOOKS_DIR)]
+    steps = [i for i, s in enumerate(order) if s in STEP_NAMES]
+    for study in ("16_where_time_goes", "19_ablations", "20_inductor", "98_dashboard"):
+        assert order.index(study) > max(steps), (study, order)
+    assert order[-1].startswith("99_")

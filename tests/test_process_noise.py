@@ -35,6 +35,14 @@ def test_choose_steps_takes_last_steps_then_the_widest():
     (t,) = pn.choose_steps({}, last_of=["vit_bdh"], di=info("cpu"))
     assert t.workload == "vit_bdh" and t.step == pn.last_recipe_step("vit_bdh", info("cpu"))
     assert t.step == "10_channels_last"
+    # recipe: a last step past the recipe brings the recipe's last timed step with it (gpt's 25 and 09);
+    # a last step inside the recipe (resnet_bk's 12) brings nothing
+    past = {"gpt": [lrow("06_torch_compile", 20.0), lrow("09_cuda_graphs", 18.0), lrow("17_fused_lm_head", 17.0),
+                    lrow("25_bias_column", 16.0)], "resnet_bk": LADDER["resnet_bk"]}
+    got = [(t.workload, t.step) for t in pn.choose_steps(past, wide=0, recipe=True)]
+    assert got == [("gpt", "25_bias_column"), ("gpt", "09_cuda_graphs"), ("resnet_bk", "12_bk_core")]
+    assert [(t.workload, t.step) for t in pn.choose_steps(past, wide=0)] == [("gpt", "25_bias_column"),
+                                                                             ("resnet_bk", "12_bk_core")]
     with pytest.raises(ValueError, match="threshold"):
         pn.choose_steps(LADDER, threshold=0.9)
     with pytest.raises(ValueError, match="wide"):

@@ -73,11 +73,13 @@ def last_recipe_step(workload: str, di) -> str | None:
 
 
 def choose_steps(rows_by_workload: dict[str, list[dict]], *, last_of: list[str] | None = None,
-                 threshold: float = WIDE, wide: int | None = None, di=None) -> list[Target]:
+                 threshold: float = WIDE, wide: int | None = None, di=None, recipe: bool = False) -> list[Target]:
     """The steps worth timing across processes, from ladder rows (``query.ladder_rows``'s, per workload):
 
     - the last step with a time of each workload of ``last_of`` (None: every workload given); with
       ``di`` (a device's facts), a workload without timed rows falls back on ``last_recipe_step``;
+      with ``recipe``, where that last step is past the standard recipe, the recipe's last timed
+      step follows it: the two ends of the workload's "past the recipe" ratio, each with its spread;
     - then the steps whose p80/p20 exceeds ``threshold`` (their own process already saw them wander),
       widest first, at most ``wide`` of them (None: all), from every workload given.
 
@@ -97,6 +99,10 @@ def choose_steps(rows_by_workload: dict[str, list[dict]], *, last_of: list[str] 
         timed = [r for r in rows_by_workload.get(w, []) if _timed(r)]
         if timed:
             out.append(Target(w, timed[-1]["step"], "the workload's last measured step"))
+            within = [r for r in timed if not get_step(r["step"]).beyond_recipe]
+            if recipe and within and within[-1] is not timed[-1]:
+                out.append(Target(w, within[-1]["step"], "the recipe's last step, which the steps past it are "
+                                                         "compared with"))
         elif di is not None:
             get_workload(w)   # a name that is no workload fails here, naming the choices
             step = last_recipe_step(w, di)
