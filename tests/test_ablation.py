@@ -139,3 +139,24 @@ def test_removals_follow_the_ladder():
     assert gpt21[-2:] == ["without_17_fused_lm_head", "without_21_fused_layernorm"] and "without_18_fp8" not in gpt21
     t = ablation.get_toggle("without_06_torch_compile")
     assert t.without.settings == {"compile": False, "cuda_graphs": False} and t.rebuild
+
+
+def test_an_interrupted_ablation_keeps_the_toggles_it_finished(tmp_path, monkeypatch):
+    run = tmp_path / "cut"
+    real, calls = ablation._one, []
+
+    def one(workload, step, t, *a, **k):
+        calls.append(t.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt   # stopped while measuring the second toggle
+        return real(workload, step, t, *a, **k)
+
+    monkeypatch.setattr(ablation, "_one", one)
+    with pytest.raises(KeyboardInterrupt):
+        ablation.measure("gpt", "05_fused_optimizer", ["non_blocking", "cudnn_benchmark", "without_04_sdpa_attention"],
+                         profile="smoke", device="cpu", window=TINY, run=run)
+    recs = query.load(run)
+    # the n/a toggle and the one finished are on disk; the one interrupted left nothing
+    assert {r["fields"]["toggle"] for r in query.select(recs, metric="speedup")} == {"non_blocking", "cudnn_benchmark"}
+    assert query.select(recs, metric="speedup", toggle="cudnn_benchmark")[0]["status"] == "ok"
+    assert not query.select(recs, toggle="without_04_sdpa_attention")

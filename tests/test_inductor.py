@@ -68,6 +68,11 @@ def test_the_fused_layernorm_knob_applies_to_gpt_compiled_steps_only():
     assert t.applies("gpt", settings_for("17"), cpu) is None
     assert "does not use it" in t.applies("vit_bdh", settings_for("09"), cpu)
     assert "does not compile" in t.applies("gpt", settings_for("05"), cpu)
+    # a step that already has the change: the ladder measured it (21 and 22 made these two part of the chain)
+    assert "already part of this step, since 21_fused_layernorm" in t.applies("gpt", settings_for("25"), cpu)
+    gelu = inductor.TOGGLES["gelu_epilogue"]
+    assert gelu.applies("gpt", settings_for("21"), cpu) is None
+    assert "since 22_gelu_epilogue" in gelu.applies("gpt", settings_for("23"), cpu)
     with pytest.raises(ValueError, match="kind must be"):
         inductor.Knob("k", {"fused_ln": True}, {"fused_ln": False}, "t", "w", triton=False, kind="other")
 
@@ -76,6 +81,21 @@ def test_the_best_step_is_17_on_gpt_and_09_where_17_does_not_apply():
     assert inductor.best_step("gpt", "cpu") == ("17_fused_lm_head", None)
     step, why = inductor.best_step("vit_bdh", "cpu")
     assert step == "09_cuda_graphs" and "17_fused_lm_head does not run here" in why
+
+
+def test_with_the_runs_ladder_the_best_step_is_its_fastest_compiled_bf16_step():
+    def row(step, ms, status="ok"):
+        return {"step": step, "ms_per_step": ms, "status": status}
+    rows = [row("05_fused_optimizer", 20.0), row("09_cuda_graphs", 36.3), row("17_fused_lm_head", 34.2),
+            row("18_fp8", 30.0), row("24_qkv_grad", 31.8), row("25_bias_column", 31.5), row("23_branch_bias", None, "n/a")]
+    # 05 is eager (nothing for inductor's options), 18 is FP8: neither counts however fast
+    assert inductor.fastest_step(rows) == "25_bias_column"
+    assert inductor.best_step("gpt", "cpu", rows) == ("25_bias_column", None)
+    assert inductor.fastest_step([row("24_qkv_grad", 31.0), row("25_bias_column", 31.5)]) == "24_qkv_grad"
+    # no row it can use: the rule without rows
+    assert inductor.best_step("gpt", "cpu", [row("05_fused_optimizer", 20.0), row("18_fp8", 30.0)]) == \
+        ("17_fused_lm_head", None)
+    assert inductor.best_step("gpt", "cpu", []) == ("17_fused_lm_head", None)
 
 
 def test_bad_knobs_fail_before_any_work(tmp_path):

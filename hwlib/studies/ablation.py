@@ -571,7 +571,14 @@ def measure(workload: str, step: str, toggles: list[str], *, profile: str = "aut
     cfg = wl.config(prof, **(config or {}))
     base = settings_for(st.name)
     t0 = time.perf_counter()
-    rows, to_record = [], []
+    rows = []
+    params = {"config": dataclasses.asdict(cfg), "seed": seed, "window": dataclasses.asdict(win), "level": level}
+
+    def record(row: dict) -> None:
+        # each toggle's records as soon as its last window is done: an interrupted study keeps the toggles
+        # it finished and records nothing of the one it was measuring
+        results.append(_records([row], profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
+
     why_step = not_applicable(st, wl.name) or unavailable(st, di)
     bar = None
     if progress:
@@ -584,7 +591,7 @@ def measure(workload: str, step: str, toggles: list[str], *, profile: str = "aut
         skip = None if why else (t.skips(di) if t.skips else None)
         if why or skip:
             rows.append(_row(wl.name, st.name, t, "in_process", status="n/a" if why else "skipped", reason=why or skip))
-            to_record.append(rows[-1])
+            record(rows[-1])
         elif budget_s is not None and time.perf_counter() - t0 > budget_s:
             rows.append(_row(wl.name, st.name, t, "in_process", status="skipped",
                              reason=f"the time budget ({budget_s:g} s) was spent before this toggle"))
@@ -593,13 +600,11 @@ def measure(workload: str, step: str, toggles: list[str], *, profile: str = "aut
         else:
             rows.append(_one(wl.name, st.name, t, cfg, base, dev, di, win, level, seed))
             if rows[-1]["status"] != "skipped" or rows[-1].get("arm_failed"):
-                to_record.append(rows[-1])
+                record(rows[-1])
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    params = {"config": dataclasses.asdict(cfg), "seed": seed, "window": dataclasses.asdict(win), "level": level}
-    results.append(_records(to_record, profile=prof, device=di.to_dict(), notebook=notebook, params=params), run)
     return rows
 
 

@@ -35,11 +35,14 @@ the gap between the two is what the knob costs a user whose step is already comp
 A combination of knobs (``Knob.parts``) is measured only where one of its parts was kept: each part
 already answered whether its options gain anything here.
 
-The step (``best_step``): 17 (the fused LM head) where it runs with its Triton row pass, else 09
-(the recipe's last step). On a CPU, inductor writes C++ rather than Triton: the knobs that tune
-Triton kernels (max-autotune's GEMM templates, coordinate descent, multi-kernel reductions) are
-``skipped`` with the reason, and the smoke profile measures the one knob whose code path a CPU also
-has, at the smoke model's compiled step 17.
+The step (``best_step``): the fastest compiled bf16 step of the run's ladder (a series runs every
+ladder notebook before this study); in a run without ladder rows, 17 (the fused LM head) where it
+runs with its Triton row pass, else 09 (the recipe's last step). A ``settings`` knob whose change
+the step already has is ``n/a``: the ladder step that made it part of the chain measured it.
+
+On a CPU, inductor writes C++ rather than Triton: the knobs that tune Triton kernels (max-autotune's
+GEMM templates, coordinate descent, multi-kernel reductions) are ``skipped`` with the reason, and the
+smoke profile measures the one knob whose code path a CPU also has, at the smoke ladder's step.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch
 
 from .. import bench, noise
 from ..device import ChoiceError, Unavailable, info, resolve_device, supports_compile
-from ..steps import get_step, not_applicable, unavailable
+from ..steps import LADDER, get_step, not_applicable, settings_for, unavailable
 from . import ablation
 
 NOTEBOOK = "20_inductor"
@@ -194,10 +197,18 @@ def _skips(knob: Knob):
     return why
 
 
-def _gpt_compiles(workload, st, di):
-    if workload != "gpt":
-        return f"a fusion inside GPT's blocks: {workload} does not use it"
-    return _compiles(workload, st, di)
+def _settings_applies(knob: Knob):
+    """Why a ``settings`` knob does not apply at a step: not GPT, not compiled, or the step already has
+    its change (a ladder step made it part of the chain and measured it against the step before)."""
+    def why(workload, st, di) -> str | None:
+        if workload != "gpt":
+            return f"a fusion inside GPT's blocks: {workload} does not use it"
+        if all(getattr(st, k) == v for k, v in knob.on.items()):
+            since = next(s.name for s in LADDER if any(k in s.change for k in knob.on))
+            return (f"already part of this step, since {since}: the ladder measured it there against the step "
+                    f"before, in the same run")
+        return _compiles(workload, st, di)
+    return why
 
 
 def knob_toggle(knob: Knob) -> ablation.Toggle:
@@ -205,7 +216,7 @@ def knob_toggle(knob: Knob) -> ablation.Toggle:
     for a ``settings`` knob, built with its own settings)."""
     if knob.kind == "settings":
         return ablation.Toggle(PREFIX + knob.name, knob.title, without=ablation.Arm(settings=dict(knob.off)),
-                               with_=ablation.Arm(settings=dict(knob.on)), rebuild=True, applies=_gpt_compiles,
+                               with_=ablation.Arm(settings=dict(knob.on)), rebuild=True, applies=_settings_applies(knob),
                                fallible=True, same_math=True)
     on, off = (", ".join(f"{k}={v!r}" for k, v in d.items()) for d in (knob.on, knob.off))
     return ablation.Toggle(PREFIX + knob.name, f"inductor {on} at compile (vs {off})",
@@ -218,10 +229,31 @@ TOGGLES: dict[str, ablation.Toggle] = {k: knob_toggle(v) for k, v in KNOBS.items
 ablation.register(*TOGGLES.values())
 
 
-def best_step(workload: str = "gpt", device: str | torch.device = "auto") -> tuple[str, str | None]:
-    """(step, why not 17): 17 where it applies and runs with its Triton row pass (on a CPU the smoke
+def fastest_step(rows: list[dict]) -> str | None:
+    """The fastest step among ladder ``rows`` (``query.ladder_rows``'s, one workload) that the knobs can
+    act on: timed, compiled, in bf16 without FP8 (inductor's options change compiled code only, and FP8 is
+    a branch of its own). None where no row qualifies."""
+    def fits(r):
+        if r.get("status") != "ok" or not isinstance(r.get("ms_per_step"), (int, float)) or r["ms_per_step"] <= 0:
+            return False
+        st = settings_for(r["step"])
+        return bool(st.compile or st.cuda_graphs) and st.autocast == "bf16" and not st.fp8
+    timed = [r for r in rows if fits(r)]
+    return min(timed, key=lambda r: r["ms_per_step"])["step"] if timed else None
+
+
+def best_step(workload: str = "gpt", device: str | torch.device = "auto",
+              rows: list[dict] | None = None) -> tuple[str, str | None]:
+    """(step, why not the fastest or 17). With ``rows``, the run's ladder rows of ``workload`` (handed in:
+    studies do not read results), the fastest step among them that the knobs can act on
+    (``fastest_step``): every ladder notebook runs before this study in a series. Without rows, or
+    where none qualifies: 17 where it applies and runs with its Triton row pass (on a CPU the smoke
     ladder's step 17 runs the same math in torch), else 09 and the reason."""
     from ..ops import linear_ce   # the fused head's own check of its Triton backend
+
+    fastest = fastest_step(rows) if rows else None
+    if fastest is not None:
+        return fastest, None
 
     di = info(resolve_device(device))
     st = get_step(STEP)
