@@ -33,9 +33,12 @@ layout: 8 bytes an element (10 with an amax pass per layout, as separate ``quant
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
+from ..device import Unavailable
 from ..precision import compute_dtype
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -122,6 +125,22 @@ class FP8Matmul(torch.autograd.Function):
         return dx, dw.to(ctx.w_dtype), None, None
 
 
+@functools.lru_cache(maxsize=None)
+def rowwise_unsupported(device_type: str) -> str | None:
+    """Why ``torch._scaled_mm`` on ``device_type`` tensors cannot take row-wise scales in this torch, or
+    None where it can: asked once per process, of a 16 x 16 product (torch 2.11's CPU kernel, for one,
+    takes per-tensor scales only and says so in a RuntimeError)."""
+    dev = torch.device(device_type)
+    a = torch.ones(16, 16, device=dev).to(E4M3)
+    s = torch.ones(16, 1, device=dev)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"torch {torch.__version__}'s _scaled_mm takes no row-wise scales on {device_type} tensors ({first})"
+    return None
+
+
 def check_shapes(x: torch.Tensor, weight: torch.Tensor, scaling: str) -> None:
     """A clear error, naming the argument, for inputs ``fp8_linear`` cannot take."""
     if scaling not in SCALINGS:
@@ -134,6 +153,8 @@ def check_shapes(x: torch.Tensor, weight: torch.Tensor, scaling: str) -> None:
         raise TypeError(f"x and weight must be floating point, got {x.dtype} and {weight.dtype}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device}, weight on {weight.device}: put them on one device")
+    if scaling == "row" and (why := rowwise_unsupported(x.device.type)):
+        raise Unavailable(f"scaling='row': {why}; scaling='tensor' runs here")
     if x.device.type == "cuda":
         m = x.numel() // x.shape[-1]
         bad = {n: v for n, v in (("tokens (x's leading dimensions)", m), ("in_features", weight.shape[1]),
