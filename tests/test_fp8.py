@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from hwlib.device import DeviceInfo, Unavailable
+from hwlib.device import ChoiceError, DeviceInfo, Unavailable
 from hwlib.ops import fp8
 from hwlib.steps import Settings, get_step, settings_for, unavailable
 from hwlib.workloads import get_workload
@@ -155,3 +155,41 @@ def test_head_matmuls_rows_on_cpu():
         assert r["err_y"] == pytest.approx(fp8_rows[0]["err_y"], rel=1e-4) and 2 ** -8 < r["err_dw"] < 2 ** -3
     with pytest.raises(ValueError, match="M must be a positive int"):
         study.head_matmuls("smoke", "cpu", shape=(0, 32, 80))
+
+
+def test_block_matmuls_time_every_linear_of_a_block_and_check_it_against_float64():
+    from hwlib.studies import fp8 as study
+    from hwlib.workloads import gpt
+    cfg = gpt.PROFILES["smoke"]
+    M, d = cfg.batch * cfg.context, cfg.d_model
+    assert study.block_linears("smoke") == {"attn_qkv": (M, d, 3 * d), "attn_proj": (M, d, d),
+                                           "mlp_fc": (M, d, 4 * d), "mlp_proj": (M, 4 * d, d)}
+    rows = study.block_matmuls("smoke", "cpu", iters=2)
+    assert [(r["linear"], r["variant"]) for r in rows] == [(k, v) for k in study.block_linears("smoke")
+                                                           for v in ("bf16", study.VARIANTS[3])]
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0 and (r["M"], r["K"], r["N"]) == study.block_linears("smoke")[r["linear"]]
+        # bf16 within bf16's rounding of float64; FP8 coarser than bf16 and within e4m3/e5m2's
+        lo, hi = (0, 2 ** -7) if r["variant"] == "bf16" else (2 ** -8, 2 ** -3)
+        assert all(lo < r[k] < hi for k in ("err_y", "err_dx", "err_dw")), r
+    with pytest.raises(ChoiceError, match="profile"):
+        study.block_linears("huge")
+    with pytest.raises(ValueError, match="iters"):
+        study.block_matmuls("smoke", "cpu", iters=0)
+
+
+def test_matmul_headroom_is_the_layers_savings_plus_the_heads():
+    from hwlib.studies import fp8 as study
+    fp8 = study.VARIANTS[3]
+
+    def row(variant, ms, linear=None, status="ok"):
+        return {"variant": variant, "ms": ms, "status": status, **({"linear": linear} if linear else {})}
+    block = [row("bf16", 1.0, "attn_qkv"), row(fp8, 0.6, "attn_qkv"), row("bf16", 2.0, "mlp_fc"), row(fp8, 1.5, "mlp_fc")]
+    head = [row("bf16", 5.0), row(study.VARIANTS[1], 9.0), row(fp8, 3.0)]
+    got = study.matmul_headroom(block, head, n_layer=12)
+    assert got["per_layer_ms"] == pytest.approx({"attn_qkv": 0.4, "mlp_fc": 0.5})
+    assert got["blocks_ms"] == pytest.approx(12 * 0.9) and got["head_ms"] == pytest.approx(2.0)
+    assert got["saved_ms"] == pytest.approx(12 * 0.9 + 2.0) and got["bf16_ms"] == pytest.approx(12 * 3.0 + 5.0)
+    # an FP8 row that did not run: no bound
+    assert study.matmul_headroom(block[:3] + [row(fp8, None, "mlp_fc", status="skipped")], head, 12) is None
+    assert study.matmul_headroom(block, head[:2], 12) is None

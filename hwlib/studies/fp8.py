@@ -91,31 +91,63 @@ def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, 
     if not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
     compile_layouts = dev.type == "cuda" if compile_layouts is None else compile_layouts
+    # Logits' gradients O(1 / (M V)), as a mean loss over M tokens and V classes gives.
+    x, w, dy = _operands(M, K, N, dev, seed, dy_scale=(M * N) ** -0.5)
+    fp8_why = _fp8_missing(dev)
+    layouts = torch.compile(fp8_layouts) if compile_layouts else fp8_layouts
+    pre = None if fp8_why else matmuls_only(x, w, dy)
+    fns = {VARIANTS[0]: bf16_step, VARIANTS[1]: fp8_with_copies, VARIANTS[2]: layouts, VARIANTS[3]: pre}
+    rows = _timed_rows(fns, x, w, dy, dev, iters, fp8_why)
+    for row in rows:
+        row["compiled"] = row["variant"] == VARIANTS[2] and compile_layouts
+        if row["variant"] == VARIANTS[2] and row["status"] == "ok" and not compile_layouts:
+            row["reason"] = "run eagerly (not compiled): its transposed casts are copies here"
+    del x, w, dy
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _operands(M: int, K: int, N: int, dev: torch.device, seed: int, dy_scale: float):
+    """bf16 x [M, K] O(1) (LayerNorm'd activations), w [N, K] as GPT-2 initialises weights (std 0.02),
+    dy [M, N] at ``dy_scale``."""
     g = torch.Generator(device=dev).manual_seed(seed)
-    # Activations O(1), weights as GPT-2 initialises them, logits' gradients O(1 / (M V)) as a mean loss gives.
     x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
     w = (0.02 * torch.randn(N, K, device=dev, generator=g)).to(torch.bfloat16)
-    dy = (torch.randn(M, N, device=dev, generator=g) / (M * N) ** 0.5).to(torch.bfloat16)
+    dy = (dy_scale * torch.randn(M, N, device=dev, generator=g)).to(torch.bfloat16)
+    return x, w, dy
+
+
+def _fp8_missing(dev: torch.device) -> str | None:
+    di = info(dev)
+    return None if (dev.type == "cpu" or supports_fp8(di)) else \
+        f"FP8 matmuls need sm_89 or newer; this GPU is sm_{di.capability[0]}{di.capability[1]}"
+
+
+def matmuls_only(x, w, dy):
+    """The three FP8 matmuls of (x, w, dy) on operands quantized beforehand, each in the layout its matmul
+    reads: a function of the same signature as ``bf16_step`` that times the matmuls alone."""
+    q = {k: quantize(t, d, transposed=tr) for k, (t, d, tr) in
+         {"x": (x, E4M3, False), "w": (w, E4M3, False), "xt": (x, E4M3, True), "wt": (w, E4M3, True),
+          "g": (dy, E5M2, False), "gt": (dy, E5M2, True)}.items()}
+
+    def pre(x_, w_, dy_):
+        return (_smm(q["x"][0], q["x"][1], q["w"][0].t(), q["w"][1], torch.bfloat16),
+                _smm(q["g"][0], q["g"][1], q["wt"][0].t(), q["wt"][1], torch.bfloat16),
+                _smm(q["gt"][0], q["gt"][1], q["xt"][0].t(), q["xt"][1], torch.float32))
+    return pre
+
+
+def _timed_rows(fns: dict, x, w, dy, dev, iters: int, fp8_why: str | None) -> list[dict]:
+    """One row per variant (``fns``: name -> f(x, w, dy) giving (y, dx, dW)): ms, p20/p80, TFLOP/s and the
+    relative errors of its outputs against float64 matmuls of the same inputs; FP8 variants ``skipped``
+    with ``fp8_why`` where it is set."""
+    (M, K), N = x.shape, w.shape[0]
     ref = (x.double() @ w.double().t(), dy.double() @ w.double(), dy.double().t() @ x.double())
     flops = 3 * 2.0 * M * N * K
-    fp8_why = None if (dev.type == "cpu" or supports_fp8(di)) else \
-        f"FP8 matmuls need sm_89 or newer; this GPU is sm_{di.capability[0]}{di.capability[1]}"
-    layouts = torch.compile(fp8_layouts) if compile_layouts else fp8_layouts
-    pre = None
-    if fp8_why is None:
-        q = {k: quantize(t, d, transposed=tr) for k, (t, d, tr) in
-             {"x": (x, E4M3, False), "w": (w, E4M3, False), "xt": (x, E4M3, True), "wt": (w, E4M3, True),
-              "g": (dy, E5M2, False), "gt": (dy, E5M2, True)}.items()}
-
-        def pre(x_, w_, dy_):   # the operands above, already quantized into their layouts
-            return (_smm(q["x"][0], q["x"][1], q["w"][0].t(), q["w"][1], torch.bfloat16),
-                    _smm(q["g"][0], q["g"][1], q["wt"][0].t(), q["wt"][1], torch.bfloat16),
-                    _smm(q["gt"][0], q["gt"][1], q["xt"][0].t(), q["xt"][1], torch.float32))
-    fns = {VARIANTS[0]: bf16_step, VARIANTS[1]: fp8_with_copies, VARIANTS[2]: layouts, VARIANTS[3]: pre}
     rows = []
     for name, fn in fns.items():
-        row = {"variant": name, "M": M, "K": K, "N": N, "status": "ok", "reason": None,
-               "compiled": name == VARIANTS[2] and compile_layouts}
+        row = {"variant": name, "M": M, "K": K, "N": N, "status": "ok", "reason": None}
         if name != "bf16" and fp8_why:
             row.update(status="skipped", reason=fp8_why)
             rows.append(row)
@@ -126,10 +158,59 @@ def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, 
         t = bench.time_fn(lambda i: fn(x, w, dy), dev, warmup=3, iters=iters)
         row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, tflops=flops / (t.median_ms / 1e3) / 1e12,
                    err_y=errs[0], err_dx=errs[1], err_dw=errs[2])
-        if name == VARIANTS[2] and not compile_layouts:
-            row["reason"] = "run eagerly (not compiled): its transposed casts are copies here"
         rows.append(row)
-    del x, w, dy, ref
+    return rows
+
+
+# --- how far FP8 could go: every matmul of the step, quantization free -------------------------------
+
+def block_linears(profile: str) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of each linear of one GPT-2 block at ``profile``: M tokens of a step, K in, N out."""
+    if profile not in gpt.PROFILES:
+        raise ChoiceError("profile", profile, tuple(gpt.PROFILES))
+    cfg = gpt.PROFILES[profile]
+    M, d = cfg.batch * cfg.context, cfg.d_model
+    return {"attn_qkv": (M, d, 3 * d), "attn_proj": (M, d, d), "mlp_fc": (M, d, 4 * d), "mlp_proj": (M, 4 * d, d)}
+
+
+def block_matmuls(profile: str = "full", device: str | torch.device = "auto", *, iters: int = 10,
+                  seed: int = 0) -> list[dict]:
+    """Each block linear's three matmuls (y, dx, dW) at ``profile``'s shapes, in bf16 (``bf16_step``) and
+    in FP8 on operands already quantized into their layouts (``matmuls_only``: no amax, cast or copy
+    counted): rows as ``head_matmuls``'s, with ``linear``. Gradients O(1 / sqrt(M N)), a mean loss's."""
+    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
+        raise ValueError(f"iters must be a positive int, got {iters!r}")
+    dev = resolve_device(device)
+    fp8_why = _fp8_missing(dev)
+    rows = []
+    for name, (M, K, N) in block_linears(profile).items():
+        x, w, dy = _operands(M, K, N, dev, seed, dy_scale=(M * N) ** -0.5)
+        fns = {"bf16": bf16_step, VARIANTS[3]: None if fp8_why else matmuls_only(x, w, dy)}
+        rows += [{"linear": name, **r} for r in _timed_rows(fns, x, w, dy, dev, iters, fp8_why)]
+        del x, w, dy
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def matmul_headroom(block_rows: list[dict], head_rows: list[dict], n_layer: int) -> dict | None:
+    """The most FP8 matmuls could take off one training step were quantizing free: per block linear, its
+    three matmuls' bf16 time less their FP8 time (``block_matmuls``'s rows), times ``n_layer``, plus the
+    head's (``head_matmuls``'s bf16 and "matmuls only" rows). None where an FP8 row did not run.
+
+        saved = n_layer * sum_linears (t_bf16 - t_fp8) + (t_head_bf16 - t_head_fp8)"""
+    def ms(rows, variant, **match):
+        r = next((r for r in rows if r["variant"] == variant and all(r.get(k) == v for k, v in match.items())), None)
+        return r["ms"] if r is not None and r["status"] == "ok" else None
+    per_layer = {}
+    for name in dict.fromkeys(r["linear"] for r in block_rows):
+        a, b = ms(block_rows, "bf16", linear=name), ms(block_rows, VARIANTS[3], linear=name)
+        if a is None or b is None:
+            return None
+        per_layer[name] = a - b
+    ha, hb = ms(head_rows, "bf16"), ms(head_rows, VARIANTS[3])
+    if ha is None or hb is None:
+        return None
+    blocks = n_layer * sum(per_layer.values())
+    return {"per_layer_ms": per_layer, "blocks_ms": blocks, "head_ms": ha - hb, "saved_ms": blocks + ha - hb,
+            "bf16_ms": n_layer * sum(ms(block_rows, "bf16", linear=k) for k in per_layer) + ha}
