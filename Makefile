@@ -35,7 +35,7 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup pin-notebooks constraints reproduce test test-unit test-unit-late test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
+.PHONY: setup pin-notebooks constraints reproduce first-look test test-unit test-unit-late test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
 
 setup: $(SETUP_STAMP)
 
@@ -59,6 +59,14 @@ constraints: setup
 
 reproduce: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(ARGS)
+
+# A first look in minutes, into outputs/first-look/ (RUN=... elsewhere): the environment and its
+# ceilings (00), the recipe (09), the fastest step past it (25), where the time goes in those two
+# (16, profiling only them) and the tables (99).
+FIRST_LOOK := --only 00,09,25,16,99 --set '16.steps=[09_cuda_graphs, 25_bias_column]'
+first-look: RUN = first-look
+first-look: setup
+	$(PY) -m hwlib.cli reproduce --run $(RUN) $(FIRST_LOOK) $(ARGS)
 
 # Independent parts: `make test -j3` runs them side by side (CI does, on two cores: the suites spend
 # much of their time starting kernels and processes, so a third keeps both cores busy). The unit

@@ -210,3 +210,22 @@ def test_time_table_counts_compile_seconds_made_while_the_notebook_ran(tmp_path)
     start, end = run_window({"seconds": 100.0, "finished": "2026-11-23T04:07:22"})
     assert (end - start).total_seconds() == 110.0 and end.tzinfo is not None
     assert run_window({"seconds": 1.0}) is None and run_window({"finished": "yesterday", "seconds": 1}) is None
+
+
+def test_first_look_block_is_the_time_table_of_its_run(ladder, tmp_path):
+    assert report.first_look_block(tmp_path / "never_ran") == "No first-look reference run yet."
+    results.write_json(ladder / "state.json", {
+        "_profile": "full", "00_environment": {"status": "ok", "seconds": 20.0, "reason": ""},
+        "16_where_time_goes": {"status": "ok", "seconds": 60.0, "reason": "",
+                               "parameters": {"steps": ["09_cuda_graphs", "25_bias_column"]}}})
+    block = report.first_look_block(ladder)
+    assert "from cold caches" in block and "80 s over 2 notebooks" in block
+    assert '| 16_where_time_goes | ok | 60.0 | 75% | - | `steps=["09_cuda_graphs", "25_bias_column"]` |' in block
+
+
+def test_committed_readme_shows_the_first_looks_times(monkeypatch):
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the references
+    text = (paths.REPO_ROOT / "README.md").read_text()
+    start, end = text.index(report.FIRST_START), text.index(report.FIRST_END)
+    assert text[start + len(report.FIRST_START):end].strip() == report.first_look_block().strip(), \
+        "README's first-look section is stale: run `make readme`"

@@ -27,6 +27,8 @@ README_START, README_END = "<!-- reference-table:start -->", "<!-- reference-tab
 # The seeds' claims stand in a section of their own, after the notebooks' guide (optional in a README).
 CLAIMS_START, CLAIMS_END = "<!-- claims-table:start -->", "<!-- claims-table:end -->"
 SMALL_START, SMALL_END = "<!-- small-gpu:start -->", "<!-- small-gpu:end -->"
+FIRST_START, FIRST_END = "<!-- first-look:start -->", "<!-- first-look:end -->"
+FIRST_LOOK_RUN = "reference/h100-first-look"   # ``make first-look`` from cold caches on the reference H100
 
 
 def _fmt(v, spec: str) -> str:
@@ -528,6 +530,17 @@ def small_gpu_block(runs: list[str]) -> str:
     return "\n".join(out) if out else "No reference run in a smaller profile yet."
 
 
+def first_look_block(run=FIRST_LOOK_RUN) -> str:
+    """The README's part on ``make first-look``: where the time of its reference run went."""
+    folder = run_dir(run, create=False)
+    if not (folder / "state.json").is_file():
+        return "No first-look reference run yet."
+    recs = query.load(run)
+    dev = next((r["device"].get("name") for r in recs if isinstance(r.get("device"), dict)), "?")
+    name = f"outputs/{run}" if isinstance(run, str) else folder.name
+    return f"**`{name}`**, {dev}, from cold caches:\n\n" + time_table(run)
+
+
 def source_markdown(source: str) -> str:
     """A seed's public source (``Seed.source``: 'owner/repo, path (commit abc)' or 'owner/repo (a fork
     of ...), path') with its repository linked and its file in code type."""
@@ -562,7 +575,8 @@ def _between(text: str, start: str, end: str, body: str) -> str:
 def render_readme(text: str, run) -> str:
     """``text`` (a README) with its generated parts rebuilt from ``run``: the reference tables between
     ``README_START`` and ``README_END`` (required), the claims tables between ``CLAIMS_START`` and
-    ``CLAIMS_END`` (where the README has them). A ValueError names missing or unpaired markers."""
+    ``CLAIMS_END``, the smaller-GPU runs and the first look's times (each where the README has its
+    markers). A ValueError names missing or unpaired markers."""
     if README_START not in text or README_END not in text:
         raise ValueError(f"markers {README_START} ... {README_END} not found")
     if (CLAIMS_START in text) != (CLAIMS_END in text):
@@ -574,6 +588,10 @@ def render_readme(text: str, run) -> str:
         raise ValueError(f"markers {SMALL_START} ... {SMALL_END}: one is missing")
     if SMALL_START in text:
         new = _between(new, SMALL_START, SMALL_END, small_gpu_block(reference_runs()))
+    if (FIRST_START in text) != (FIRST_END in text):
+        raise ValueError(f"markers {FIRST_START} ... {FIRST_END}: one is missing")
+    if FIRST_START in text:
+        new = _between(new, FIRST_START, FIRST_END, first_look_block())
     return new
 
 
