@@ -222,3 +222,23 @@ def test_the_worker_measures_the_step_as_the_ladder_does(isolated_run):
     assert out["status"] == "ok" and len(out["samples_ms"]) == 3 and all(x > 0 for x in out["samples_ms"])
     json.dumps(out)   # it travels back through a file
     assert pn._worker({**spec, "step": "10_channels_last"})["status"] == "n/a"
+
+
+def test_an_interrupted_study_keeps_the_steps_it_finished(isolated_run, tmp_path):
+    log, cmd = fake(tmp_path)
+    calls = []
+
+    def stop_at_the_third(spec, out):
+        calls.append(spec)
+        if len(calls) == 3:   # the second step's first process: stopped as by a signal
+            raise KeyboardInterrupt
+        return cmd(spec, out)
+
+    with pytest.raises(KeyboardInterrupt):
+        pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "06_torch_compile")], processes=2, profile="smoke",
+                   device="cpu", command=stop_at_the_third)
+    recs = query.load()
+    # the first step's pair and spread are on disk; nothing of the step that was running
+    assert len(query.select(recs, metric="ms_per_step", step="05_fused_optimizer")) == 2
+    assert query.select(recs, metric="process_spread", step="05_fused_optimizer")[0]["status"] == "ok"
+    assert not query.select(recs, step="06_torch_compile")

@@ -12,7 +12,8 @@ after step, then round by round over the steps for the processes past two. A tim
 starts a step whose two processes it cannot finish (judged by the processes so far), so a short
 budget leaves whole spreads of the first steps instead of one process of every step and no spread.
 
-Recorded (notebook 19) once the last process has finished, never before:
+Recorded (notebook 19) per step once its last process has finished, never before (an interrupted
+study keeps the steps it finished):
 
 - each process's time: ``ms_per_step`` with fields ``{"repeat": i}`` (its p20/p80: the spread
   inside that process), with the telemetry of its timed window;
@@ -252,57 +253,71 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
     # the study falls on every step's later processes alike.
     order = ([(t, i) for t in live for i in range(2)]
              + [(t, i) for i in range(2, processes) for t in live])
+    last = {t: k for k, (t, _) in enumerate(order)}   # a target's last place in the order
     took: list[float] = []
+    rows: dict[Target, dict] = {}
+
+    def finish(t: Target) -> None:
+        # A target's records as soon as none of its processes is left to run: an interrupted study
+        # keeps the targets it finished and records nothing of the one it was measuring.
+        rows[t] = _final_row(t, done[t], why[t], failed.get(t), budget_s, processes, level, seed)
+        if rows[t]["status"] != "skipped":
+            results.append(_records(rows[t], done[t], profile=prof, device=di.to_dict(), notebook=notebook,
+                                    params=params[t]), run)
+
+    for t in ts:
+        if why[t]:
+            finish(t)
     with tempfile.TemporaryDirectory(prefix="hwlib-noise-") as tmp:
-        for t, i in order:
-            if t in failed or len(done[t]) < i:      # failed, or its pair was never started
-                continue
-            if budget_s is not None and i != 1:
-                left = budget_s - (time.perf_counter() - t0)
-                mean = statistics.fmean(took) if took else 0.0
-                if left <= 0 or (2 if i == 0 else 1) * mean > left:
+        for k, (t, i) in enumerate(order):
+            try:
+                if t in failed or len(done[t]) < i:      # failed, or its pair was never started
                     continue
-            if bar is not None:
-                bar.set_postfix_str(f"{t.workload} {t.step} #{i + 1}")
-            spec = {"workload": t.workload, "step": t.step, "profile": prof, "device": dev.type, "seed": seed,
-                    "config": config or {}, "plan": [pl.check, pl.warmup, pl.timed]}
-            start = time.perf_counter()
-            res = in_fresh_process(make, spec, Path(tmp) / f"t{ts.index(t)}p{i}", timeout_s, prof)
-            took.append(time.perf_counter() - start)
-            if bar is not None:
-                bar.update(1)
-            if res["status"] != "ok":
-                failed[t] = res
-            else:
-                done[t].append(res)
+                if budget_s is not None and i != 1:
+                    left = budget_s - (time.perf_counter() - t0)
+                    mean = statistics.fmean(took) if took else 0.0
+                    if left <= 0 or (2 if i == 0 else 1) * mean > left:
+                        continue
+                if bar is not None:
+                    bar.set_postfix_str(f"{t.workload} {t.step} #{i + 1}")
+                spec = {"workload": t.workload, "step": t.step, "profile": prof, "device": dev.type, "seed": seed,
+                        "config": config or {}, "plan": [pl.check, pl.warmup, pl.timed]}
+                start = time.perf_counter()
+                res = in_fresh_process(make, spec, Path(tmp) / f"t{ts.index(t)}p{i}", timeout_s, prof)
+                took.append(time.perf_counter() - start)
+                if bar is not None:
+                    bar.update(1)
+                if res["status"] != "ok":
+                    failed[t] = res
+                else:
+                    done[t].append(res)
+            finally:
+                if k == last[t]:
+                    finish(t)
     if bar is not None:
         bar.close()
-    rows = []
-    for t in ts:
-        mine = done[t]
-        row = _row(t, processes=len(mine), medians=[statistics.median(r["samples_ms"]) for r in mine])
-        if why[t]:
-            row.update(status="n/a", reason=why[t])
-        elif t in failed:
-            row.update(status=failed[t]["status"], reason=f"process {len(mine) + 1}: {failed[t]['reason']}"[:400])
-        elif len(mine) < 2:
-            rows.append(_row(t, processes=len(mine), status="skipped",
-                             reason=f"the time budget ({budget_s:g} s) was spent with {len(mine)} process(es) done: "
-                                    f"no spread to record"))
-            continue
-        else:
-            sp = spread([r["samples_ms"] for r in mine], level=level, seed=seed)
-            row.update(spread=sp["spread"], lo=sp["lo"], hi=sp["hi"], level=level, interval=sp["interval"],
-                       beyond_steps=sp["beyond_steps"], ms_min=min(sp["medians"]), ms_max=max(sp["medians"]))
-            if len(mine) < processes:
-                row["reason"] = f"the time budget ({budget_s:g} s) ran out after {len(mine)} of {processes} processes"
-        rows.append(row)
-    # Written once every process has finished: an interrupted study records nothing.
-    recs = [rec for row, t in zip(rows, ts) if row["status"] != "skipped"
-            for rec in _records(row, done[t], profile=prof, device=di.to_dict(), notebook=notebook, params=params[t])]
-    if recs:
-        results.append(recs, run)
-    return rows
+    return [rows[t] for t in ts]
+
+
+def _final_row(t: Target, mine: list[dict], why: str | None, failed: dict | None, budget_s, processes: int,
+               level: float, seed: int) -> dict:
+    """A target's row once its processes are done: n/a, failed, skipped (fewer than two processes) or its spread."""
+    row = _row(t, processes=len(mine), medians=[statistics.median(r["samples_ms"]) for r in mine])
+    if why:
+        row.update(status="n/a", reason=why)
+    elif failed is not None:
+        row.update(status=failed["status"], reason=f"process {len(mine) + 1}: {failed['reason']}"[:400])
+    elif len(mine) < 2:
+        return _row(t, processes=len(mine), status="skipped",
+                    reason=f"the time budget ({budget_s:g} s) was spent with {len(mine)} process(es) done: "
+                           f"no spread to record")
+    else:
+        sp = spread([r["samples_ms"] for r in mine], level=level, seed=seed)
+        row.update(spread=sp["spread"], lo=sp["lo"], hi=sp["hi"], level=level, interval=sp["interval"],
+                   beyond_steps=sp["beyond_steps"], ms_min=min(sp["medians"]), ms_max=max(sp["medians"]))
+        if len(mine) < processes:
+            row["reason"] = f"the time budget ({budget_s:g} s) ran out after {len(mine)} of {processes} processes"
+    return row
 
 
 def _main(argv: list[str]) -> int:
