@@ -29,7 +29,7 @@ is kept only when its interval lies above 1 and its math held.
 Compile seconds are those of the inductor caches as they stand: a first run compiles and autotunes
 from nothing; a later one finds the kernels and the autotuning choices on disk and compiles faster.
 Under ``hwlib reproduce`` the run's notebooks share one cache, so the arm *without* (the step's own
-options) finds the graph notebook 17 compiled, while the arm *with* compiles under its new options:
+options) finds the graph the step's own ladder notebook compiled, while the arm *with* compiles under its new options:
 the gap between the two is what the knob costs a user whose step is already compiled.
 
 A combination of knobs (``Knob.parts``) is measured only where one of its parts was kept: each part
@@ -103,7 +103,8 @@ _AUTOTUNE_WHY = ("it times Triton GEMM templates against cuBLAS for each of the 
                  "near the matmul ceiling: a gain has to come from the epilogues.")
 
 # Cheapest to compile first: a budget that runs out skips the knobs that cost most (on an H100 at GPT-2's
-# step 17, coordinate descent compiled in ~140 s and max-autotune in ~210 s, against ~25 s without).
+# step 17, coordinate descent compiled in ~150 s and max-autotune in ~215 s, against ~25 s without; at step 25,
+# where hwlib's ops leave inductor fewer kernels, in ~41 s and ~92 s).
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("aggressive_fusion", {"aggressive_fusion": True}, {"aggressive_fusion": False},
          "aggressive fusion: kernels fused even when they share no input",
