@@ -166,7 +166,8 @@ def test_block_matmuls_time_every_linear_of_a_block_and_check_it_against_float64
                                            "mlp_fc": (M, d, 4 * d), "mlp_proj": (M, 4 * d, d)}
     rows = study.block_matmuls("smoke", "cpu", iters=2)
     assert [(r["linear"], r["variant"]) for r in rows] == [(k, v) for k in study.block_linears("smoke")
-                                                           for v in ("bf16", study.VARIANTS[3])]
+                                                           for v in ("bf16", study.VARIANTS[2], study.VARIANTS[3])]
+    assert not any(r["compiled"] for r in rows)   # on a CPU the quantizing passes run eagerly
     for r in rows:
         assert r["status"] == "ok" and r["ms"] > 0 and (r["M"], r["K"], r["N"]) == study.block_linears("smoke")[r["linear"]]
         # bf16 within bf16's rounding of float64; FP8 coarser than bf16 and within e4m3/e5m2's
@@ -190,6 +191,9 @@ def test_matmul_headroom_is_the_layers_savings_plus_the_heads():
     assert got["per_layer_ms"] == pytest.approx({"attn_qkv": 0.4, "mlp_fc": 0.5})
     assert got["blocks_ms"] == pytest.approx(12 * 0.9) and got["head_ms"] == pytest.approx(2.0)
     assert got["saved_ms"] == pytest.approx(12 * 0.9 + 2.0) and got["bf16_ms"] == pytest.approx(12 * 3.0 + 5.0)
+    assert got["blocks_quantized_ms"] is None   # no rows with the quantizing passes
+    passes = [row(study.VARIANTS[2], 1.2, "attn_qkv"), row(study.VARIANTS[2], 1.7, "mlp_fc")]
+    assert study.matmul_headroom(block + passes, head, 12)["blocks_quantized_ms"] == pytest.approx(12 * (-0.2 + 0.3))
     # an FP8 row that did not run: no bound
     assert study.matmul_headroom(block[:3] + [row(fp8, None, "mlp_fc", status="skipped")], head, 12) is None
     assert study.matmul_headroom(block, head[:2], 12) is None

@@ -174,19 +174,24 @@ def block_linears(profile: str) -> dict[str, tuple[int, int, int]]:
 
 
 def block_matmuls(profile: str = "full", device: str | torch.device = "auto", *, iters: int = 10,
-                  seed: int = 0) -> list[dict]:
-    """Each block linear's three matmuls (y, dx, dW) at ``profile``'s shapes, in bf16 (``bf16_step``) and
-    in FP8 on operands already quantized into their layouts (``matmuls_only``: no amax, cast or copy
-    counted): rows as ``head_matmuls``'s, with ``linear``. Gradients O(1 / sqrt(M N)), a mean loss's."""
+                  seed: int = 0, compile_layouts: bool | None = None) -> list[dict]:
+    """Each block linear's three matmuls (y, dx, dW) at ``profile``'s shapes: in bf16 (``bf16_step``); in
+    FP8 with each operand quantized into its layouts by a pass of its own (``fp8_layouts``, compiled on
+    a GPU as ``head_matmuls`` does); and in FP8 on operands already quantized (``matmuls_only``: no amax,
+    cast or copy counted). Rows as ``head_matmuls``'s, with ``linear``. Gradients O(1 / sqrt(M N)), a
+    mean loss's."""
     if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
     dev = resolve_device(device)
+    compile_layouts = dev.type == "cuda" if compile_layouts is None else compile_layouts
+    layouts = torch.compile(fp8_layouts, dynamic=False) if compile_layouts else fp8_layouts
     fp8_why = _fp8_missing(dev)
     rows = []
     for name, (M, K, N) in block_linears(profile).items():
         x, w, dy = _operands(M, K, N, dev, seed, dy_scale=(M * N) ** -0.5)
-        fns = {"bf16": bf16_step, VARIANTS[3]: None if fp8_why else matmuls_only(x, w, dy)}
-        rows += [{"linear": name, **r} for r in _timed_rows(fns, x, w, dy, dev, iters, fp8_why)]
+        fns = {"bf16": bf16_step, VARIANTS[2]: layouts, VARIANTS[3]: None if fp8_why else matmuls_only(x, w, dy)}
+        rows += [{"linear": name, "compiled": v == VARIANTS[2] and compile_layouts, **r}
+                 for v, r in zip(fns, _timed_rows(fns, x, w, dy, dev, iters, fp8_why))]
         del x, w, dy
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,7 +203,10 @@ def matmul_headroom(block_rows: list[dict], head_rows: list[dict], n_layer: int)
     three matmuls' bf16 time less their FP8 time (``block_matmuls``'s rows), times ``n_layer``, plus the
     head's (``head_matmuls``'s bf16 and "matmuls only" rows). None where an FP8 row did not run.
 
-        saved = n_layer * sum_linears (t_bf16 - t_fp8) + (t_head_bf16 - t_head_fp8)"""
+        saved = n_layer * sum_linears (t_bf16 - t_fp8) + (t_head_bf16 - t_head_fp8)
+
+    ``blocks_quantized_ms``: the blocks' saving with each operand quantized by a pass of its own
+    (the "quantized into each layout" rows), None where those did not run."""
     def ms(rows, variant, **match):
         r = next((r for r in rows if r["variant"] == variant and all(r.get(k) == v for k, v in match.items())), None)
         return r["ms"] if r is not None and r["status"] == "ok" else None
@@ -212,5 +220,11 @@ def matmul_headroom(block_rows: list[dict], head_rows: list[dict], n_layer: int)
     if ha is None or hb is None:
         return None
     blocks = n_layer * sum(per_layer.values())
+    # The blocks again with each operand quantized by a pass of its own: what FP8 gives without fusing
+    # the quantization into the kernels that produce the operands (negative: it costs).
+    passes = [ms(block_rows, VARIANTS[2], linear=k) for k in per_layer]
+    quantized = (n_layer * sum(ms(block_rows, "bf16", linear=k) - t for k, t in zip(per_layer, passes))
+                 if all(t is not None for t in passes) else None)
     return {"per_layer_ms": per_layer, "blocks_ms": blocks, "head_ms": ha - hb, "saved_ms": blocks + ha - hb,
-            "bf16_ms": n_layer * sum(ms(block_rows, "bf16", linear=k) for k in per_layer) + ha}
+            "bf16_ms": n_layer * sum(ms(block_rows, "bf16", linear=k) for k in per_layer) + ha,
+            "blocks_quantized_ms": quantized}
