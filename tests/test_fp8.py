@@ -197,3 +197,23 @@ def test_matmul_headroom_is_the_layers_savings_plus_the_heads():
     # an FP8 row that did not run: no bound
     assert study.matmul_headroom(block[:3] + [row(fp8, None, "mlp_fc", status="skipped")], head, 12) is None
     assert study.matmul_headroom(block, head[:2], 12) is None
+
+
+def test_matmul_records_and_headroom_words():
+    from hwlib.studies import fp8 as study
+    ok = {"variant": "bf16", "linear": "mlp_fc", "M": 16, "K": 32, "N": 48, "status": "ok", "reason": None,
+          "ms": 0.5, "p20_ms": 0.4, "p80_ms": 0.6, "err_y": 1e-3, "err_dx": 2e-3, "err_dw": 3e-3, "tflops": 9.0}
+    skipped = {**{k: ok[k] for k in ("linear", "M", "K", "N")}, "variant": study.VARIANTS[3], "status": "skipped",
+               "reason": "FP8 matmuls need sm_89 or newer"}
+    a, b = study.matmul_records([ok, skipped], "block_matmuls_ms", keys=("linear", "variant"), notebook="18_fp8",
+                                step="18_fp8", profile="smoke", device="cpu")
+    assert (a["value"], a["p20"], a["p80"], a["unit"], a["status"]) == (0.5, 0.4, 0.6, "ms", "ok")
+    assert a["fields"] == {"linear": "mlp_fc", "variant": "bf16"} and a["params"]["tflops"] == 9.0
+    assert b["value"] is None and b["status"] == "skipped" and b["reason"] == skipped["reason"]
+    room = {"bf16_ms": 18.0, "saved_ms": 6.0, "blocks_ms": 4.0, "head_ms": 2.0, "blocks_quantized_ms": -7.0}
+    text = study.headroom_words(room, 12, "25_bias_column", {"25_bias_column": 31.0, "09_cuda_graphs": 36.0})
+    assert "18.00 ms in bf16" in text and "12.00 ms in FP8" in text and "6.00 ms saved at most" in text
+    assert "cost 7.00 ms a step more" in text and "at least 25.00 ms" in text and "at most 1.44x step 09" in text
+    slower = study.headroom_words({**room, "saved_ms": -1.0, "blocks_quantized_ms": None}, 12, "25_bias_column",
+                                  {"25_bias_column": 31.0, "09_cuda_graphs": 36.0})
+    assert "no FP8 step can gain here" in slower and "step 09" not in slower and "pass of its own" not in slower

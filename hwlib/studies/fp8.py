@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench
+from .. import bench, results
 from ..device import ChoiceError, info, resolve_device, supports_fp8
 from ..ops.fp8 import E4M3, E5M2, quantize, quantize_both
 from ..profiles import GPU_PROFILES
@@ -79,7 +79,6 @@ def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, 
     rows are 'skipped' with the reason; ``compile_layouts`` (default: on a GPU) compiles the
     layout variant, else it runs eagerly and says so."""
     dev = resolve_device(device)
-    di = info(dev)
     if shape is None and profile not in HEAD_SHAPE:
         raise ChoiceError("profile", profile, tuple(HEAD_SHAPE))
     M, K, N = shape or HEAD_SHAPE[profile]
@@ -88,19 +87,16 @@ def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, 
             raise ValueError(f"shape: {name} must be a positive int, got {v!r}")
     if dev.type == "cuda" and any(v % 16 for v in (M, K, N)):
         raise ValueError(f"shape {(M, K, N)}: torch._scaled_mm on CUDA needs multiples of 16")
-    if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be a positive int, got {iters!r}")
-    compile_layouts = dev.type == "cuda" if compile_layouts is None else compile_layouts
+    _check_iters(iters)
+    layouts, compiled = _layouts(dev, compile_layouts)
     # Logits' gradients O(1 / (M V)), as a mean loss over M tokens and V classes gives.
     x, w, dy = _operands(M, K, N, dev, seed, dy_scale=(M * N) ** -0.5)
     fp8_why = _fp8_missing(dev)
-    layouts = torch.compile(fp8_layouts) if compile_layouts else fp8_layouts
     pre = None if fp8_why else matmuls_only(x, w, dy)
     fns = {VARIANTS[0]: bf16_step, VARIANTS[1]: fp8_with_copies, VARIANTS[2]: layouts, VARIANTS[3]: pre}
-    rows = _timed_rows(fns, x, w, dy, dev, iters, fp8_why)
+    rows = _timed_rows(fns, x, w, dy, dev, iters, fp8_why, compiled)
     for row in rows:
-        row["compiled"] = row["variant"] == VARIANTS[2] and compile_layouts
-        if row["variant"] == VARIANTS[2] and row["status"] == "ok" and not compile_layouts:
+        if row["variant"] == VARIANTS[2] and row["status"] == "ok" and not compiled:
             row["reason"] = "run eagerly (not compiled): its transposed casts are copies here"
     del x, w, dy
     if dev.type == "cuda":
@@ -116,6 +112,19 @@ def _operands(M: int, K: int, N: int, dev: torch.device, seed: int, dy_scale: fl
     w = (0.02 * torch.randn(N, K, device=dev, generator=g)).to(torch.bfloat16)
     dy = (dy_scale * torch.randn(M, N, device=dev, generator=g)).to(torch.bfloat16)
     return x, w, dy
+
+
+def _check_iters(iters) -> None:
+    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
+        raise ValueError(f"iters must be a positive int, got {iters!r}")
+
+
+def _layouts(dev: torch.device, compile_layouts: bool | None):
+    """(``fp8_layouts``, compiled or not): compiled on a GPU unless ``compile_layouts`` says otherwise, so
+    that inductor fuses each operand's scale, cast and transposed write; one compiled function per
+    shape it meets."""
+    compiled = dev.type == "cuda" if compile_layouts is None else compile_layouts
+    return (torch.compile(fp8_layouts, dynamic=False) if compiled else fp8_layouts), compiled
 
 
 def _fp8_missing(dev: torch.device) -> str | None:
@@ -138,16 +147,17 @@ def matmuls_only(x, w, dy):
     return pre
 
 
-def _timed_rows(fns: dict, x, w, dy, dev, iters: int, fp8_why: str | None) -> list[dict]:
+def _timed_rows(fns: dict, x, w, dy, dev, iters: int, fp8_why: str | None, compiled: bool) -> list[dict]:
     """One row per variant (``fns``: name -> f(x, w, dy) giving (y, dx, dW)): ms, p20/p80, TFLOP/s and the
-    relative errors of its outputs against float64 matmuls of the same inputs; FP8 variants ``skipped``
-    with ``fp8_why`` where it is set."""
+    relative errors of its outputs against float64 matmuls of the same inputs, ``compiled`` on the
+    layouts variant's row; FP8 variants ``skipped`` with ``fp8_why`` where it is set."""
     (M, K), N = x.shape, w.shape[0]
     ref = (x.double() @ w.double().t(), dy.double() @ w.double(), dy.double().t() @ x.double())
     flops = 3 * 2.0 * M * N * K
     rows = []
     for name, fn in fns.items():
-        row = {"variant": name, "M": M, "K": K, "N": N, "status": "ok", "reason": None}
+        row = {"variant": name, "M": M, "K": K, "N": N, "status": "ok", "reason": None,
+               "compiled": name == VARIANTS[2] and compiled}
         if name != "bf16" and fp8_why:
             row.update(status="skipped", reason=fp8_why)
             rows.append(row)
@@ -180,18 +190,16 @@ def block_matmuls(profile: str = "full", device: str | torch.device = "auto", *,
     a GPU as ``head_matmuls`` does); and in FP8 on operands already quantized (``matmuls_only``: no amax,
     cast or copy counted). Rows as ``head_matmuls``'s, with ``linear``. Gradients O(1 / sqrt(M N)), a
     mean loss's."""
-    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
-        raise ValueError(f"iters must be a positive int, got {iters!r}")
+    _check_iters(iters)
     dev = resolve_device(device)
-    compile_layouts = dev.type == "cuda" if compile_layouts is None else compile_layouts
-    layouts = torch.compile(fp8_layouts, dynamic=False) if compile_layouts else fp8_layouts
+    linears = block_linears(profile)
+    layouts, compiled = _layouts(dev, compile_layouts)
     fp8_why = _fp8_missing(dev)
     rows = []
-    for name, (M, K, N) in block_linears(profile).items():
+    for name, (M, K, N) in linears.items():
         x, w, dy = _operands(M, K, N, dev, seed, dy_scale=(M * N) ** -0.5)
         fns = {"bf16": bf16_step, VARIANTS[2]: layouts, VARIANTS[3]: None if fp8_why else matmuls_only(x, w, dy)}
-        rows += [{"linear": name, "compiled": v == VARIANTS[2] and compile_layouts, **r}
-                 for v, r in zip(fns, _timed_rows(fns, x, w, dy, dev, iters, fp8_why))]
+        rows += [{"linear": name, **r} for r in _timed_rows(fns, x, w, dy, dev, iters, fp8_why, compiled)]
         del x, w, dy
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -210,21 +218,54 @@ def matmul_headroom(block_rows: list[dict], head_rows: list[dict], n_layer: int)
     def ms(rows, variant, **match):
         r = next((r for r in rows if r["variant"] == variant and all(r.get(k) == v for k, v in match.items())), None)
         return r["ms"] if r is not None and r["status"] == "ok" else None
-    per_layer = {}
-    for name in dict.fromkeys(r["linear"] for r in block_rows):
-        a, b = ms(block_rows, "bf16", linear=name), ms(block_rows, VARIANTS[3], linear=name)
-        if a is None or b is None:
-            return None
-        per_layer[name] = a - b
+    names = list(dict.fromkeys(r["linear"] for r in block_rows))
+    bf16, fp8, passes = ({k: ms(block_rows, v, linear=k) for k in names} for v in ("bf16", VARIANTS[3], VARIANTS[2]))
     ha, hb = ms(head_rows, "bf16"), ms(head_rows, VARIANTS[3])
-    if ha is None or hb is None:
+    if None in (*bf16.values(), *fp8.values(), ha, hb):
         return None
+    per_layer = {k: bf16[k] - fp8[k] for k in names}
     blocks = n_layer * sum(per_layer.values())
     # The blocks again with each operand quantized by a pass of its own: what FP8 gives without fusing
     # the quantization into the kernels that produce the operands (negative: it costs).
-    passes = [ms(block_rows, VARIANTS[2], linear=k) for k in per_layer]
-    quantized = (n_layer * sum(ms(block_rows, "bf16", linear=k) - t for k, t in zip(per_layer, passes))
-                 if all(t is not None for t in passes) else None)
+    quantized = None if None in passes.values() else n_layer * sum(bf16[k] - passes[k] for k in names)
     return {"per_layer_ms": per_layer, "blocks_ms": blocks, "head_ms": ha - hb, "saved_ms": blocks + ha - hb,
-            "bf16_ms": n_layer * sum(ms(block_rows, "bf16", linear=k) for k in per_layer) + ha,
-            "blocks_quantized_ms": quantized}
+            "bf16_ms": n_layer * sum(bf16.values()) + ha, "blocks_quantized_ms": quantized}
+
+
+def matmul_records(rows: list[dict], metric: str, *, keys: tuple[str, ...], notebook: str, step: str, profile: str,
+                   device) -> list[dict]:
+    """A ``metric`` record (ms: median, p20, p80) per row of ``head_matmuls`` or ``block_matmuls``, its
+    ``keys`` in the fields and its errors and TFLOP/s in the params; a row that did not run is a record
+    with its status and reason and no value."""
+    recs = []
+    for r in rows:
+        common = dict(notebook=notebook, workload="gpt", step=step, metric=metric, unit="ms", profile=profile,
+                      fields={k: r[k] for k in keys}, device=device)
+        if r["status"] == "ok":
+            recs.append(results.make_record(value=r["ms"], p20=r["p20_ms"], p80=r["p80_ms"],
+                                            params={k: r[k] for k in ("err_y", "err_dx", "err_dw", "tflops")}, **common))
+        else:
+            recs.append(results.make_record(value=None, status=r["status"], reason=r["reason"], **common))
+    return recs
+
+
+def headroom_words(room: dict, n_layer: int, best: str | None = None, ladder_ms: dict | None = None) -> str:
+    """``matmul_headroom``'s figures in words; with the run's fastest bf16 step ``best`` and the ladder's
+    ms/step (``ladder_ms``, step 09's among them), the most FP8 could make of that step against step 09."""
+    text = (f"**How far FP8 could go.** The step's matmuls take {room['bf16_ms']:.2f} ms in bf16 here "
+            f"({n_layer} blocks and the head), and {room['bf16_ms'] - room['saved_ms']:.2f} ms in FP8 on operands "
+            f"quantized for free: ")
+    text += (f"{room['saved_ms']:.2f} ms saved at most ({room['blocks_ms']:.2f} in the blocks, "
+             f"{room['head_ms']:.2f} in the head)." if room["saved_ms"] > 0 else
+             "FP8's matmuls are no faster than bf16's on this device, so no FP8 step can gain here.")
+    q = room["blocks_quantized_ms"]
+    if q is not None:
+        text += (" With each operand quantized by a pass of its own, the blocks' matmuls would "
+                 + (f"save {q:.2f} ms a step." if q > 0 else f"cost {-q:.2f} ms a step more than in bf16."))
+    ms = ladder_ms or {}
+    if best in ms and "09_cuda_graphs" in ms and room["saved_ms"] > 0:
+        floor = ms[best] - room["saved_ms"]
+        text += (f" From this run's fastest bf16 step, {best} at {ms[best]:.2f} ms, that leaves at least {floor:.2f} ms: "
+                 f"at most {ms['09_cuda_graphs'] / floor:.2f}x step 09 ({ms['09_cuda_graphs']:.2f} ms) before "
+                 f"quantizing costs anything.")
+    return text
