@@ -242,3 +242,20 @@ def test_an_interrupted_study_keeps_the_steps_it_finished(isolated_run, tmp_path
     assert len(query.select(recs, metric="ms_per_step", step="05_fused_optimizer")) == 2
     assert query.select(recs, metric="process_spread", step="05_fused_optimizer")[0]["status"] == "ok"
     assert not query.select(recs, step="06_torch_compile")
+
+
+def test_a_step_interrupted_in_its_last_process_records_nothing(isolated_run, tmp_path):
+    log, cmd = fake(tmp_path)
+    calls = []
+
+    def stop_at_the_fifth(spec, out):
+        calls.append(spec)
+        if len(calls) == 5:   # the first step's third and last process (pairs first, then round by round)
+            raise KeyboardInterrupt
+        return cmd(spec, out)
+
+    with pytest.raises(KeyboardInterrupt):
+        pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "06_torch_compile")], processes=3, profile="smoke",
+                   device="cpu", command=stop_at_the_fifth)
+    # neither step finished: no spread over two of three processes with a budget's reason it never had
+    assert query.load() == []

@@ -268,32 +268,33 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
     for t in ts:
         if why[t]:
             finish(t)
+    def run_one(t: Target, i: int, tmp: str) -> None:
+        if t in failed or len(done[t]) < i:      # failed, or its pair was never started
+            return
+        if budget_s is not None and i != 1:
+            left = budget_s - (time.perf_counter() - t0)
+            mean = statistics.fmean(took) if took else 0.0
+            if left <= 0 or (2 if i == 0 else 1) * mean > left:
+                return
+        if bar is not None:
+            bar.set_postfix_str(f"{t.workload} {t.step} #{i + 1}")
+        spec = {"workload": t.workload, "step": t.step, "profile": prof, "device": dev.type, "seed": seed,
+                "config": config or {}, "plan": [pl.check, pl.warmup, pl.timed]}
+        start = time.perf_counter()
+        res = in_fresh_process(make, spec, Path(tmp) / f"t{ts.index(t)}p{i}", timeout_s, prof)
+        took.append(time.perf_counter() - start)
+        if bar is not None:
+            bar.update(1)
+        if res["status"] != "ok":
+            failed[t] = res
+        else:
+            done[t].append(res)
+
     with tempfile.TemporaryDirectory(prefix="hwlib-noise-") as tmp:
         for k, (t, i) in enumerate(order):
-            try:
-                if t in failed or len(done[t]) < i:      # failed, or its pair was never started
-                    continue
-                if budget_s is not None and i != 1:
-                    left = budget_s - (time.perf_counter() - t0)
-                    mean = statistics.fmean(took) if took else 0.0
-                    if left <= 0 or (2 if i == 0 else 1) * mean > left:
-                        continue
-                if bar is not None:
-                    bar.set_postfix_str(f"{t.workload} {t.step} #{i + 1}")
-                spec = {"workload": t.workload, "step": t.step, "profile": prof, "device": dev.type, "seed": seed,
-                        "config": config or {}, "plan": [pl.check, pl.warmup, pl.timed]}
-                start = time.perf_counter()
-                res = in_fresh_process(make, spec, Path(tmp) / f"t{ts.index(t)}p{i}", timeout_s, prof)
-                took.append(time.perf_counter() - start)
-                if bar is not None:
-                    bar.update(1)
-                if res["status"] != "ok":
-                    failed[t] = res
-                else:
-                    done[t].append(res)
-            finally:
-                if k == last[t]:
-                    finish(t)
+            run_one(t, i, tmp)
+            if k == last[t]:   # only after its last process returned: an interruption never records it
+                finish(t)
     if bar is not None:
         bar.close()
     return [rows[t] for t in ts]
