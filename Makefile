@@ -78,12 +78,11 @@ UNIT_WAITS := tests/test_stack_dumps.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
-test-unit test-unit-late test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser: \
-    export OMP_WAIT_POLICY := PASSIVE
+SUITES := test-unit test-unit-late test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser
+$(SUITES): export OMP_WAIT_POLICY := PASSIVE
 # One intra-op thread per suite: three suites share the two cores, and a second thread each only
 # oversubscribes them (the smoke sizes leave a thread nothing to split).
-test-unit test-unit-late test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser: \
-    export OMP_NUM_THREADS := 1
+$(SUITES): export OMP_NUM_THREADS := 1
 test: setup test-unit test-unit-waits test-kernels test-notebooks-ladder test-notebooks-studies test-unit-late test-browser
 
 test-unit: setup

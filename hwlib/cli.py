@@ -150,7 +150,7 @@ def select(nbs: list[Path], only: str | None) -> list[Path]:
         if not hit:
             raise CliError(f"--only: unknown notebook {w!r}; choose from: {', '.join(p.stem for p in nbs)}")
         out += [h for h in hit if h not in out]
-    return run_order(out)
+    return [p for p in nbs if p in out]   # in the run order ``nbs`` already has
 
 
 # Parameters reproduce passes itself (a run holds one profile, device and name): not for --set.

@@ -512,6 +512,11 @@ def time_table(run) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _device_name(recs: list[dict]) -> str:
+    """The GPU (or CPU) a run's records were measured on: the first record's that names one."""
+    return next((r["device"].get("name") for r in recs if isinstance(r.get("device"), dict)), "?")
+
+
 def small_gpu_block(runs: list[str]) -> str:
     """The README's part on smaller GPUs: each reference run made in a profile other than full, with
     the reason its profile was picked, its ladder tables and where its time went."""
@@ -521,7 +526,7 @@ def small_gpu_block(runs: list[str]) -> str:
         if state.get("_profile") in (None, "full"):
             continue
         recs = query.load(run)
-        dev = next((r["device"].get("name") for r in recs if isinstance(r.get("device"), dict)), "?")
+        dev = _device_name(recs)
         folder = f"outputs/{run}"
         ladders = sorted(p.name for p in (run_dir(run, create=False) / "tables").glob("*_ladder.md"))
         out += [f"**`{folder}`**, {dev}, profile `{state['_profile']}`: {state.get('_profile_reason', '')}.", "",
@@ -536,7 +541,7 @@ def first_look_block(run=FIRST_LOOK_RUN) -> str:
     if not (folder / "state.json").is_file():
         return "No first-look reference run yet."
     recs = query.load(run)
-    dev = next((r["device"].get("name") for r in recs if isinstance(r.get("device"), dict)), "?")
+    dev = _device_name(recs)
     name = f"outputs/{run}" if isinstance(run, str) else folder.name
     return f"**`{name}`**, {dev}, from cold caches:\n\n" + time_table(run)
 
