@@ -274,3 +274,43 @@ def test_a_divergence_counts_as_a_tie_only_where_the_top_two_logits_are_within_t
     assert divergence_ties(same, None, base, noise=0.05)["divergences_at_ties"] == 1   # borrowed noise
     assert divergence_ties(same, None, base, noise=0.001)["divergences_at_ties"] == 0
     assert divergence_ties(torch.ones(2, 4, dtype=torch.long), other, base)["divergences"] == 0
+
+
+def test_the_warm_up_meets_every_shape_the_timed_generations_meet(tr, monkeypatch):
+    seen = []
+    real = pc.decode.generate_per_reply
+
+    def spy(pm, prompts, cfg, **kw):
+        seen.append(("per_reply", prompts.shape[0], cfg.replies, kw.get("new_tokens")))
+        return real(pm, prompts, cfg, **kw)
+    monkeypatch.setattr(pc.decode, "generate_per_reply", spy)
+    G.warm_up(tr, "seed")
+    assert seen == [("per_reply", 1, 1, None)]      # one reply of one prompt, at the full length
+    calls = []
+    monkeypatch.setattr(tr, "generate", lambda way, **kw: calls.append((way, kw)))
+    G.warm_up(tr, "batched")
+    assert calls == [("batched", {})]              # the bonus's whole generation
+
+
+def test_the_attention_arms_alternate_and_each_has_a_spread(tr, monkeypatch):
+    base = tr.lm.get_base_model()
+    was = base.config._attn_implementation
+    order = []
+    real = G.cycle
+
+    def spy(t, way, pre):
+        order.append(base.config._attn_implementation)
+        return real(t, way, pre)
+    monkeypatch.setattr(G, "cycle", spy)
+    rows = G.attention_rows(tr, "14c_batched", pairs=2)
+    assert order == ["eager", "sdpa", "eager", "sdpa"]
+    assert base.config._attn_implementation == was
+    assert [r["attn"] for r in rows] == ["eager", "sdpa"]
+    for r in rows:
+        assert r["status"] == "ok" and r["cycles"] == 2
+        assert r["ms_p20"] <= r["ms_per_cycle"] <= r["ms_p80"]
+    recs = G.rung_records(rows, profile="smoke", device="cpu", params={})
+    assert [(x["fields"], x["metric"]) for x in recs] == [({"attn": "eager"}, "ms_per_cycle"),
+                                                          ({"attn": "sdpa"}, "ms_per_cycle")]
+    with pytest.raises(ValueError, match="pairs"):
+        G.attention_rows(tr, "14c_batched", pairs=0)

@@ -100,10 +100,19 @@ def cycle(tr: pc.Trainer, way: str, pre: dict) -> dict:
     return {"seconds": out, "losses": pre["losses"] + [float(ce)], "score": score}
 
 
-def warm_up(tr: pc.Trainer, way: str, full: bool) -> float:
-    """An untimed first generation: the full shape where it compiles (static cache, own loop), a
-    two-token one elsewhere (library and kernel set-up). Returns its wall seconds."""
-    s, _ = bench.wall_s(lambda: tr.generate(way, new_tokens=None if full else 2), tr.device)
+def warm_up(tr: pc.Trainer, way: str) -> float:
+    """An untimed generation at every shape the timed ones meet: one reply of one prompt at full
+    length for the per-reply ways (each of their calls generates one row), the bonus's whole
+    generation for the batched ways (the static ones compile there). A two-token warm-up left
+    one-time host costs in the first timed cycle: on an H100 the batched way's first 100-token
+    generation took 8.7 s against 3.6-4.2 s for each of the five after it, its CPU time equal to its
+    wall time. Returns the warm-up's wall seconds."""
+    if way in PER_PROMPT:
+        one = dataclasses.replace(tr.cfg, replies=1)
+        s, _ = bench.wall_s(lambda: pc.decode.generate_per_reply(tr.lm, tr.prompts[:1], one, train=way == "seed"),
+                            tr.device)
+        return s
+    s, _ = bench.wall_s(lambda: tr.generate(way), tr.device)
     return s
 
 
@@ -116,28 +125,47 @@ def kv_bytes_per_step(cfg: pc.PolyConfig, rows: int) -> float:
 def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = None,
                  copy_gbps: float | None = None, base_losses: list | None = None) -> dict:
     """``cycles`` cycles of a rung after its warm-up, each from the ``prefix`` ``pre`` (None: run it
-    here); one row with the median cycle's shares, the generation rate and decode bandwidth, the
-    compile/warm-up time and the loss check against ``base_losses``. A rung that fails (e.g.
-    compilation) returns status 'failed' with the reason."""
-    way, change = RUNGS[step]
-    cfg = tr.cfg
-    row = {"step": step, "way": way, "change": change, "cycles": cycles, "status": "ok", "reason": None}
+    here); one row (``rung_row``). A rung that fails (e.g. compilation) returns status 'failed' with
+    the reason."""
+    row = _row(step, cycles)
     try:
-        row["warmup_s"] = warm_up(tr, way, full=way in ("static_hf", "static_own"))
+        warm = warm_up(tr, RUNGS[step][0])
         pre = pre or prefix(tr)
-        runs = [cycle(tr, way, pre) for _ in range(cycles)]
+        runs = [cycle(tr, RUNGS[step][0], pre) for _ in range(cycles)]
     except Exception as e:     # a rung that cannot run here is a row with its reason, not a crash
-        if isinstance(e, (KeyboardInterrupt, ValueError)):
-            raise
-        row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-        return row
+        return _failed(row, e)
+    return rung_row(tr, row, runs, warm, copy_gbps=copy_gbps, base_losses=base_losses)
+
+
+def _row(step: str, cycles: int) -> dict:
+    way, change = RUNGS[step]
+    return {"step": step, "way": way, "change": change, "cycles": cycles, "status": "ok", "reason": None}
+
+
+def _failed(row: dict, e: Exception) -> dict:
+    if isinstance(e, (KeyboardInterrupt, ValueError)):
+        raise e
+    row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    return row
+
+
+def rung_row(tr: pc.Trainer, row: dict, runs: list[dict], warmup_s: float, *, copy_gbps: float | None = None,
+             base_losses: list | None = None) -> dict:
+    """``row`` completed from its ``cycle`` runs: the median cycle time (p20-p80 across cycles), the
+    phases and shares of the cycle nearest that median, the generation rate and decode bandwidth
+    (median generation time), the warm-up time and the loss check against ``base_losses`` (None:
+    the first cycle's)."""
+    cfg, way = tr.cfg, row["way"]
+    cycles = len(runs)
     tot = [sum(r["seconds"].values()) for r in runs]
-    med = sorted(range(cycles), key=lambda i: tot[i])[cycles // 2]
+    mid = statistics.median(tot)
+    med = min(range(cycles), key=lambda i: abs(tot[i] - mid))
     sec = runs[med]["seconds"]
     total = tot[med]
     overhead = total - sec["training"]
-    row.update({"ms_per_cycle": 1e3 * total, "ms_p20": 1e3 * bench.quantile(tot, 0.2),
-                "ms_p80": 1e3 * bench.quantile(tot, 0.8), "ms_per_trainer_step": 1e3 * total / cfg.every,
+    row.update({"cycles": cycles, "warmup_s": warmup_s,
+                "ms_per_cycle": 1e3 * mid, "ms_p20": 1e3 * bench.quantile(tot, 0.2),
+                "ms_p80": 1e3 * bench.quantile(tot, 0.8), "ms_per_trainer_step": 1e3 * mid / cfg.every,
                 **{f"{p}_ms": 1e3 * sec[p] for p in pc.PHASES},
                 **{f"share_{p}": sec[p] / total for p in pc.PHASES},
                 "share_generation_of_overhead": sec["generation"] / overhead if overhead else None,
@@ -160,22 +188,39 @@ def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = N
     return row
 
 
-def attention_rows(tr: pc.Trainer, step: str = "14c_batched", cycles: int = 1, pre: dict | None = None) -> list[dict]:
-    """One rung's cycle with eager (matmul + softmax) attention and with SDPA: what the seed's
-    FlashAttention tier could change in this trainer (SDPA runs flash kernels on an H100). The cycle
-    runs whole for each (its own ``prefix``, ``pre`` ignored under eager): the prefix's steps train
-    through attention too."""
+def attention_rows(tr: pc.Trainer, step: str = "14c_batched", pairs: int = 2, pre: dict | None = None) -> list[dict]:
+    """One rung's cycle with eager (matmul + softmax) attention against SDPA, Hugging Face's default
+    (flash kernels on an H100): what the seed's FlashAttention tier could change in this trainer.
+    Each arm is warmed up and gets its prefix (eager trains through its own attention there; SDPA
+    uses ``pre`` where given), then the arms' cycles alternate, ``pairs`` of each, so that a drift of
+    the machine falls on both arms alike and each arm has a spread across its cycles."""
+    if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 1:
+        raise ValueError(f"pairs must be a positive int, got {pairs!r}")
     base = tr.lm.get_base_model()
     was = base.config._attn_implementation
-    rows = []
+    arms = ("eager", "sdpa")
+    rows = {a: {"attn": a, **_row(step, pairs)} for a in arms}
+    warm, pres, runs = {}, {}, {a: [] for a in arms}
     try:
-        for attn in ("eager", "sdpa"):
-            base.set_attn_implementation(attn)
-            r = measure_rung(tr, step, cycles, pre=pre if attn == was else None)
-            rows.append({"attn": attn, **r})
+        for a in arms:
+            base.set_attn_implementation(a)
+            try:
+                warm[a] = warm_up(tr, RUNGS[step][0])
+                pres[a] = pre if (pre is not None and a == was) else prefix(tr)
+            except Exception as e:
+                _failed(rows[a], e)
+        live = [a for a in arms if rows[a]["status"] == "ok"]
+        for _ in range(pairs):
+            for a in list(live):
+                base.set_attn_implementation(a)
+                try:
+                    runs[a].append(cycle(tr, RUNGS[step][0], pres[a]))
+                except Exception as e:
+                    _failed(rows[a], e)
+                    live.remove(a)
     finally:
         base.set_attn_implementation(was)
-    return rows
+    return [rung_row(tr, rows[a], runs[a], warm[a]) if rows[a]["status"] == "ok" else rows[a] for a in arms]
 
 
 def greedy_rows(tr: pc.Trainer, steps: list[str], new_tokens: int) -> list[dict]:
