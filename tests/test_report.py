@@ -171,6 +171,27 @@ def test_toggle_rows_take_the_newest_record_and_the_interval_decides_the_effect(
     assert report.toggle_lines([]) == []
 
 
+def test_a_toggle_the_notebooks_last_run_measured_elsewhere_keeps_only_that_runs_rows():
+    """Notebook 20 measured its knobs at step 17, then (its last run) at step 25: the README shows the
+    step-25 rows. Notebook 19's last run measured other things: its older rows stay."""
+    from datetime import datetime, timedelta, timezone
+
+    def at(rec, t, step):
+        return {**rec, "time": t.isoformat(), "step": step}
+    t0 = datetime(2026, 11, 20, tzinfo=timezone.utc)
+    old = [at(_toggle("k", 0.99, 0.97, 1.00, notebook="20_inductor"), t0, "17_fused_lm_head"),
+           at(_toggle("gone", 1.02, 1.01, 1.03, notebook="20_inductor"), t0, "17_fused_lm_head"),
+           at(_toggle("a", 1.10, 1.05, 1.15), t0, "09_cuda_graphs")]
+    new = [at(_toggle("k", 1.00, 0.98, 1.02, notebook="20_inductor"), t0 + timedelta(days=2), "25_bias_column")]
+    windows = {"20_inductor": (t0 + timedelta(days=2, minutes=-5), t0 + timedelta(days=2, minutes=1)),
+               "19_ablations": (t0 + timedelta(days=1), t0 + timedelta(days=1, minutes=5))}
+    rows = report.toggle_rows(old + new, windows)
+    assert sorted((r["notebook"], r["toggle"], r["step"]) for r in rows) == [
+        ("19_ablations", "a", "09_cuda_graphs"), ("20_inductor", "gone", "17_fused_lm_head"),
+        ("20_inductor", "k", "25_bias_column")]
+    assert len(report.toggle_rows(old + new)) == 4          # no windows: every step's newest record
+
+
 def test_small_gpu_block_names_the_profile_its_reason_and_the_parameters_set(ladder):
     assert report.small_gpu_block([ladder]) == "No reference run in a smaller profile yet."   # no profile: left out
     results.write_json(ladder / "state.json", {

@@ -366,7 +366,9 @@ def readme_block(run) -> str:
         rows = ladder_rows_with_noise(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
     lines += generation_lines(s["generation"]["steps"])
-    lines += toggle_lines(toggle_rows(recs))
+    state = query.state(run)
+    windows = {k: w for k, v in state.items() if not k.startswith("_") and (w := run_window(v)) is not None}
+    lines += toggle_lines(toggle_rows(recs, windows))
     lines += multi_gpu_lines(reference_runs())
     lines.append(time_table(run))
     return "\n".join(lines)
@@ -390,15 +392,21 @@ def generation_lines(steps: list[dict]) -> list[str]:
     return out + [""]
 
 
-def toggle_rows(recs: list[dict]) -> list[dict]:
+def toggle_rows(recs: list[dict], windows: dict | None = None) -> list[dict]:
     """One row per setting toggled on its own (notebook 19's ablations, notebook 20's inductor knobs),
     from a run's records as ``query.load`` gives them (a re-measured toggle: its newest record only):
     each ``speedup`` record's interval, the effect it supports (faster or slower only when the
-    interval excludes 1) and the "with" arm's compile seconds where the arms compiled."""
+    interval excludes 1) and the "with" arm's compile seconds where the arms compiled.
+
+    ``windows``: each notebook's last run (``run_window`` of its state.json entry). Where that run
+    measured a toggle, the toggle's records from earlier runs of the notebook at other steps are
+    left out: the notebook now measures it where its last run did (notebook 20 at the ladder's
+    fastest step), and a fresh run would show only those rows."""
     def key(r):
         return r["notebook"], r["workload"], r["step"], r["fields"]["toggle"], r["fields"].get("mode")
 
     toggled = [r for r in recs if "toggle" in (r.get("fields") or {})]
+    toggled = [r for r in toggled if not _superseded(r, toggled, windows or {})]
     compile_with = {key(r): r["value"] for r in toggled
                     if r.get("metric") == "compile_s" and r["fields"].get("arm") == "with"}
     rows = []
@@ -412,6 +420,22 @@ def toggle_rows(recs: list[dict]) -> list[dict]:
                      "speedup": r.get("value"), "lo": lo, "hi": hi, "level": iv.get("level"), "effect": effect,
                      "compile_s_with": compile_with.get(k), "reason": r.get("reason")})
     return sorted(rows, key=lambda x: (x["notebook"], x["workload"], x["step"], x["toggle"], x["mode"] or ""))
+
+
+def _superseded(r: dict, toggled: list[dict], windows: dict) -> bool:
+    """``r`` was made before its notebook's last run, and that run measured the same toggle (same
+    workload and mode) too."""
+    win = windows.get(r["notebook"])
+    if win is None or _inside(r, win):
+        return False
+    same = (r["notebook"], r["workload"], r["fields"]["toggle"], r["fields"].get("mode"))
+    return any(_inside(x, win) for x in toggled
+               if (x["notebook"], x["workload"], x["fields"]["toggle"], x["fields"].get("mode")) == same)
+
+
+def _inside(r: dict, win: tuple) -> bool:
+    t = _when(r.get("time"))
+    return t is not None and win[0] <= t <= win[1]
 
 
 def toggle_lines(rows: list[dict]) -> list[str]:
