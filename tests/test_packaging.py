@@ -37,7 +37,7 @@ def test_environment_yml_lists_the_pyproject_dependencies():
 
 def test_ci_installs_the_cpu_torch_through_make_test():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "make test -j3" in ci and "TORCH_SPEC=torch==2.13.0" in ci
+    assert re.search(r"^make test -j\d+ TORCH_SPEC=torch==2.13.0$", ci, re.M)
     mk = (ROOT / "Makefile").read_text()
     assert re.search(r"^reproduce:", mk, re.M) and re.search(r"^test:", mk, re.M)
     assert '"$(TORCH_SPEC)"' in mk   # the torch build is chosen before the package's requirements
