@@ -160,3 +160,13 @@ def test_an_interrupted_ablation_keeps_the_toggles_it_finished(tmp_path, monkeyp
     assert {r["fields"]["toggle"] for r in query.select(recs, metric="speedup")} == {"non_blocking", "cudnn_benchmark"}
     assert query.select(recs, metric="speedup", toggle="cudnn_benchmark")[0]["status"] == "ok"
     assert not query.select(recs, toggle="without_04_sdpa_attention")
+
+
+def test_sdpa_toggles_are_na_where_the_attention_does_not_go_through_sdpa():
+    from hwlib.steps import settings_for
+    t = ablation.get_toggle("sdpa_flash_attention")
+    assert t.applies("gpt", settings_for("09_cuda_graphs"), None) is None
+    why = t.applies("gpt", settings_for("24_qkv_grad"), None)
+    assert why and "QKV op" in why and "not through SDPA" in why
+    assert "not SDPA" in t.applies("gpt", settings_for("03_bf16_autocast"), None)
+    assert "no softmax attention" in t.applies("resnet_bk", settings_for("09_cuda_graphs"), None)

@@ -274,6 +274,10 @@ def _needs_sdpa(workload, st, di):
         return "the step's attention is not SDPA (step 04 comes later)"
     if workload not in ("gpt", "encoder_nli", "vit_bdh"):
         return f"{workload} has no softmax attention for SDPA to run"
+    if workload == "gpt" and st.fused_qkv:
+        # hwlib.ops.qkv_attention calls the device's fused kernel itself: sdpa_kernel never reaches it,
+        # and both arms would time the same kernel
+        return "the step's attention is hwlib's QKV op (step 24), which calls its kernel directly, not through SDPA"
     return None
 
 
