@@ -68,12 +68,12 @@ first-look: RUN = first-look
 first-look: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(FIRST_LOOK) $(ARGS)
 
-# Independent parts: `make test -j4` runs them side by side (CI does, on two cores: the suites spend
+# Independent parts: `make test -j5` runs them side by side (CI does, on two cores: the suites spend
 # much of their time starting kernels and processes and waiting on them, so more suites than cores
 # keep both busy). In the order below, the longest suite (the ladder's notebooks, one after another
-# in one run) starts first; the unit tests come in three parts so that no single part outlasts it:
-# the runner's and BK-Core's tests (UNIT_B) start when the waiting tests end, the subprocess-heavy
-# ones (UNIT_LATE) when the next suite ends.
+# in one run) starts first; the unit tests come in four parts so that no single part outlasts it: the
+# tests that mostly wait (UNIT_WAITS) and the subprocess-heavy ones (UNIT_LATE) start with the
+# notebook suites, the runner's and BK-Core's tests (UNIT_B) when the waiting ones end.
 UNIT_B := tests/test_cli.py tests/test_bk_core.py
 UNIT_LATE := tests/test_integrity_cli.py tests/test_bk_core_prebuild.py tests/test_colab.py
 # Tests that mostly wait for a notebook's time limit: beside the CPU-bound suites, not after them.
@@ -91,7 +91,7 @@ $(SUITES): export OMP_NUM_THREADS := 1
 # CPU: the CPU's own flags are trusted instead. It cut the ladder's notebook suite from 267 s to 230 s
 # on a 2-core machine (the compile cache cold, as in CI).
 $(SUITES): export TORCHINDUCTOR_VEC_ISA_OK := 1
-test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-b test-kernels test-unit-late test-browser
+test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-late test-unit-b test-kernels test-browser
 
 test-unit: setup
 	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_B) $(UNIT_LATE) $(UNIT_WAITS))
