@@ -35,7 +35,7 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup pin-notebooks constraints reproduce first-look test test-unit test-unit-b test-unit-late test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
+.PHONY: setup pin-notebooks constraints reproduce first-look test test-unit test-unit-b test-unit-procs test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
 
 setup: $(SETUP_STAMP)
 
@@ -68,20 +68,21 @@ first-look: RUN = first-look
 first-look: setup
 	$(PY) -m hwlib.cli reproduce --run $(RUN) $(FIRST_LOOK) $(ARGS)
 
-# Independent parts: `make test -j5` runs them side by side (CI does, on two cores: the suites spend
+# Independent parts: `make test -j4` runs them side by side (CI does, on two cores: the suites spend
 # much of their time starting kernels and processes and waiting on them, so more suites than cores
-# keep both busy). In the order below, the longest suite (the ladder's notebooks, one after another
-# in one run) starts first; the unit tests come in four parts so that no single part outlasts it: the
-# tests that mostly wait (UNIT_WAITS) and the subprocess-heavy ones (UNIT_LATE) start with the
-# notebook suites, the runner's and BK-Core's tests (UNIT_B) when the waiting ones end.
+# keep both busy; five at once measured slower than four). In the order below, the longest suite
+# (the ladder's notebooks, one after another in one run) starts first; the unit tests come in four
+# parts so that no single part outlasts it: the tests that mostly wait (UNIT_WAITS) start with the
+# notebook suites, the subprocess-heavy ones (UNIT_PROCS) when the waiting ones end, the runner's and BK-Core's
+# tests (UNIT_B) after the next suite.
 UNIT_B := tests/test_cli.py tests/test_bk_core.py
-UNIT_LATE := tests/test_integrity_cli.py tests/test_bk_core_prebuild.py tests/test_colab.py
+UNIT_PROCS := tests/test_integrity_cli.py tests/test_bk_core_prebuild.py tests/test_colab.py
 # Tests that mostly wait for a notebook's time limit: beside the CPU-bound suites, not after them.
 UNIT_WAITS := tests/test_stack_dumps.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
-SUITES := test-unit test-unit-b test-unit-late test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser
+SUITES := test-unit test-unit-b test-unit-procs test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser
 $(SUITES): export OMP_WAIT_POLICY := PASSIVE
 # One intra-op thread per suite: several suites share the two cores, and a second thread each only
 # oversubscribes them (the smoke sizes leave a thread nothing to split).
@@ -91,10 +92,10 @@ $(SUITES): export OMP_NUM_THREADS := 1
 # CPU: the CPU's own flags are trusted instead. It cut the ladder's notebook suite from 267 s to 230 s
 # on a 2-core machine (the compile cache cold, as in CI).
 $(SUITES): export TORCHINDUCTOR_VEC_ISA_OK := 1
-test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-late test-unit-b test-kernels test-browser
+test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-b test-kernels test-browser
 
 test-unit: setup
-	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_B) $(UNIT_LATE) $(UNIT_WAITS))
+	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_B) $(UNIT_PROCS) $(UNIT_WAITS))
 
 test-unit-b: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_B)
@@ -102,8 +103,8 @@ test-unit-b: setup
 test-unit-waits: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_WAITS)
 
-test-unit-late: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_LATE)
+test-unit-procs: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_PROCS)
 
 # The dashboards in a real browser: JupyterLab, notebook 98 run through Debian's Chromium (Playwright
 # cannot download its own browser here). Screenshots land in outputs/browser/dashboard/screenshots/.
