@@ -128,6 +128,10 @@ lab: setup
 NB_LADDER  := $(sort $(wildcard notebooks/0*.ipynb notebooks/10_*.ipynb notebooks/11_*.ipynb)) $(wildcard notebooks/99_*.ipynb)
 NB_STUDIES := $(filter-out $(NB_LADDER),$(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)))
 test-notebooks: test-notebooks-ladder test-notebooks-studies
+# nbval runs notebooks in the order it is given them: a run's order (hwlib.cli.run_order), so that the
+# studies that time ladder steps (16, 19, 20, 98) find steps 21-25 in their run, as under `hwlib reproduce`.
+RUN_ORDER = $$($(PY) -c "import sys; from pathlib import Path; from hwlib.cli import run_order; \
+    print(' '.join(str(p) for p in run_order([Path(a) for a in sys.argv[1:]])))" $(1))
 
 # Both halves compile many of the same smoke graphs: one compile cache for the two, keyed by the
 # code's digest as a run's is (hwlib.paths.compile_cache_env; a cache made by older code is never read).
@@ -137,13 +141,15 @@ NB_CACHE = $$($(PY) -c "from pathlib import Path; from hwlib.paths import compil
 
 test-notebooks-ladder: setup
 	rm -rf outputs/nbval
+	nbs="$(call RUN_ORDER,$(NB_LADDER))" && test -n "$$nbs" && \
 	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval $(PY) -m pytest -q -p no:cacheprovider \
-	    --nbval-lax --nbval-current-env $(NB_LADDER)
+	    --nbval-lax --nbval-current-env $$nbs
 
 test-notebooks-studies: setup
 	rm -rf outputs/nbval-studies
+	nbs="$(call RUN_ORDER,$(NB_STUDIES))" && test -n "$$nbs" && \
 	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
-	    --nbval-lax --nbval-current-env $(NB_STUDIES)
+	    --nbval-lax --nbval-current-env $$nbs
 
 # Kernel sources (hwlib/kernels, shipped inside the package) are plain CUDA: they compile with nvcc
 # alone, with their own headers, no torch headers, no GPU needed.
