@@ -89,28 +89,24 @@ def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, 
         raise ValueError(f"shape {(M, K, N)}: torch._scaled_mm on CUDA needs multiples of 16")
     _check_iters(iters)
     layouts, compiled = _layouts(dev, compile_layouts)
-    # Logits' gradients O(1 / (M V)), as a mean loss over M tokens and V classes gives.
-    x, w, dy = _operands(M, K, N, dev, seed, dy_scale=(M * N) ** -0.5)
+    x, w, dy = _operands(M, K, N, dev, seed)
     fp8_why = _fp8_missing(dev)
     pre = None if fp8_why else matmuls_only(x, w, dy)
     fns = {VARIANTS[0]: bf16_step, VARIANTS[1]: fp8_with_copies, VARIANTS[2]: layouts, VARIANTS[3]: pre}
     rows = _timed_rows(fns, x, w, dy, dev, iters, fp8_why, compiled)
-    for row in rows:
-        if row["variant"] == VARIANTS[2] and row["status"] == "ok" and not compiled:
-            row["reason"] = "run eagerly (not compiled): its transposed casts are copies here"
     del x, w, dy
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
-def _operands(M: int, K: int, N: int, dev: torch.device, seed: int, dy_scale: float):
+def _operands(M: int, K: int, N: int, dev: torch.device, seed: int):
     """bf16 x [M, K] O(1) (LayerNorm'd activations), w [N, K] as GPT-2 initialises weights (std 0.02),
-    dy [M, N] at ``dy_scale``."""
+    dy [M, N] O(1 / sqrt(M N)), as a mean loss over the M N outputs gives."""
     g = torch.Generator(device=dev).manual_seed(seed)
     x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
     w = (0.02 * torch.randn(N, K, device=dev, generator=g)).to(torch.bfloat16)
-    dy = (dy_scale * torch.randn(M, N, device=dev, generator=g)).to(torch.bfloat16)
+    dy = ((M * N) ** -0.5 * torch.randn(M, N, device=dev, generator=g)).to(torch.bfloat16)
     return x, w, dy
 
 
@@ -150,7 +146,8 @@ def matmuls_only(x, w, dy):
 def _timed_rows(fns: dict, x, w, dy, dev, iters: int, fp8_why: str | None, compiled: bool) -> list[dict]:
     """One row per variant (``fns``: name -> f(x, w, dy) giving (y, dx, dW)): ms, p20/p80, TFLOP/s and the
     relative errors of its outputs against float64 matmuls of the same inputs, ``compiled`` on the
-    layouts variant's row; FP8 variants ``skipped`` with ``fp8_why`` where it is set."""
+    layouts variant's row (its reason says where it ran eagerly); FP8 variants ``skipped`` with
+    ``fp8_why`` where it is set."""
     (M, K), N = x.shape, w.shape[0]
     ref = (x.double() @ w.double().t(), dy.double() @ w.double(), dy.double().t() @ x.double())
     flops = 3 * 2.0 * M * N * K
@@ -168,6 +165,8 @@ def _timed_rows(fns: dict, x, w, dy, dev, iters: int, fp8_why: str | None, compi
         t = bench.time_fn(lambda i: fn(x, w, dy), dev, warmup=3, iters=iters)
         row.update(ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, tflops=flops / (t.median_ms / 1e3) / 1e12,
                    err_y=errs[0], err_dx=errs[1], err_dw=errs[2])
+        if name == VARIANTS[2] and not compiled:
+            row["reason"] = "run eagerly (not compiled): its transposed casts are copies here"
         rows.append(row)
     return rows
 
@@ -197,7 +196,7 @@ def block_matmuls(profile: str = "full", device: str | torch.device = "auto", *,
     fp8_why = _fp8_missing(dev)
     rows = []
     for name, (M, K, N) in linears.items():
-        x, w, dy = _operands(M, K, N, dev, seed, dy_scale=(M * N) ** -0.5)
+        x, w, dy = _operands(M, K, N, dev, seed)
         fns = {"bf16": bf16_step, VARIANTS[2]: layouts, VARIANTS[3]: None if fp8_why else matmuls_only(x, w, dy)}
         rows += [{"linear": name, **r} for r in _timed_rows(fns, x, w, dy, dev, iters, fp8_why, compiled)]
         del x, w, dy
