@@ -366,9 +366,7 @@ def readme_block(run) -> str:
         rows = ladder_rows_with_noise(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
     lines += generation_lines(s["generation"]["steps"])
-    state = query.state(run)
-    windows = {k: w for k, v in state.items() if not k.startswith("_") and (w := run_window(v)) is not None}
-    lines += toggle_lines(toggle_rows(recs, windows))
+    lines += toggle_lines(toggle_rows(recs, run_windows(query.state(run))))
     lines += multi_gpu_lines(reference_runs())
     lines.append(time_table(run))
     return "\n".join(lines)
@@ -405,8 +403,13 @@ def toggle_rows(recs: list[dict], windows: dict | None = None) -> list[dict]:
     def key(r):
         return r["notebook"], r["workload"], r["step"], r["fields"]["toggle"], r["fields"].get("mode")
 
+    def measured(r):   # a toggle across steps
+        return r["notebook"], r["workload"], r["fields"]["toggle"], r["fields"].get("mode")
+
     toggled = [r for r in recs if "toggle" in (r.get("fields") or {})]
-    toggled = [r for r in toggled if not _superseded(r, toggled, windows or {})]
+    windows = windows or {}
+    last_run = {measured(r) for r in toggled if _inside(r, windows.get(r["notebook"]))}
+    toggled = [r for r in toggled if _inside(r, windows.get(r["notebook"])) or measured(r) not in last_run]
     compile_with = {key(r): r["value"] for r in toggled
                     if r.get("metric") == "compile_s" and r["fields"].get("arm") == "with"}
     rows = []
@@ -422,20 +425,10 @@ def toggle_rows(recs: list[dict], windows: dict | None = None) -> list[dict]:
     return sorted(rows, key=lambda x: (x["notebook"], x["workload"], x["step"], x["toggle"], x["mode"] or ""))
 
 
-def _superseded(r: dict, toggled: list[dict], windows: dict) -> bool:
-    """``r`` was made before its notebook's last run, and that run measured the same toggle (same
-    workload and mode) too."""
-    win = windows.get(r["notebook"])
-    if win is None or _inside(r, win):
-        return False
-    same = (r["notebook"], r["workload"], r["fields"]["toggle"], r["fields"].get("mode"))
-    return any(_inside(x, win) for x in toggled
-               if (x["notebook"], x["workload"], x["fields"]["toggle"], x["fields"].get("mode")) == same)
-
-
-def _inside(r: dict, win: tuple) -> bool:
+def _inside(r: dict, win: tuple | None) -> bool:
+    """``r`` was made inside the run window ``win`` (``run_window``); False without a window."""
     t = _when(r.get("time"))
-    return t is not None and win[0] <= t <= win[1]
+    return win is not None and t is not None and win[0] <= t <= win[1]
 
 
 def toggle_lines(rows: list[dict]) -> list[str]:
@@ -501,6 +494,12 @@ def run_window(entry: dict) -> tuple[datetime, datetime] | None:
     return end - timedelta(seconds=secs + RUN_SLACK_S), end + timedelta(seconds=RUN_SLACK_S)
 
 
+def run_windows(state: dict) -> dict:
+    """{notebook: ``run_window``} of each notebook's entry in a run's state.json (None where the entry
+    does not say)."""
+    return {k: run_window(v) for k, v in state.items() if not k.startswith("_")}
+
+
 def time_table(run) -> str:
     """Where the wall time of ``hwlib reproduce`` went, per notebook, from the run's state.json,
     with the compile time that the compiled steps report and the parameters a notebook ran with
@@ -512,7 +511,7 @@ def time_table(run) -> str:
     if not nbs:
         return ""
     compile_s = {}
-    windows = {k: run_window(v) for k, v in nbs.items()}
+    windows = run_windows(state)
     # every record, superseded ones too: a notebook's own run may have been measured again since
     for r in query.load(run, latest_only=False):
         if r.get("metric") == "compile_s" and _num(r.get("value")) is not None:
