@@ -129,9 +129,9 @@ def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = N
     the reason."""
     row = _row(step, cycles)
     try:
-        warm = warm_up(tr, RUNGS[step][0])
+        warm = warm_up(tr, row["way"])
         pre = pre or prefix(tr)
-        runs = [cycle(tr, RUNGS[step][0], pre) for _ in range(cycles)]
+        runs = [cycle(tr, row["way"], pre) for _ in range(cycles)]
     except Exception as e:     # a rung that cannot run here is a row with its reason, not a crash
         return _failed(row, e)
     return rung_row(tr, row, runs, warm, copy_gbps=copy_gbps, base_losses=base_losses)
@@ -205,7 +205,7 @@ def attention_rows(tr: pc.Trainer, step: str = "14c_batched", pairs: int = 2, pr
         for a in arms:
             base.set_attn_implementation(a)
             try:
-                warm[a] = warm_up(tr, RUNGS[step][0])
+                warm[a] = warm_up(tr, rows[a]["way"])
                 pres[a] = pre if (pre is not None and a == was) else prefix(tr)
             except Exception as e:
                 _failed(rows[a], e)
@@ -214,7 +214,7 @@ def attention_rows(tr: pc.Trainer, step: str = "14c_batched", pairs: int = 2, pr
             for a in list(live):
                 base.set_attn_implementation(a)
                 try:
-                    runs[a].append(cycle(tr, RUNGS[step][0], pres[a]))
+                    runs[a].append(cycle(tr, rows[a]["way"], pres[a]))
                 except Exception as e:
                     _failed(rows[a], e)
                     live.remove(a)

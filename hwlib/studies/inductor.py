@@ -250,11 +250,10 @@ def best_step(workload: str = "gpt", device: str | torch.device = "auto",
     (``fastest_step``): every ladder notebook runs before this study in a series. Without rows, or
     where none qualifies: 17 where it applies and runs with its Triton row pass (on a CPU the smoke
     ladder's step 17 runs the same math in torch), else 09 and the reason."""
-    from ..ops import linear_ce   # the fused head's own check of its Triton backend
-
     fastest = fastest_step(rows) if rows else None
     if fastest is not None:
         return fastest, None
+    from ..ops import linear_ce   # the fused head's own check of its Triton backend
 
     di = info(resolve_device(device))
     st = get_step(STEP)

@@ -268,6 +268,7 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
     for t in ts:
         if why[t]:
             finish(t)
+
     def run_one(t: Target, i: int, tmp: str) -> None:
         if t in failed or len(done[t]) < i:      # failed, or its pair was never started
             return
