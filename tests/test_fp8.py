@@ -167,7 +167,8 @@ def test_block_matmuls_time_every_linear_of_a_block_and_check_it_against_float64
     rows = study.block_matmuls("smoke", "cpu", iters=2)
     assert [(r["linear"], r["variant"]) for r in rows] == [(k, v) for k in study.block_linears("smoke")
                                                            for v in ("bf16", study.VARIANTS[2], study.VARIANTS[3])]
-    assert not any(r["compiled"] for r in rows)   # on a CPU the quantizing passes run eagerly
+    assert not any(r["compiled"] for r in rows)   # on a CPU the quantizing passes run eagerly, and say so
+    assert all("run eagerly" in (r["reason"] or "") for r in rows if r["variant"] == study.VARIANTS[2])
     for r in rows:
         assert r["status"] == "ok" and r["ms"] > 0 and (r["M"], r["K"], r["N"]) == study.block_linears("smoke")[r["linear"]]
         # bf16 within bf16's rounding of float64; FP8 coarser than bf16 and within e4m3/e5m2's
