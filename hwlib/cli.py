@@ -369,15 +369,18 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
             bar.write(f"  {nb.stem:<24} done earlier ({before['seconds']:.0f} s), skipped; --force reruns")
             continue
         bar.set_postfix_str(nb.stem)
+        # the state says what the notebook ran with where it was not its own: --set, and --workloads
+        # (fewer workloads take less time; the time table must not read that as the notebook's own)
+        ran_with = {**(params.get(nb.stem) or {}), **({"workloads": workloads} if workloads else {})}
         t0 = time.perf_counter()
         try:
             status, why = _run_one(nb, run, env, args, profile, device, workloads, params.get(nb.stem))
         except BaseException as e:   # the tree is ended by now; the notebook must not read as done
             runs.update_state(run, **{nb.stem: _entry("interrupted", time.perf_counter() - t0,
-                                                      f"{type(e).__name__}: {e}", params.get(nb.stem))})
+                                                      f"{type(e).__name__}: {e}", ran_with)})
             raise
         secs = time.perf_counter() - t0
-        runs.update_state(run, **{nb.stem: _entry(status, secs, why, params.get(nb.stem))})
+        runs.update_state(run, **{nb.stem: _entry(status, secs, why, ran_with)})
         bar.write(f"  {nb.stem:<24} {status:<8} {secs:7.1f} s" + (f"  {why}" if why else ""))
     bar.close()
     from .report.tables import write_all

@@ -127,8 +127,12 @@ def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, outputs, cap
     run = outputs / "run"
     assert reproduce(d, "run", "--workloads", "vit_bdh, encoder_nli") == 0
     assert (run / "w.txt").read_text() == "vit_bdh,encoder_nli"
+    # recorded: the time table then says that this notebook's seconds are not those of its own list
+    state = lambda: json.loads((run / "state.json").read_text())["00_list"]     # noqa: E731
+    assert state()["parameters"] == {"workloads": ["vit_bdh", "encoder_nli"]}
     assert reproduce(d, "run", "--force") == 0                      # without the option: the notebook's own list
     assert (run / "w.txt").read_text() == "gpt"
+    assert "parameters" not in state()
     assert reproduce(d, "run", "--force", "--workloads", "vit") == 2
     assert "unknown workload 'vit'" in capsys.readouterr().err
     assert reproduce(d, "run", "--force", "--workloads", " , ") == 2

@@ -431,3 +431,29 @@ def test_auto_says_why_it_falls_back_from_the_cuda_row_pass(monkeypatch):
         warnings.simplefilter("error")
         assert L.select_backend("auto", "cuda", torch.float32, 64) in ("triton", "torch")
         assert L.select_backend("auto", "cuda", torch.bfloat16, 64) == "cuda"
+
+
+def test_cut_cross_entropy_is_asked_for_its_exact_variant_as_the_release_names_it():
+    """Releases with a CCE_EXACT preset get it; 25.x (no such member: impl="cce_exact" raises
+    NotImplementedError there) gets gradient filtering off instead; neither is a filtered CCE."""
+    import enum
+    import types
+
+    from hwlib.studies.lm_head import cce_exact_options
+
+    old = types.SimpleNamespace(LinearCrossEntropyImpl=enum.IntEnum("I", "CCE CCE_EXACT TORCH_COMPILE"))
+    new = types.SimpleNamespace(LinearCrossEntropyImpl=enum.IntEnum("I", "CCE TORCH_COMPILE"))
+    assert cce_exact_options(old) == {"impl": "cce_exact"}
+    assert cce_exact_options(new) == {"filter_eps": None}
+    assert cce_exact_options(types.SimpleNamespace()) == {"filter_eps": None}
+
+
+def test_other_projects_kernels_are_rows_with_a_reason_off_cuda():
+    from hwlib.studies.lm_head import OTHERS, implementations
+
+    rows = {name: (fn, why) for name, fn, why in implementations(torch.device("cpu"), 50, OTHERS)}
+    assert set(rows) == set(OTHERS)
+    for name, (fn, why) in rows.items():
+        assert fn is None and "CUDA" in why, (name, why)
+    with pytest.raises(ValueError, match="impls"):
+        implementations(torch.device("cpu"), 50, ["cce"])

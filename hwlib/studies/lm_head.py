@@ -78,20 +78,24 @@ def _liger(vocab: int, dt: torch.dtype):
     return fn
 
 
-def _cce(vocab: int, dt: torch.dtype):
-    from cut_cross_entropy import linear_cross_entropy
+def cce_exact_options(module) -> dict:
+    """The keyword arguments that ask ``module`` (cut_cross_entropy) for its exact variant, read off what
+    the installed release declares: releases whose ``LinearCrossEntropyImpl`` names ``CCE_EXACT`` take that
+    preset; later ones (25.x: only CCE and TORCH_COMPILE, ``impl="cce_exact"`` raises NotImplementedError)
+    turn gradient filtering off with ``filter_eps=None``, which is the same thing."""
+    impls = getattr(module, "LinearCrossEntropyImpl", None)
+    if impls is not None and "CCE_EXACT" in getattr(impls, "__members__", {}):
+        return {"impl": "cce_exact"}
+    return {"filter_eps": None}
 
-    exact = [{"impl": "cce_exact"}, {"filter_eps": None}]   # the named preset; before it, no filtering
+
+def _cce(vocab: int, dt: torch.dtype):
+    import cut_cross_entropy
+
+    exact = cce_exact_options(cut_cross_entropy)
 
     def fn(h, w, t):
-        e, c = h.to(dt), w[:vocab].to(dt)
-        while True:
-            try:
-                return linear_cross_entropy(e, c, t, **exact[0])
-            except (ValueError, KeyError, TypeError):
-                if len(exact) == 1:
-                    raise
-                exact.pop(0)      # this release has no such option: the next way to ask for it
+        return cut_cross_entropy.linear_cross_entropy(h.to(dt), w[:vocab].to(dt), t, **exact)
     return fn
 
 
