@@ -389,7 +389,8 @@ def head_prose(rows: list[dict], floor_rows: list[dict], sweep: list[dict], conf
             parts.append(f"{name} did not run ({r['reason']})")
     if sweep:
         best = min(sweep, key=lambda r: r["ms"])
-        parts.append(f"Of the chunk sizes tried, {best['chunk']} rows ({best['chunks']} chunks) was fastest at "
+        chunks = f"{best['chunks']} chunk" + ("s" if best["chunks"] != 1 else "")
+        parts.append(f"Of the chunk sizes tried, {best['chunk']} rows ({chunks}) was fastest at "
                      f"{best['ms']:.3g} ms" + (f" with {best['peak_extra_gib']:.3g} GiB" if best["peak_extra_gib"] else ""))
     if configs:
         best = min(configs, key=lambda r: r["ms"])
