@@ -128,9 +128,9 @@ lab: setup
 NB_LADDER  := $(sort $(wildcard notebooks/0*.ipynb notebooks/10_*.ipynb notebooks/11_*.ipynb)) $(wildcard notebooks/99_*.ipynb)
 NB_STUDIES := $(filter-out $(NB_LADDER),$(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)))
 test-notebooks: test-notebooks-ladder test-notebooks-studies
-# nbval runs notebooks in the order it is given them: a run's order (hwlib.cli.run_order), so that the
+# nbval runs notebooks in the order it is given them: a run's order (hwlib.series.run_order), so that the
 # studies that time ladder steps (16, 19, 20, 98) find steps 21-25 in their run, as under `hwlib reproduce`.
-RUN_ORDER = $$($(PY) -c "import sys; from pathlib import Path; from hwlib.cli import run_order; \
+RUN_ORDER = $$($(PY) -c "import sys; from pathlib import Path; from hwlib.series import run_order; \
     print(' '.join(str(p) for p in run_order([Path(a) for a in sys.argv[1:]])))" $(1))
 
 # Both halves compile many of the same smoke graphs: one compile cache for the two, keyed by the

@@ -28,10 +28,9 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import query, results, runs
+from . import query, results, runs, series
 from .paths import REPO_ROOT, RunNameError, compile_cache_env, is_reference, run_dir, run_name
-
-NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+from .series import NOTEBOOKS_DIR
 
 
 class CliError(Exception):
@@ -103,31 +102,12 @@ def positive_seconds(text: str) -> float:
     return v
 
 
-# A notebook's number is its place in the reading; its metadata's ``hwlib.run_after`` moves it later
-# in a run. "ladder": a study that times ladder steps itself (16's profiles, 19's ablations and noise
-# pairs, 20's inductor knobs, 98's live run) runs after every notebook without the key, so that it sees
-# the whole ladder in the run's records, and so that the graphs it compiles into the run's cache are
-# never found there by a later ladder notebook, whose compile seconds would then read as nothing.
-# "all": after those too (99's tables, built from every other notebook's results).
-RUN_AFTER = {None: 0, "ladder": 1, "all": 2}
-
-
-def run_after(path: Path) -> str | None:
-    """A notebook's ``hwlib.run_after`` metadata (None where it has none)."""
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
-    except (OSError, ValueError) as e:
-        raise CliError(f"{path.name}: not a readable notebook ({type(e).__name__}: {e})") from None
-    value = (meta.get("hwlib") or {}).get("run_after")
-    if value not in RUN_AFTER:
-        raise CliError(f"{path.name}: metadata hwlib.run_after must be one of "
-                       f"{', '.join(repr(k) for k in RUN_AFTER if k)} or absent, got {value!r}")
-    return value
-
-
 def run_order(nbs: list[Path]) -> list[Path]:
-    """``nbs`` in the order a run executes them: by ``RUN_AFTER`` group, then by name."""
-    return sorted(nbs, key=lambda p: (RUN_AFTER[run_after(p)], p.name))
+    """``nbs`` in the order a run executes them (``hwlib.series.run_order``), bad metadata a CliError."""
+    try:
+        return series.run_order(nbs)
+    except series.SeriesError as e:
+        raise CliError(str(e)) from None
 
 
 def list_notebooks(folder: Path) -> list[Path]:

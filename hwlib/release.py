@@ -29,8 +29,8 @@ from pathlib import Path
 from . import query, source
 from .paths import REPO_ROOT
 from .results import write_atomic
+from .series import NOTEBOOKS_DIR, notebook_paths
 
-NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 SOURCE_FILE = Path(source.__file__)
 CONSTRAINTS_DIR = REPO_ROOT / "constraints"
 # The machine whose reference run the default constraints file reproduces.
@@ -108,10 +108,6 @@ def setup_cell(ref: str = source.NOTEBOOK_REF, *, triton_on_cpu: bool = False) -
 def _source_lines(text: str) -> list[str]:
     """A cell's source as nbformat stores it: lines that keep their newline, the last without."""
     return text.splitlines(keepends=True)
-
-
-def notebook_paths(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
-    return sorted(Path(folder).glob("[0-9][0-9]_*.ipynb"))
 
 
 def setup_cell_of(nb: dict, name: str) -> dict:

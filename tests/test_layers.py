@@ -15,7 +15,7 @@ LAYERS = {
     "base": {"__init__", "paths", "device", "precision", "bench", "results", "profiles", "telemetry", "trace", "noise", "source"},
     "core": {"ops", "kernels", "workloads", "steps", "data", "ceilings", "shapes", "roofline"},
     "runners": {"ladder", "studies", "memory", "distributed"},
-    "edge": {"query", "report", "seeds", "dashboard", "notebook", "cli", "runs", "release"},
+    "edge": {"query", "report", "seeds", "dashboard", "notebook", "cli", "runs", "release", "series"},
 }
 ORDER = ["base", "core", "runners", "edge"]
 # memory/ holds primitives the ladder's session uses (accumulation, offload, checkpoint): it sits

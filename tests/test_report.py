@@ -233,6 +233,20 @@ def test_time_table_counts_compile_seconds_made_while_the_notebook_ran(tmp_path)
     assert run_window({"seconds": 1.0}) is None and run_window({"finished": "yesterday", "seconds": 1}) is None
 
 
+def test_time_table_lists_a_runs_notebooks_in_the_order_the_run_went(tmp_path):
+    """The committed series' order (hwlib.series): the studies that time ladder steps after the last
+    ladder notebook, 99's tables last; a name with no notebook (renamed since) among the ungrouped."""
+    from hwlib import runs, series
+    from hwlib.report.tables import time_table
+    run = tmp_path / "t"
+    names = ["99_speedup_tables", "16_where_time_goes", "25_bias_column", "00_environment", "42_gone"]
+    runs.update_state(run, **{n: {"status": "ok", "seconds": 1.0, "reason": ""} for n in names})
+    listed = [line.split("|")[1].strip() for line in time_table(run).splitlines()[4:]]
+    assert listed == ["00_environment", "25_bias_column", "42_gone", "16_where_time_goes", "99_speedup_tables"]
+    assert series.order_names(names) == listed
+    assert [p.stem for p in series.run_order(series.notebook_paths())][-1] == "99_speedup_tables"
+
+
 def test_first_look_block_is_the_time_table_of_its_run(ladder, tmp_path):
     assert report.first_look_block(tmp_path / "never_ran") == "No first-look reference run yet."
     results.write_json(ladder / "state.json", {

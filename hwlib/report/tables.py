@@ -18,6 +18,7 @@ from pathlib import Path
 from .. import noise, results
 from ..paths import REPO_ROOT, run_dir
 from ..query import _num, ladder_rows, reference_runs, workloads_in
+from ..series import order_names
 from .. import query
 from . import claims
 
@@ -507,7 +508,7 @@ def time_table(run) -> str:
     record was made while the notebook ran (``run_window``): a study run on its own into the same
     folder adds rows to the notebook's tables, not seconds to its wall time."""
     state = query.state(run)
-    nbs = dict(sorted((k, v) for k, v in state.items() if not k.startswith("_")))
+    nbs = {k: state[k] for k in order_names(k for k in state if not k.startswith("_"))}   # as a run goes
     if not nbs:
         return ""
     compile_s = {}
