@@ -71,6 +71,11 @@
 // forward 0.1396 ms against 0.1378 (p20-p80 0.1392-0.1398 against 0.1375-0.1382), backward 0.297
 // against 0.284; the same at N = 512 and 8192. The leaner loads issue their 48 cp.async in a burst,
 // which may crowd the shared-memory pipe that the computing blocks' shuffles and loads also use.
+// Nor is it that DRAM idles while the resident blocks compute: one thread of each block fetching the
+// inputs of the block a given distance later into L2 (cp.async.bulk.prefetch.L2, no registers or
+// shared memory) made the forward slower at every distance, interleaved on one H100 at 8192 x 2048:
+// 0.1376 ms without, 0.1422 / 0.1613 / 0.1763 / 0.1798 ms at 1 / 2 / 4 / 7 blocks per SM ahead
+// (0.0432 against 0.0438-0.0514 ms at N = 512).
 // Per issued instruction a warp waits 8.5 cycles: 2.95 not selected, 1.0 fixed-latency dependencies,
 // 0.9 at barriers, 0.85 on a busy math pipe, 0.5 on memory; the schedulers issue in 79% of cycles.
 // The rows of b and c ([B, N-1], 4 (N - 1) bytes apart) mostly start inside a 32-byte sector, so
