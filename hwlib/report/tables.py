@@ -502,11 +502,12 @@ def run_windows(state: dict) -> dict:
 
 
 def time_table(run) -> str:
-    """Where the wall time of ``hwlib reproduce`` went, per notebook, from the run's state.json,
-    with the compile time that the compiled steps report and the parameters a notebook ran with
-    where they were not its own (``hwlib reproduce --set``). Compile seconds count only where their
-    record was made while the notebook ran (``run_window``): a study run on its own into the same
-    folder adds rows to the notebook's tables, not seconds to its wall time."""
+    """Where the wall time of ``hwlib reproduce`` went, per notebook in the run's order, from the
+    run's state.json, with the compile time that the compiled steps report and the parameters a
+    notebook ran with where they were not its own (``hwlib reproduce --set``, ``--workloads``).
+    Compile seconds count only where their record was made while the notebook ran (``run_window``):
+    a study run on its own into the same folder adds rows to the notebook's tables, not seconds to
+    its wall time."""
     state = query.state(run)
     nbs = {k: state[k] for k in order_names(k for k in state if not k.startswith("_"))}   # as a run goes
     if not nbs:
