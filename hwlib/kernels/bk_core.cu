@@ -22,9 +22,13 @@
 //   load     the tile, coalesced (consecutive threads, consecutive addresses; cp.async straight
 //            into shared memory), the 16-byte vectors of each row permuted (sw below) so that the
 //            chunk-per-thread view is free of bank conflicts and reads 16 bytes per instruction;
-//   maps     each thread composes its chunk's left map N_{L-1}...N_0 and right map R_0...R_{L-1}
-//            (both in one pass over its positions; the 2x2 products are divided by a power of two
-//            near their largest entry every 4 steps: projectively exact, never over- or underflow);
+//   maps     each thread composes its chunk's left map N_{L-1}...N_0 over its positions (the 2x2
+//            products divided by a power of two near their largest entry every 4 steps: projectively
+//            exact, never over- or underflow); the right map R_0...R_{L-1} is that product
+//            transposed with its off-diagonal entries negated (R_i = D N_i^T D, D = diag(1, -1)), bit
+//            for bit what composing the R_i gives. Composing both cost 0.1378 ms forward and 0.2832
+//            backward; deriving the right one, 0.1324 and 0.2757 (8192 x 2048, interleaved, one H100:
+//            81.2% to 84.5% of copy bandwidth forward);
 //   scan     inclusive Hillis-Steele scans of those maps across the P chunks of each sequence, by
 //            warp shuffles (log2 min(P, 32) steps, no barrier), then across the warps of a sequence
 //            through their totals in shared memory (one barrier): prefix products on the left,
@@ -50,7 +54,7 @@
 // of shared memory each) and the backward to 167 (3 blocks of 128; 45 KB each), with no spills.
 // Left to itself the compiler gives the backward 198 registers (2 blocks), and the forward at 64
 // threads x 32 positions 146 (6 blocks of 64): on an H100 both ran 10-17% slower than bounded.
-// What holds the forward at 78-80% of copy bandwidth is instruction issue, not memory (ncu on an
+// What held the forward at 78-81% of copy bandwidth (composing both maps) was instruction issue, not memory (ncu on an
 // H100 at 8192 x 2048): 189 warp-lane instructions per position at 128 x 16 (144 at 64 x 32, whose
 // longer chunks halve the scan work per position but leave 16 warps per SM to hide latency instead
 // of 28, and end up as fast); in the compute phases an eligible warp waits for the issue slot in
@@ -194,13 +198,6 @@ template <typename R> BK_HD mat<R> lstep(const mat<R>& m, R k, R dr, R di) {
   mat<R> n;
   n.a = k * m.c; n.b = k * m.d;
   n.c = dmul(dr, di, m.c) - m.a; n.d = dmul(dr, di, m.d) - m.b;
-  return n;
-}
-// m <- m R, R = [[0, 1], [-k, d]]: the right map of one position applied before m
-template <typename R> BK_HD mat<R> rstep(const mat<R>& m, R k, R dr, R di) {
-  mat<R> n;
-  n.a = (-k) * m.b; n.b = m.a + dmul(dr, di, m.b);
-  n.c = (-k) * m.d; n.d = m.c + dmul(dr, di, m.d);
   return n;
 }
 template <typename R> BK_HD aff<R> acomp(const aff<R>& x, const aff<R>& y) {   // x after y
@@ -392,7 +389,16 @@ template <int L, typename R> BK_HD void check_chunk() {
   static_assert(L >= vq_n<R>() && (L & (L - 1)) == 0, "positions per thread (L): a power of two, whole 16-byte vectors");
 }
 
-// Each thread's chunk maps from its own positions: left N_{L-1}...N_0, right R_0...R_{L-1}.
+// R_i = D N_i^T D with D = diag(1, -1), so a chunk's right map R_0...R_{L-1} = D (N_{L-1}...N_0)^T D:
+// its left map transposed with the off-diagonal entries negated. The same products in the same order,
+// the same rescalings (they read the entries' magnitudes): bit for bit what composing R_i gives.
+template <typename R> BK_HD mat<R> right_of_left(const mat<R>& m) {
+  mat<R> r;
+  r.a = m.a; r.b = mk(-m.c.re, -m.c.im); r.c = mk(-m.b.re, -m.b.im); r.d = m.d;
+  return r;
+}
+
+// Each thread's chunk maps from its own positions: left N_{L-1}...N_0, and (right) R_0...R_{L-1} from it.
 // Also turns a into dr = a - Re z in place (and k = b c into array 1 when keep_bc is false).
 template <typename R, int T, int L, int NA, class Thr, class Ex>
 BK_HD void chunk_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, bool right, bool keep_bc, R zr, R zi) {
@@ -402,7 +408,7 @@ BK_HD void chunk_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, bool right, 
     Thr& th = st[ex.slot(tid)];
     const int base = tid * L;
     typedef typename MapReal<R>::type Q;
-    mat<Q> ml = mident<Q>(), mr = mident<Q>();
+    mat<Q> ml = mident<Q>();
 #pragma unroll
     for (int q = 0; q < L / V; ++q) {
       vq<R> va = ldv(sm.tile[0], base + q * V), vb = ldv(sm.tile[1], base + q * V);
@@ -414,17 +420,13 @@ BK_HD void chunk_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, bool right, 
         va.x[i] = dr;
         vb.x[i] = k;
         ml = lstep<Q>(ml, k, dr, -zi);
-        if (right) mr = rstep<Q>(mr, k, dr, -zi);
-        if ((j & 3) == 3) {
-          ml = mscale(ml);
-          if (right) mr = mscale(mr);
-        }
+        if ((j & 3) == 3) ml = mscale(ml);
       }
       stv(sm.tile[0], base + q * V, va);
       if (!keep_bc) stv(sm.tile[1], base + q * V, vb);
     }
     th.ml = ml;
-    th.mr = mr;
+    th.mr = right ? right_of_left(ml) : mident<Q>();
   }
 }
 
