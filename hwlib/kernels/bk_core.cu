@@ -50,15 +50,17 @@
 //             that recomputes the forward's values instead of saving them (longer N: 52).
 // Occupancy is what keeps the memory system busy: a block loads its tile and then computes without
 // touching memory, so other resident blocks must cover that time. The launch bounds hold the float32
-// forward to 71 registers (bounded for 6 blocks of 128 threads per SM; at 71, 7 fit: 28 warps, 26 KB
-// of shared memory each) and the backward to 167 (3 blocks of 128; 45 KB each), with no spills.
+// forward to 72 registers (7 blocks of 128 threads per SM: 28 warps, 26 KB of shared memory each;
+// bounded for 6 it took the same 72, 0.1326 ms against 0.1323 bounded for 7) and the backward to 167
+// (3 blocks of 128; 45 KB each), with no spills.
 // Left to itself the compiler gives the backward 198 registers (2 blocks), and the forward at 64
 // threads x 32 positions 146 (6 blocks of 64): on an H100 both ran 10-17% slower than bounded.
-// What held the forward at 78-81% of copy bandwidth (composing both maps) was instruction issue, not memory (ncu on an
-// H100 at 8192 x 2048): 189 warp-lane instructions per position at 128 x 16 (144 at 64 x 32, whose
-// longer chunks halve the scan work per position but leave 16 warps per SM to hide latency instead
-// of 28, and end up as fast); in the compute phases an eligible warp waits for the issue slot in
-// most cycles ("not selected": 2.9 cycles per issued instruction), DRAM is 60% busy. Interleaving
+// What held the forward at 78-81% of copy bandwidth (composing both maps, rescaling at every scan
+// step) was instruction issue, not memory (ncu on an H100 at 8192 x 2048): 189 warp-lane
+// instructions per position at 128 x 16 (144 at 64 x 32, whose longer chunks halve the scan work per
+// position but leave 16 warps per SM to hide latency instead of 28, and end up as fast); in the
+// compute phases an eligible warp waited for the issue slot in most cycles ("not selected": 2.9
+// cycles per issued instruction), DRAM was 60% busy. Interleaving
 // the two walks (the compiler already overlaps their independent chains) and rescaling the maps
 // by a sum instead of maxima (float adds instead of integer-pipe max) both measured within noise;
 // so did two cuts to the scans (0.141-0.145 ms forward before and after, interleaved on one H100):
@@ -442,7 +444,7 @@ BK_HD void warp_scan(const Ex& ex, int P, int k, bool right, V* totals, Get get,
     for (int tid = ex.lo(); tid < ex.hi(); ++tid) {
       const V x = get(tid), y = right ? ex.down(k, tid, x, off) : ex.up(k, tid, x, off);
       const int cw = tid & (PW - 1);
-      if (right ? cw + off < PW : cw >= off) set(tid, comp(x, y));
+      if (right ? cw + off < PW : cw >= off) set(tid, comp(x, y, off));
     }
   }
   if (P <= 32) return;
@@ -453,9 +455,9 @@ BK_HD void warp_scan(const Ex& ex, int P, int k, bool right, V* totals, Get get,
     const int ws = (tid & (P - 1)) >> 5, nws = P >> 5, wi = tid >> 5;
     V x = get(tid);
     if (right)
-      for (int u = 1; ws + u < nws; ++u) x = comp(x, totals[wi + u]);
+      for (int u = 1; ws + u < nws; ++u) x = comp(x, totals[wi + u], 0);
     else
-      for (int u = 1; u <= ws; ++u) x = comp(x, totals[wi - u]);
+      for (int u = 1; u <= ws; ++u) x = comp(x, totals[wi - u], 0);
     set(tid, x);
   }
 }
@@ -465,7 +467,14 @@ BK_HD void warp_scan(const Ex& ex, int P, int k, bool right, V* totals, Get get,
 template <typename R, int T, int L, int NA, class Thr, class Ex>
 BK_HD void scan_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, const Geo& g, bool right) {
   typedef typename MapReal<R>::type Q;
-  const auto mcomp = [](const mat<Q>& x, const mat<Q>& y) { return mscale(mmul(x, y)); };
+  // Rescaling multiplies by a power of two, which is exact: skipped after the shuffles at offsets 1, 4
+  // and 16 it changes no bit of the maps that come out (the next rescale, or the projective apply,
+  // removes the factor) while nothing overflows: a product of two products of maps scaled into
+  // [1, 4) has entries below 2^14, and the warps' totals are rescaled when they are composed.
+  // Rescaling at every offset: 0.1326 ms forward; at 2 and 8 only: 0.1308 (8192 x 2048, one H100).
+  const auto mcomp = [](const mat<Q>& x, const mat<Q>& y, int off) {
+    return (off == 1 || off == 4 || off == 16) ? mmul(x, y) : mscale(mmul(x, y));
+  };
   warp_scan<mat<Q>>(ex, g.P, 0, false, sm.wl, [&](int t) { return st[ex.slot(t)].ml; },
                        [&](int t, const mat<Q>& m) { st[ex.slot(t)].ml = m; }, mcomp);
   if (right)
@@ -586,7 +595,7 @@ BK_HD void fwd_block(const Ex& ex, long long blk, Smem<R, T, L, 3>& sm, FwdThr<R
 template <typename R, int T, int L, class Ex>
 BK_HD void scan_affine(const Ex& ex, Smem<R, T, L, 5>& sm, BwdThr<R, L>* st, const Geo& g, bool right) {
   ex.sync();
-  const auto acmp = [](const aff<R>& x, const aff<R>& y) { return acomp(x, y); };
+  const auto acmp = [](const aff<R>& x, const aff<R>& y, int) { return acomp(x, y); };
   warp_scan<aff<R>>(ex, g.P, 0, false, sm.wal, [&](int t) { return st[ex.slot(t)].al; },
                        [&](int t, const aff<R>& m) { st[ex.slot(t)].al = m; }, acmp);
   if (right)
@@ -805,7 +814,7 @@ BK_HD void bwd_block(const Ex& ex, long long blk, Smem<R, T, L, 5>& sm, BwdThr<R
 
 // --- configurations, kernels, launchers -----------------------------------------------------------
 // (T threads, L positions per thread, M blocks per SM the registers are bounded for). float32
-// forward: 128 x 16 x 6 (a 2048-position tile, one sequence of the N = 2048 benchmark per block);
+// forward: 128 x 16 x 7 (a 2048-position tile, one sequence of the N = 2048 benchmark per block);
 // float32 backward: 128 x 16 x 3; float64: 64 x 16 forward, 64 x 8 backward (register pressure).
 
 template <int T, int L> int plan_lp(long long N) {
@@ -925,7 +934,7 @@ template <int T, int L, int M> constexpr int tile_positions() { return T * L; }
 #define BK_FWD_F32_L 16
 #endif
 #ifndef BK_FWD_F32_M
-#define BK_FWD_F32_M 6
+#define BK_FWD_F32_M 7
 #endif
 #define BK_FWD_F32 BK_FWD_F32_T, BK_FWD_F32_L, BK_FWD_F32_M
 #ifndef BK_BWD_F32_T
