@@ -82,6 +82,12 @@
 // shared memory) made the forward slower at every distance, interleaved on one H100 at 8192 x 2048:
 // 0.1376 ms without, 0.1422 / 0.1613 / 0.1763 / 0.1798 ms at 1 / 2 / 4 / 7 blocks per SM ahead
 // (0.0432 against 0.0438-0.0514 ms at N = 512).
+// After the two cuts above (right maps derived, fewer rescales) these measured within noise or
+// slower, interleaved on one H100 at 8192 x 2048 against 0.1309-0.1347 ms: keeping d - sL instead of
+// sL for the second walk (0.1346 against 0.1347; fewer registers, 64), storing G two positions per
+// 16-byte store (0.1359), copying a's rows in 16-byte pieces (0.1354 against 0.1347), streaming
+// stores (0.1333 against 0.1326), evict-first loads (0.1379), rescaling the scans at offset 8 only
+// (0.1306 against 0.1309).
 // Per issued instruction a warp waits 8.5 cycles: 2.95 not selected, 1.0 fixed-latency dependencies,
 // 0.9 at barriers, 0.85 on a busy math pipe, 0.5 on memory; the schedulers issue in 79% of cycles.
 // The rows of b and c ([B, N-1], 4 (N - 1) bytes apart) mostly start inside a 32-byte sector, so
