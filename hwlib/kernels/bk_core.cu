@@ -475,8 +475,9 @@ BK_HD void scan_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, const Geo& g,
   typedef typename MapReal<R>::type Q;
   // Rescaling multiplies by a power of two, which is exact: skipped after the shuffles at offsets 1, 4
   // and 16 it changes no bit of the maps that come out (the next rescale, or the projective apply,
-  // removes the factor) while nothing overflows: a product of two products of maps scaled into
-  // [1, 4) has entries below 2^14, and the warps' totals are rescaled when they are composed.
+  // removes the factor) while nothing overflows or leaves float's normal range: a product of two
+  // products of maps scaled into [1, 4) has entries below 2^14, whatever the inputs (each chunk's
+  // map leaves chunk_maps rescaled), and the warps' totals are rescaled when they are composed.
   // Rescaling at every offset: 0.1326 ms forward; at 2 and 8 only: 0.1308 (8192 x 2048, one H100).
   const auto mcomp = [](const mat<Q>& x, const mat<Q>& y, int off) {
     return (off == 1 || off == 4 || off == 16) ? mmul(x, y) : mscale(mmul(x, y));
