@@ -428,7 +428,7 @@ BK_HD void chunk_maps(const Ex& ex, Smem<R, T, L, NA>& sm, Thr* st, bool right, 
         va.x[i] = dr;
         vb.x[i] = k;
         ml = lstep<Q>(ml, k, dr, -zi);
-        if ((j & 3) == 3) ml = mscale(ml);
+        if ((j & 3) == 3 || j == L - 1) ml = mscale(ml);   // and at the end: the scans rely on it
       }
       stv(sm.tile[0], base + q * V, va);
       if (!keep_bc) stv(sm.tile[1], base + q * V, vb);
