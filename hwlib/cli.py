@@ -111,7 +111,7 @@ def run_order(nbs: list[Path]) -> list[Path]:
 
 
 def list_notebooks(folder: Path) -> list[Path]:
-    nbs = run_order(list(folder.glob("[0-9][0-9]_*.ipynb")))
+    nbs = run_order(series.notebook_paths(folder))
     if not nbs:
         raise CliError(f"no numbered notebooks (NN_name.ipynb) in {folder}")
     return nbs

@@ -33,30 +33,36 @@ def notebook_paths(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
 
 def run_after(path: Path) -> str | None:
     """A notebook's ``hwlib.run_after`` metadata (None where it has none)."""
+    path = Path(path)
     try:
-        meta = json.loads(Path(path).read_text(encoding="utf-8")).get("metadata", {})
+        meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
     except (OSError, ValueError) as e:
-        raise SeriesError(f"{Path(path).name}: not a readable notebook ({type(e).__name__}: {e})") from None
+        raise SeriesError(f"{path.name}: not a readable notebook ({type(e).__name__}: {e})") from None
     value = (meta.get("hwlib") or {}).get("run_after")
     if value not in RUN_AFTER:
-        raise SeriesError(f"{Path(path).name}: metadata hwlib.run_after must be one of "
+        raise SeriesError(f"{path.name}: metadata hwlib.run_after must be one of "
                           f"{', '.join(repr(k) for k in RUN_AFTER if k)} or absent, got {value!r}")
     return value
 
 
+def run_group(path: Path) -> int:
+    """The notebook's place among ``RUN_AFTER``'s groups (0: the ladder and the numbered order)."""
+    return RUN_AFTER[run_after(path)]
+
+
 def run_order(nbs: list[Path]) -> list[Path]:
-    """``nbs`` in the order a run executes them: by ``RUN_AFTER`` group, then by name."""
-    return sorted(nbs, key=lambda p: (RUN_AFTER[run_after(p)], p.name))
+    """``nbs`` in the order a run executes them: by ``run_group``, then by name."""
+    return sorted(nbs, key=lambda p: (run_group(p), p.name))
 
 
 def order_names(names, folder: Path = NOTEBOOKS_DIR) -> list[str]:
     """Notebook names (stems, as a run's state.json keys them) in the run order of ``folder``'s
-    notebooks; a name with no notebook there (renamed since, or a variant's executed copy) goes by
-    name among the ungrouped ones."""
+    notebooks; a name with no notebook there (renamed since, or a variant's executed copy), or one
+    whose metadata is bad (reproduce names it), goes by name among the ungrouped ones."""
     group = {}
     for p in notebook_paths(folder):
         try:
-            group[p.stem] = RUN_AFTER[run_after(p)]
+            group[p.stem] = run_group(p)
         except SeriesError:
-            group[p.stem] = 0      # a table still lists it; reproduce names the bad metadata
+            pass
     return sorted(names, key=lambda n: (group.get(n, 0), n))
