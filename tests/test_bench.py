@@ -67,6 +67,32 @@ def test_time_fn_groups_calls_into_one_sample_of_their_mean():
         bench.time_fn(nap, torch.device("cpu"), group=0)
 
 
+def test_time_fn_on_a_gpu_queues_every_sample_before_one_sync(monkeypatch):
+    """A sync between samples leaves the device idle when the next start event is recorded, so each
+    sample would also time its first launch: the samples must all be queued before the one sync."""
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            log.append("event")
+            self.t = len(log)        # a device clock that ticks once per queued operation
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    t = bench.time_fn(lambda i: log.append(i), torch.device("cuda"), warmup=1, iters=3, group=2)
+    assert log == [0, 1, "sync", "event", 2, 3, "event", "event", 4, 5, "event", "event", 6, 7, "event", "sync"]
+    assert t.samples_ms == [1.5, 1.5, 1.5]   # (end - start) / group: three ticks over two calls
+
+
 def test_wall_s_includes_the_call():
     s, out = bench.wall_s(lambda: time.sleep(0.03) or 7, torch.device("cpu"))
     assert s >= 0.029 and out == 7
