@@ -908,6 +908,23 @@ def test_study_records_keep_x_values_in_fields():
     assert tg[0]["fields"] == {"target": "best forward >= 60% of copy bandwidth"}
 
 
+def test_kernel_targets_judge_the_kernels_timed_alone_against_the_copy_ceiling():
+    from hwlib.studies import bk_core as bk_study
+    row = lambda backend, direction, share, n=16: {"backend": backend, "direction": direction, "B": 4, "N": n,
+                                                  "ms": 0.1, "share of copy": share}
+    rows = [row("cuda (kernel alone)", "forward", 0.86), row("cuda", "forward", 0.99),
+            row("cuda (kernel alone)", "forward+backward", 0.64), row("triton (kernel alone)", "forward", None),
+            row("triton (kernel alone)", "forward", 0.9, n=32)]
+    got = {t["target"]: t["met"] for t in bk_study.targets(rows, 4, 16)}
+    assert got["cuda forward alone >= 85% of copy bandwidth"] is True        # not the op's row
+    assert got["cuda forward+backward alone >= 65% of copy bandwidth"] is False
+    assert got["triton forward alone >= 50% of copy bandwidth"] is None      # no ceiling: n/a, not met
+    assert got["best forward >= 60% of copy bandwidth"] is True
+    recs = bk_study.target_records(bk_study.targets(rows, 4, 16), profile="smoke", device="cpu")
+    assert [r["status"] for r in recs][:3] == ["ok", "failed", "n/a"]
+    assert bk_study.targets(rows, 4, 64) == []                               # nothing timed at that size
+
+
 def test_kernel_gap_compares_the_kernels_timed_alone_at_one_size():
     from hwlib.studies import bk_core as bk_study
     row = lambda backend, ms, n=16, direction="forward": {"backend": backend, "ms": ms, "B": 4, "N": n, "direction": direction}

@@ -517,6 +517,12 @@ def kernel_gap(rows: list[dict], batch: int, n: int, direction: str = "forward")
             f"against tiles staged by hand.")
 
 
+# The kernels alone against the copy ceiling, on minimal bytes (``min_bytes``: float32 in, complex64 out,
+# 20 B an element forward, 52 forward+backward): both directions are memory-bound, so these are
+# bandwidth targets. Judged on the kernel-alone rows: through the op, the host's Python is timed too.
+KERNEL_TARGETS = (("cuda", "forward", 0.85), ("cuda", "forward+backward", 0.65), ("triton", "forward", 0.50))
+
+
 def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
     """The targets at (batch, n): each {target, value, unit, measured (text), met}; met None (n/a)
     where what it needs was not measured (e.g. no copy ceiling in this run)."""
@@ -525,6 +531,16 @@ def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
                  and r["B"] == batch and r["N"] == n), None)
     cus = next((r for r in rows if r["backend"] == CUSPARSE and r["B"] == batch and r["N"] == n), None)
     out = []
+    for backend, direction, floor in KERNEL_TARGETS:
+        r = next((r for r in rows if r["backend"] == f"{backend} (kernel alone)" and r["direction"] == direction
+                  and r["B"] == batch and r["N"] == n), None)
+        if r is None:
+            continue
+        share = r.get("share of copy")
+        out.append({"target": f"{backend} {direction} alone >= {floor:.0%} of copy bandwidth", "value": share,
+                    "unit": "share of copy",
+                    "measured": f"{r['ms']:.4f} ms, " + (f"{share:.1%}" if share is not None else "n/a (no copy ceiling)"),
+                    "met": None if share is None else share >= floor})
     if f:
         share = f.get("share of copy")
         out.append({"target": "best forward >= 60% of copy bandwidth", "value": share, "unit": "share of copy",
