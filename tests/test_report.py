@@ -264,3 +264,32 @@ def test_committed_readme_shows_the_first_looks_times(monkeypatch):
     start, end = text.index(report.FIRST_START), text.index(report.FIRST_END)
     assert text[start + len(report.FIRST_START):end].strip() == report.first_look_block().strip(), \
         "README's first-look section is stale: run `make readme`"
+
+
+def _row(step, tps, status="ok", spread=None):
+    return {"step": step, "status": status, "throughput": tps, "process_spread": spread}
+
+
+def test_past_the_recipe_takes_the_fastest_step_of_each_kind_against_the_recipe():
+    from hwlib.report import recipe
+    rows = [_row("06_torch_compile", 2000.0), _row("09_cuda_graphs", 1000.0, spread=1.002),
+            _row("17_fused_lm_head", 1100.0), _row("18_fp8", 1300.0), _row("21_fused_layernorm", 1160.0, spread=1.001),
+            _row("22_gelu_epilogue", 1900.0, status="math changed")]   # a changed curve never counts
+    plain, fp8 = recipe.target_rows(rows)
+    assert (plain["step"], round(plain["x_vs_recipe"], 3), plain["met"]) == ("21_fused_layernorm", 1.16, True)
+    assert plain["within_noise_of_target"] is False        # 1.16 / 1.15 is 0.9% off, the spread 0.2%
+    assert (fp8["step"], fp8["x_vs_recipe"], fp8["met"], fp8["within_noise_of_target"]) == ("18_fp8", 1.3, True, None)
+    text = recipe.sentence(rows)
+    assert "21_fused_layernorm, 1.160x (target 1.15x: met)" in text and "18_fp8, 1.300x (target 1.25x: met)" in text
+
+
+def test_past_the_recipe_says_not_met_within_noise_and_unmeasured():
+    from hwlib.report import recipe
+    rows = [_row("09_cuda_graphs", 1000.0, spread=1.01), _row("25_bias_column", 1148.0, spread=1.002)]
+    plain, fp8 = recipe.target_rows(rows)
+    assert plain["met"] is False and plain["within_noise_of_target"] is True     # 0.2% short, spread 1%
+    assert fp8["step"] is None and fp8["met"] is None
+    text = recipe.sentence(rows)
+    assert "not met, closer to it than the two steps' spread" in text and "FP8 step: none measured" in text
+    assert recipe.sentence([_row("25_bias_column", 1148.0)]) == ""                 # no recipe step: nothing to say
+    assert recipe.target_rows([_row("09_cuda_graphs", None, status="skipped"), _row("25_bias_column", 1.0)])[0]["met"] is None

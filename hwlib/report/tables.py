@@ -19,6 +19,7 @@ from .. import noise, results
 from ..paths import REPO_ROOT, run_dir
 from ..query import _num, ladder_rows, reference_runs, workloads_in
 from ..series import order_names
+from . import recipe
 from .. import query
 from . import claims
 
@@ -366,6 +367,8 @@ def readme_block(run) -> str:
     for w in s["workloads"]:
         rows = ladder_rows_with_noise(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
+        if w == recipe.WORKLOAD and (past := recipe.sentence(rows)):
+            lines += [past, ""]
     lines += generation_lines(s["generation"]["steps"])
     lines += toggle_lines(toggle_rows(recs, run_windows(query.state(run))))
     lines += multi_gpu_lines(reference_runs())
