@@ -60,4 +60,4 @@ def sentence(rows: list[dict]) -> str:
         if t["within_noise_of_target"]:
             verdict += ", closer to it than the two steps' spread across processes"
         parts.append(f"the {what}, {t['step']}, {t['x_vs_recipe']:.3f}x (target {t['target_x']:.2f}x: {verdict})")
-    return f"Past the recipe, tokens/s over {RECIPE_STEP}'s: " + "; ".join(parts) + "."
+    return f"Past the recipe (tokens/s over those of {RECIPE_STEP}): " + "; ".join(parts) + "."
