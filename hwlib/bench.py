@@ -101,7 +101,7 @@ def time_fn(fn: Callable[[int], object], device: torch.device, *, warmup: int = 
     event is recorded, and every sample would then also time the launch of its first call and the
     device's start from idle (on an H100, the kernel studies' rows of 0.05-0.25 ms read 2-11% slower
     that way, timed in groups of 4 to 20 calls). The first sample starts on an idle device all the
-    same; the median does not see one sample."""
+    same; one sample of ``iters`` moves the median by one rank at most."""
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if group < 1:
