@@ -922,6 +922,7 @@ def test_kernel_targets_judge_the_kernels_timed_alone_against_the_copy_ceiling()
     assert got["best forward >= 60% of copy bandwidth"] is True
     recs = bk_study.target_records(bk_study.targets(rows, 4, 16), profile="smoke", device="cpu")
     assert [r["status"] for r in recs][:3] == ["ok", "failed", "n/a"]
+    assert recs[2]["reason"] == "no copy ceiling measured in this run"
     assert bk_study.targets(rows, 4, 64) == []                               # nothing timed at that size
 
 

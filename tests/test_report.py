@@ -300,3 +300,12 @@ def test_past_the_recipe_says_not_met_within_noise_and_unmeasured():
     bad = [_row("09_cuda_graphs", 1000.0, status="contended"), _row("25_bias_column", 1148.0)]
     assert [t["met"] for t in recipe.target_rows(bad)] == [None, None]
     assert "09_cuda_graphs is contended" in recipe.sentence(bad)
+
+
+def test_readme_block_says_how_gpt_stands_past_the_recipe(ladder):
+    assert "Past the recipe" not in report.readme_block(ladder)          # no step 09 in the run: nothing said
+    put("09_cuda_graphs", ms=2.0, tps=5000.0, check=1e-5, mfu=0.4)
+    put("25_bias_column", ms=1.7, tps=5900.0, check=1e-5, mfu=0.5)
+    block = report.readme_block(ladder)
+    assert ("the fastest step past the recipe without FP8, 25_bias_column, 1.180x (target 1.15x: met); "
+            "the fastest FP8 step: none measured (target 1.25x)") in block

@@ -524,8 +524,9 @@ KERNEL_TARGETS = (("cuda", "forward", 0.85), ("cuda", "forward+backward", 0.65),
 
 
 def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
-    """The targets at (batch, n): each {target, value, unit, measured (text), met}; met None (n/a)
-    where what it needs was not measured (e.g. no copy ceiling in this run)."""
+    """The targets at (batch, n): each {target, value, unit, measured (text), met}; met None (n/a),
+    with ``why``, where what it needs was not measured (no copy ceiling in this run). A target whose
+    row was not timed at this size is left out."""
     f, fb = best(rows, "forward", batch, n), best(rows, "forward+backward", batch, n)
     loop = next((r for r in rows if r["backend"] == "torch_loop" and r["direction"] == "forward+backward"
                  and r["B"] == batch and r["N"] == n), None)
@@ -540,12 +541,14 @@ def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
         out.append({"target": f"{backend} {direction} alone >= {floor:.0%} of copy bandwidth", "value": share,
                     "unit": "share of copy",
                     "measured": f"{r['ms']:.4f} ms, " + (f"{share:.1%}" if share is not None else "n/a (no copy ceiling)"),
-                    "met": None if share is None else share >= floor})
+                    "met": None if share is None else share >= floor,
+                    "why": "no copy ceiling measured in this run" if share is None else None})
     if f:
         share = f.get("share of copy")
         out.append({"target": "best forward >= 60% of copy bandwidth", "value": share, "unit": "share of copy",
                     "measured": f"{f['backend']}: " + (f"{share:.1%}" if share is not None else "n/a (no copy ceiling)"),
-                    "met": None if share is None else share >= 0.6})
+                    "met": None if share is None else share >= 0.6,
+                    "why": "no copy ceiling measured in this run" if share is None else None})
     if f and cus:
         x = cus["ms"] / f["ms"]
         out.append({"target": "forward >= 3x faster than one cuSPARSE gtsv2StridedBatch solve", "value": x,
@@ -564,4 +567,5 @@ def target_records(tgts: list[dict], *, profile: str, device: str) -> list[dict]
                         unit=t["unit"], profile=profile, device=device, fields={"target": t["target"]},
                         params={"measured": t["measured"]},
                         status="n/a" if t["met"] is None else "ok" if t["met"] else "failed",
-                        reason="not measured in this run" if t["met"] is None else None) for t in tgts]
+                        reason=(t.get("why") or "not measured in this run") if t["met"] is None else None)
+            for t in tgts]
