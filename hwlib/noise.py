@@ -157,3 +157,11 @@ def effect(lo: float, hi: float) -> str:
     """What a toggle did, as the interval [lo, hi] of its speed-up says: 'faster', 'slower' or
     'within noise' (contains 1)."""
     return {"above": "faster", "below": "slower", "within noise": "within noise"}[compare(lo, hi, 1.0)]
+
+
+def within_spread(ratio: float, spreads) -> bool | None:
+    """Whether ``ratio`` (a speed-up, either way round) is smaller than the largest of ``spreads``
+    (each slowest over fastest across processes, >= 1; None where not measured): another run could
+    land on the other side. None when no spread was measured: nothing is said."""
+    known = [s for s in spreads if s]
+    return max(ratio, 1.0 / ratio) < max(known) if known else None

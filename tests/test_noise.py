@@ -78,3 +78,10 @@ def test_bad_input_names_the_argument(kw, says):
 def test_compare_refuses_a_reversed_interval():
     with pytest.raises(ValueError, match="lo"):
         noise.compare(1.2, 1.1, 1.0)
+
+
+def test_within_spread_takes_the_larger_spread_either_way_and_says_nothing_unmeasured():
+    assert noise.within_spread(1.004, [1.002, None, 1.005]) is True
+    assert noise.within_spread(1 / 1.004, [1.005]) is True           # a slow-down is judged the same way
+    assert noise.within_spread(1.006, [1.002, 1.005]) is False
+    assert noise.within_spread(1.5, [None]) is None and noise.within_spread(1.5, []) is None

@@ -4,12 +4,13 @@ recipe were built for.
 
 Derived from ladder rows (``query.ladder_rows``, with the spreads across processes of notebook 19 where
 ``report.tables.ladder_rows_with_noise`` marked them): nothing here is measured or typed. "Within
-noise" follows the ladder's rule (``tables.mark_within_noise``): a ratio closer to its target than the
-larger spread measured for either step, so that another run could land on the other side.
+noise" is the ladder's rule (``noise.within_spread``): a ratio closer to its target than the larger
+spread measured for either step, so that another run could land on the other side.
 """
 
 from __future__ import annotations
 
+from .. import noise
 from ..steps import LADDER, settings_for
 
 WORKLOAD = "gpt"
@@ -39,9 +40,9 @@ def target_rows(rows: list[dict]) -> list[dict]:
                  and settings_for(s.name).fp8 == fp8 and _counts(by_step[s.name])]
         best = max(cands, key=lambda r: r["throughput"]) if cands else None
         ratio = best["throughput"] / base if best and base else None
-        known = [r["process_spread"] for r in (recipe, best) if r and r.get("process_spread")]
-        within = None if ratio is None or not known else max(ratio / target, target / ratio) < max(known)
-        out.append({"what": what, "target": f"{what} >= {target:.2f}x {RECIPE_STEP}",
+        spreads = [r.get("process_spread") for r in (recipe, best) if r]
+        within = None if ratio is None else noise.within_spread(ratio / target, spreads)
+        out.append({"what": what, "fp8": fp8, "target": f"{what} >= {target:.2f}x {RECIPE_STEP}",
                     "step": best["step"] if best else None, "x_vs_recipe": ratio, "target_x": target,
                     "met": None if ratio is None else ratio >= target, "within_noise_of_target": within,
                     "recipe_status": recipe["status"] if recipe else None})

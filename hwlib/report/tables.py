@@ -106,9 +106,8 @@ def mark_within_noise(rows: list[dict], spreads: dict[str, dict]) -> list[dict]:
         x, prev = r.get("speedup_vs_prev"), r.get("prev_step")   # the step it was taken against
         if r.get("throughput") and prev is not None and x:
             known = [s["spread"] for s in (spreads.get(prev), own) if s]
-            if known:
-                r["noise_spread"] = max(known)
-                r["within_noise"] = max(x, 1.0 / x) < r["noise_spread"]
+            r["noise_spread"] = max(known) if known else None
+            r["within_noise"] = noise.within_spread(x, known)
         out.append(r)
     return out
 

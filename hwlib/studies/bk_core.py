@@ -523,6 +523,15 @@ def kernel_gap(rows: list[dict], batch: int, n: int, direction: str = "forward")
 KERNEL_TARGETS = (("cuda", "forward", 0.85), ("cuda", "forward+backward", 0.65), ("triton", "forward", 0.50))
 
 
+def _share_target(what: str, floor: float, row: dict, prefix: str) -> dict:
+    """A target on ``row``'s share of the copy ceiling: n/a, with the reason, where none was measured."""
+    share = row.get("share of copy")
+    return {"target": f"{what} >= {floor:.0%} of copy bandwidth", "value": share, "unit": "share of copy",
+            "measured": prefix + (f"{share:.1%}" if share is not None else "n/a (no copy ceiling)"),
+            "met": None if share is None else share >= floor,
+            "why": "no copy ceiling measured in this run" if share is None else None}
+
+
 def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
     """The targets at (batch, n): each {target, value, unit, measured (text), met}; met None (n/a),
     with ``why``, where what it needs was not measured (no copy ceiling in this run). A target whose
@@ -537,18 +546,9 @@ def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
                   and r["B"] == batch and r["N"] == n), None)
         if r is None:
             continue
-        share = r.get("share of copy")
-        out.append({"target": f"{backend} {direction} alone >= {floor:.0%} of copy bandwidth", "value": share,
-                    "unit": "share of copy",
-                    "measured": f"{r['ms']:.4f} ms, " + (f"{share:.1%}" if share is not None else "n/a (no copy ceiling)"),
-                    "met": None if share is None else share >= floor,
-                    "why": "no copy ceiling measured in this run" if share is None else None})
+        out.append(_share_target(f"{backend} {direction} alone", floor, r, f"{r['ms']:.4f} ms, "))
     if f:
-        share = f.get("share of copy")
-        out.append({"target": "best forward >= 60% of copy bandwidth", "value": share, "unit": "share of copy",
-                    "measured": f"{f['backend']}: " + (f"{share:.1%}" if share is not None else "n/a (no copy ceiling)"),
-                    "met": None if share is None else share >= 0.6,
-                    "why": "no copy ceiling measured in this run" if share is None else None})
+        out.append(_share_target("best forward", 0.6, f, f"{f['backend']}: "))
     if f and cus:
         x = cus["ms"] / f["ms"]
         out.append({"target": "forward >= 3x faster than one cuSPARSE gtsv2StridedBatch solve", "value": x,
