@@ -526,6 +526,78 @@ def test_out_of_memory_in_a_kernel_stays_itself(monkeypatch, triton_first_on_cpu
     assert any("backend 'triton'" in n for n in getattr(e.value, "__notes__", [])), e.value
 
 
+# --- the op as one graph node (resolvent_features) -------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "torch_loop"])
+@pytest.mark.parametrize("batch, n", [((3,), 1), ((2, 3), 17), ((5,), 64)], ids=str)
+def test_features_are_g_as_real_pairs_with_its_gradients(backend, batch, n):
+    """Against the float64 dense inverse (forward) and dense autograd (gradients), fresh inputs."""
+    a, b, c, re = make(batch, n, key=("feat", backend))
+    z = complex(re, 0.3)
+    w = torch.randn(*batch, n, 2, dtype=torch.float64, generator=_gen("featw", n))
+    leaves = [x.clone().requires_grad_() for x in (a, b, c)]
+    r = bk_core.resolvent_features(*leaves, z, backend=backend)
+    assert r.shape == (*batch, n, 2) and r.dtype == torch.float64
+    (r * w).sum().backward()
+    dense = [x.clone().requires_grad_() for x in (a, b, c)]
+    ref = torch.view_as_real(resolvent_diagonal_dense(*dense, z))
+    (ref * w).sum().backward()
+    assert rel_err(r.detach(), ref.detach()) < 1e-10
+    for got, want, name in zip(leaves, dense, ("diag", "upper", "lower")):
+        if want.numel():
+            assert rel_err(got.grad, want.grad) < 1e-9, name
+
+
+def test_features_gradcheck_and_opcheck():
+    a, b, c, re = make((2,), 5, key=("feat-gc",))
+    inputs = tuple(x.requires_grad_() for x in (a, b, c))
+    assert torch.autograd.gradcheck(lambda *t: bk_core.resolvent_features(*t, complex(re, 0.4), backend="torch"),
+                                    inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+    torch.library.opcheck(torch.ops.hwlib.resolvent_features.default, (*inputs, re, 0.4, "auto"))
+
+
+def test_features_bad_input_names_the_argument():
+    a, b, c = _ok()
+    with pytest.raises(ChoiceError, match="backend 'tritn'"):
+        bk_core.resolvent_features(a, b, c, 1j, backend="tritn")
+    with pytest.raises(ValueError, match="upper"):
+        bk_core.resolvent_features(a, b[..., :-1], c, 1j)
+    with pytest.raises(ValueError, match="Im z"):
+        bk_core.resolvent_features(a, b, c, 2.0)
+    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+        bk_core.resolvent_features(a, b, c, 1j, backend="cuda")
+    empty = bk_core.resolvent_features(a[:0], b[:0], c[:0], 1j)
+    assert empty.shape == (0, 5, 2)
+
+
+def test_resnet_bk_compiles_without_a_graph_break():
+    """The BK-Core call is one node of the compiled forward (a graph break there would leave CUDA
+    graphs the pieces between the calls, and the torch backend's rounds launched from the host),
+    and the compiled step computes what the eager one does."""
+    from hwlib.ladder.session import compile_model
+    from hwlib.workloads import resnet_bk as R
+    cfg = R.PROFILES["smoke"]
+    g = _gen("rbk")
+    idx = torch.randint(0, cfg.vocab, (2, cfg.context), generator=g)
+    tgt = torch.randint(0, cfg.vocab, (2, cfg.context), generator=g)
+    model = R.ResNetBK(cfg).init_weights(0)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, tgt)
+    assert explained.graph_break_count == 0, [str(r.reason)[:120] for r in explained.break_reasons]
+    assert "resolvent_features" in str(explained.graphs[0].graph)
+    eager = model(idx, tgt)
+    eager.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    got = compile_model(model)(idx, tgt)
+    got.backward()
+    torch._dynamo.reset()
+    assert abs(got.item() - eager.item()) <= 1e-5 * abs(eager.item())
+    for p, w in zip(model.parameters(), want):
+        assert torch.allclose(p.grad, w, rtol=1e-3, atol=1e-6)
+
+
 # --- the load_inline loader on a machine without CUDA ----------------------------------------------
 
 def test_cuda_loader_raises_unavailable_without_cuda(cpu_only):

@@ -39,7 +39,7 @@ import torch
 
 from hwlib.device import ChoiceError, Unavailable
 
-from . import bk_reference, bk_scan
+from . import bk_reference, bk_scan, fallbacks
 from .sources import load_python_kernel, triton_device_problem, triton_interpreted, warn_fallback
 
 BACKENDS = ("auto", "torch_loop", "torch", "triton", "cuda")
@@ -279,6 +279,85 @@ def resolvent_diagonal(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
     _check_range(a, b, c, z, check_finite)
     name = select_backend(backend, a.device)
     return ResolventDiagonal.apply(a, b, c, z, name).reshape(*batch, n)
+
+
+# --- the op as one graph node ------------------------------------------------------------------------
+#
+# torch.compile cannot trace the kernels, and tracing the torch backends would unroll their loops
+# into the graph. Called as a plain function, the op must be hidden from the compiler
+# (``torch.compiler.disable``), which breaks the graph at every call: CUDA graphs (ladder step 09)
+# then capture the pieces between the calls, and the torch backend's ~log2 N rounds of small
+# kernels still launch one by one from the host. As a custom op it is one node of the graph, which
+# runs its backend eagerly when traced and is replayed inside the step's CUDA graph. Its output is
+# [Re G, Im G] as real pairs (``torch.view_as_real``): no complex tensor enters the compiled graph.
+
+@torch.library.custom_op("hwlib::resolvent_features", mutates_args=())
+def _features_op(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z_real: float, z_imag: float,
+                 backend: str) -> torch.Tensor:
+    # a [B, N], b, c [B, N-1], contiguous; backend unresolved ("auto" resolves here, outside the graph)
+    z = complex(z_real, z_imag)
+    _check_range(a, b, c, z, False)
+    name = select_backend(backend, a.device)
+    return torch.view_as_real(_run(name, "forward", _forward, a, b, c, z))
+
+
+@_features_op.register_fake
+def _(a, b, c, z_real, z_imag, backend):
+    return a.new_empty((*a.shape, 2))
+
+
+@torch.library.custom_op("hwlib::resolvent_features_backward", mutates_args=())
+def _features_bwd_op(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z_real: float, z_imag: float,
+                     backend: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the gradient of view_as_real's output is view_as_complex of its gradient: the complex
+    # gradient ``ResolventDiagonal.backward`` gets from autograd through G.real and G.imag
+    name = select_backend(backend, a.device)
+    return _run(name, "backward", _backward, a, b, c, complex(z_real, z_imag),
+                torch.view_as_complex(grad.contiguous()))
+
+
+@_features_bwd_op.register_fake
+def _(a, b, c, z_real, z_imag, backend, grad):
+    return torch.empty_like(a), torch.empty_like(b), torch.empty_like(c)
+
+
+def _features_setup(ctx, inputs, output):
+    a, b, c, ctx.z_real, ctx.z_imag, ctx.backend = inputs
+    ctx.save_for_backward(a, b, c)
+
+
+def _features_backward(ctx, grad):
+    a, b, c = ctx.saved_tensors
+    ga, gb, gc = torch.ops.hwlib.resolvent_features_backward(a, b, c, ctx.z_real, ctx.z_imag, ctx.backend, grad)
+    return ga, gb, gc, None, None, None
+
+
+_features_op.register_autograd(_features_backward, setup_context=_features_setup)
+fallbacks.register(_features_op)
+fallbacks.register(_features_bwd_op)
+
+
+def resolvent_features(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, z,
+                       backend: str = "auto") -> torch.Tensor:
+    """``torch.view_as_real(resolvent_diagonal(diag, upper, lower, z, backend, check_finite=False))``:
+    [..., N, 2] (Re G, Im G), float32 or float64 as the inputs, differentiable in all three, as one
+    custom op (``hwlib::resolvent_features``) that torch.compile keeps in its graph, with no graph
+    break and no host synchronisation: what a model calls inside a compiled, CUDA-graphed step.
+    Same checks as ``resolvent_diagonal`` but the tensor ones (``check_finite``): those need a sync."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ChoiceError("backend", backend, BACKENDS)
+    z = _as_z(z)
+    _validate(diag, upper, lower, False)
+    if backend == "cuda" and diag.device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs CUDA tensors; diag is on {diag.device} "
+                         f"(move them with .cuda(), or use backend='auto')")
+    batch, n = tuple(diag.shape[:-1]), diag.shape[-1]
+    a = diag.reshape(-1, n).contiguous()
+    if a.shape[0] == 0:
+        return torch.view_as_real(resolvent_diagonal(diag, upper, lower, z, backend, check_finite=False))
+    b = upper.reshape(a.shape[0], n - 1).contiguous()
+    c = lower.reshape(a.shape[0], n - 1).contiguous()
+    return _features_op(a, b, c, z.real, z.imag, backend).reshape(*batch, n, 2)
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:

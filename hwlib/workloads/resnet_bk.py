@@ -78,22 +78,21 @@ class BKMixer(nn.Module):
         v = torch.tanh(self.to_potential(x)).float()          # the op is float32/float64 only
         a = (v - 2.0).transpose(1, 2).reshape(B * self.n_head, N)
         ones = torch.ones(B * self.n_head, max(N - 1, 0), device=x.device, dtype=a.dtype)
-        g = _bk(a, ones, ones, self.z, self.backend).view(B, self.n_head, N).transpose(1, 2)
-        feats = torch.cat([g.real, g.imag], dim=-1)            # [B, N, 2H]
+        g = _bk(a, ones, ones, self.z, self.backend)             # [B H, N, 2]: Re G, Im G
+        feats = g.view(B, self.n_head, N, 2).permute(0, 2, 3, 1).reshape(B, N, 2 * self.n_head)   # [Re | Im]
         return self.from_features(feats)
 
 
-@torch.compiler.disable
 def _bk(a, b, c, z, backend):
-    # An opaque call for torch.compile: the kernels are already one launch each, and tracing the
-    # reference loops would unroll N steps into the graph.
-    # check_finite=False: the op's tensor checks cost a GPU sync per call, which the eager steps
-    # pay in full (host-bound). Here they cannot fail short of NaN: diag = tanh(.) - 2 lies in
-    # [-3, -1], upper = lower = 1 and Im z > 0 (BKConfig), far inside float32's working range; a NaN
-    # would reach the loss, which the ladder checks (status `nonfinite`).
-    from ..ops import resolvent_diagonal
+    # One custom op (``resolvent_features``): torch.compile keeps it in the graph as one node and a
+    # CUDA graph replays it with the rest of the step. Outside autocast: the recursions need fp32.
+    # No tensor checks (``resolvent_diagonal``'s check_finite): they cost a GPU sync per call. Here
+    # they cannot fail short of NaN: diag = tanh(.) - 2 lies in [-3, -1], upper = lower = 1 and
+    # Im z > 0 (BKConfig), far inside float32's working range; a NaN would reach the loss, which
+    # the ladder checks (status `nonfinite`).
+    from ..ops import resolvent_features
     with torch.autocast(device_type=a.device.type, enabled=False):
-        return resolvent_diagonal(a, b, c, z, backend=backend, check_finite=False)
+        return resolvent_features(a, b, c, z, backend=backend)
 
 
 def bk_block(cfg: BKConfig, backend: str) -> PreNormBlock:
