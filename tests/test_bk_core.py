@@ -548,6 +548,31 @@ def test_features_are_g_as_real_pairs_with_its_gradients(backend, batch, n):
             assert rel_err(got.grad, want.grad) < 1e-9, name
 
 
+def _kernel_backends(triton_device):
+    out = [("triton", triton_device)]
+    if GPU and NVCC:
+        out.append(("cuda", "cuda"))
+    return out
+
+
+def test_features_through_the_kernel_backends(triton_device):
+    """The op runs each kernel backend it is given: the same G and gradients as ``resolvent_diagonal``
+    by that backend (which the tests above check against float64), bit for bit."""
+    a, b, c, re = make((6,), 37, key=("feat-k",))
+    z = complex(re, 0.2)
+    for backend, dev in _kernel_backends(triton_device):
+        x = [t.to(dev, torch.float32).requires_grad_() for t in (a, b, c)]
+        y = [t.to(dev, torch.float32).requires_grad_() for t in (a, b, c)]
+        w = torch.randn(6, 37, 2, generator=_gen("feat-kw")).to(dev)
+        r = bk_core.resolvent_features(*x, z, backend=backend)
+        g = torch.view_as_real(resolvent_diagonal(*y, z, backend=backend, check_finite=False))
+        assert torch.equal(r, g), backend
+        (r * w).sum().backward()
+        (g * w).sum().backward()
+        for p, q in zip(x, y):
+            assert torch.equal(p.grad, q.grad), backend
+
+
 def test_features_gradcheck_and_opcheck():
     a, b, c, re = make((2,), 5, key=("feat-gc",))
     inputs = tuple(x.requires_grad_() for x in (a, b, c))
