@@ -249,6 +249,23 @@ def _check_range(a, b, c, z: complex, check_finite: bool) -> None:
                      f"or scale T and z down together (G scales up by the same factor)")
 
 
+def _flat_inputs(diag, upper, lower, z, backend: str, check_finite: bool):
+    """The arguments checked (a clear error naming the one at fault) and flattened over the batch:
+    (z as a complex, batch shape, N, a [B, N], b, c [B, N-1]), contiguous."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ChoiceError("backend", backend, BACKENDS)
+    z = _as_z(z)
+    _validate(diag, upper, lower, check_finite)
+    if backend == "cuda" and diag.device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs CUDA tensors; diag is on {diag.device} "
+                         f"(move them with .cuda(), or use backend='auto')")
+    batch, n = tuple(diag.shape[:-1]), diag.shape[-1]
+    a = diag.reshape(-1, n).contiguous()
+    b = upper.reshape(a.shape[0], n - 1).contiguous()      # not -1: ambiguous when N = 1
+    c = lower.reshape(a.shape[0], n - 1).contiguous()
+    return z, batch, n, a, b, c
+
+
 def resolvent_diagonal(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, z,
                        backend: str = "auto", *, check_finite: bool = True) -> torch.Tensor:
     """diag((T - zI)^-1) for tridiagonal T = tridiag(lower, diag, upper), batched over leading dims.
@@ -262,17 +279,7 @@ def resolvent_diagonal(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
     (the finite and scale checks of the tensors) costs one read of the inputs and, on a GPU, one
     synchronisation: turn it off inside timed loops.
     """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ChoiceError("backend", backend, BACKENDS)
-    z = _as_z(z)
-    _validate(diag, upper, lower, check_finite)
-    if backend == "cuda" and diag.device.type != "cuda":
-        raise ValueError(f"backend='cuda' needs CUDA tensors; diag is on {diag.device} "
-                         f"(move them with .cuda(), or use backend='auto')")
-    batch, n = tuple(diag.shape[:-1]), diag.shape[-1]
-    a = diag.reshape(-1, n).contiguous()
-    b = upper.reshape(a.shape[0], n - 1).contiguous()      # not -1: ambiguous when N = 1
-    c = lower.reshape(a.shape[0], n - 1).contiguous()
+    z, batch, n, a, b, c = _flat_inputs(diag, upper, lower, z, backend, check_finite)
     if a.shape[0] == 0:
         out = bk_reference.COMPLEX_OF[a.dtype]
         return (a.to(out) * 0).reshape(*batch, n)       # keeps the graph for an empty batch
@@ -345,19 +352,9 @@ def resolvent_features(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
     custom op (``hwlib::resolvent_features``) that torch.compile keeps in its graph, with no graph
     break and no host synchronisation: what a model calls inside a compiled, CUDA-graphed step.
     Same checks as ``resolvent_diagonal`` but the tensor ones (``check_finite``): those need a sync."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ChoiceError("backend", backend, BACKENDS)
-    z = _as_z(z)
-    _validate(diag, upper, lower, False)
-    if backend == "cuda" and diag.device.type != "cuda":
-        raise ValueError(f"backend='cuda' needs CUDA tensors; diag is on {diag.device} "
-                         f"(move them with .cuda(), or use backend='auto')")
-    batch, n = tuple(diag.shape[:-1]), diag.shape[-1]
-    a = diag.reshape(-1, n).contiguous()
+    z, batch, n, a, b, c = _flat_inputs(diag, upper, lower, z, backend, False)
     if a.shape[0] == 0:
         return torch.view_as_real(resolvent_diagonal(diag, upper, lower, z, backend, check_finite=False))
-    b = upper.reshape(a.shape[0], n - 1).contiguous()
-    c = lower.reshape(a.shape[0], n - 1).contiguous()
     return _features_op(a, b, c, z.real, z.imag, backend).reshape(*batch, n, 2)
 
 
