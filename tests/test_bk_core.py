@@ -579,6 +579,66 @@ def test_features_gradcheck_and_opcheck():
     assert torch.autograd.gradcheck(lambda *t: bk_core.resolvent_features(*t, complex(re, 0.4), backend="torch"),
                                     inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
     torch.library.opcheck(torch.ops.hwlib.resolvent_features.default, (*inputs, re, 0.4, "auto"))
+    grad = torch.randn(2, 5, 2, dtype=torch.float64, generator=_gen("feat-gc-g"))
+    for backend in ("torch", "torch_loop"):   # a conjugate bit left unresolved failed its compiled checks
+        torch.library.opcheck(torch.ops.hwlib.resolvent_features_backward.default,
+                              (*(x.detach() for x in inputs), re, 0.4, backend, grad))
+
+
+def test_triton_z_is_made_once_per_value_and_device(triton_device):
+    """The op runs inside the training step's CUDA graph, where a host-to-device copy is not allowed:
+    the Triton backend's z tensor is made on the first call (the graph's warm-up) and reused."""
+    tk = bk_core._triton()
+    a = torch.zeros(2, 3, device=triton_device)
+    z1 = tk._z_tensor(0.25 + 1j, a)
+    assert tk._z_tensor(complex(0.25, 1.0), a) is z1 and z1.tolist() == [0.25, 1.0]
+    z64 = tk._z_tensor(0.25 + 1j, a.double())
+    assert z64 is not z1 and z64.dtype == torch.float64
+
+
+def test_features_take_any_gradient_layout_and_an_empty_batch():
+    a, b, c, re = make((3,), 6, key=("feat-odd",))
+    z = complex(re, 0.3)
+    w = torch.randn(3, 6, 2, dtype=torch.float64, generator=_gen("feat-odd-w"))
+    want = None
+    for shape in ("plain", "odd offset", "expanded"):
+        leaves = [x.clone().requires_grad_() for x in (a, b, c)]
+        r = bk_core.resolvent_features(*leaves, z, backend="torch")
+        if shape == "plain":
+            (r * w).sum().backward()
+        elif shape == "odd offset":   # the gradient reaches the op as a view at an odd offset of its storage
+            flat = torch.cat([torch.zeros(1, dtype=r.dtype), r.reshape(-1)])
+            (flat[1:] * w.reshape(-1)).sum().backward()
+        else:                          # .sum() hands back an expanded (stride 0) gradient
+            r.sum().backward()
+            leaves_plain = [x.clone().requires_grad_() for x in (a, b, c)]
+            (bk_core.resolvent_features(*leaves_plain, z, backend="torch") * torch.ones_like(w)).sum().backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(leaves, leaves_plain))
+            continue
+        got = [x.grad for x in leaves]
+        want = want or got
+        assert all(torch.equal(p, q) for p, q in zip(got, want)), shape
+    e = [x[:0].clone().requires_grad_() for x in (a, b, c)]
+    out = bk_core.resolvent_features(*e, 1j)
+    out.sum().backward()
+    assert out.shape == (0, 6, 2) and e[0].grad.shape == (0, 6)
+
+
+def test_resnet_bk_features_are_re_then_im_per_head():
+    """The mixer's features: [Re G of heads 0..H-1 | Im G of heads 0..H-1] per token, G of each head's
+    potentials (the layout the projection after it was trained with)."""
+    from hwlib.workloads import resnet_bk as R
+    cfg = R.PROFILES["smoke"]
+    mixer = R.BKMixer(cfg, "torch")
+    x = torch.randn(2, 9, cfg.d_model, generator=_gen("mixer"))
+    seen = {}
+    mixer.from_features.register_forward_pre_hook(lambda m, args: seen.setdefault("feats", args[0]))
+    mixer(x)
+    v = torch.tanh(mixer.to_potential(x)).float()                      # [B, N, H]
+    ones = torch.ones(9 - 1)
+    g = torch.stack([torch.stack([resolvent_diagonal(v[bi, :, h] - 2.0, ones, ones, mixer.z, backend="torch")
+                                  for h in range(cfg.n_head)], -1) for bi in range(2)])   # [B, N, H]
+    assert torch.allclose(seen["feats"], torch.cat([g.real, g.imag], -1), rtol=1e-5, atol=1e-6)
 
 
 def test_features_bad_input_names_the_argument():

@@ -39,6 +39,8 @@ TRITON_INTERPRET=1 (set before triton is imported).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -165,7 +167,16 @@ def _warps(block: int) -> int:
 
 def _z_tensor(z, like: torch.Tensor) -> torch.Tensor:
     z = complex(z)
-    return torch.tensor([z.real, z.imag], dtype=like.dtype, device=like.device)
+    return _z_on(z.real, z.imag, like.dtype, like.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _z_on(zr: float, zi: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # z in the inputs' dtype (a float64 z for float64 inputs: Triton takes Python floats as fp32),
+    # made once per value and device: a host-to-device copy is not allowed while a CUDA graph is
+    # being captured, and the op runs inside the training step's graph (made on its warm-up run).
+    # Read only by the kernels.
+    return torch.tensor([zr, zi], dtype=dtype, device=device)
 
 
 def _check(a, b, c):

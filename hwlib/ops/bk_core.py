@@ -320,8 +320,9 @@ def _features_bwd_op(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, z_real: 
     # the gradient of view_as_real's output is view_as_complex of its gradient: the complex
     # gradient ``ResolventDiagonal.backward`` gets from autograd through G.real and G.imag
     name = select_backend(backend, a.device)
-    return _run(name, "backward", _backward, a, b, c, complex(z_real, z_imag),
-                torch.view_as_complex(grad.contiguous()))
+    if not grad.is_contiguous() or grad.storage_offset() % 2:   # view_as_complex needs whole pairs
+        grad = grad.clone(memory_format=torch.contiguous_format)
+    return _run(name, "backward", _backward, a, b, c, complex(z_real, z_imag), torch.view_as_complex(grad))
 
 
 @_features_bwd_op.register_fake
@@ -353,8 +354,8 @@ def resolvent_features(diag: torch.Tensor, upper: torch.Tensor, lower: torch.Ten
     break and no host synchronisation: what a model calls inside a compiled, CUDA-graphed step.
     Same checks as ``resolvent_diagonal`` but the tensor ones (``check_finite``): those need a sync."""
     z, batch, n, a, b, c = _flat_inputs(diag, upper, lower, z, backend, False)
-    if a.shape[0] == 0:
-        return torch.view_as_real(resolvent_diagonal(diag, upper, lower, z, backend, check_finite=False))
+    if a.shape[0] == 0:       # nothing to compute; zeros that keep the graph (any gradient flows back)
+        return torch.stack([a * 0, a * 0], dim=-1).reshape(*batch, n, 2)
     return _features_op(a, b, c, z.real, z.imag, backend).reshape(*batch, n, 2)
 
 

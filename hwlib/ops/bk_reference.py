@@ -136,7 +136,10 @@ def backward_loop(a, b, c, z, grad: torch.Tensor):
     d, k = _d_k(a, b, c, z)
     gl, gr = sweeps_loop(d, k)
     g = combine_forward(d, k, gl, gr)
-    v = grad.to(d.dtype).conj()
+    # conj() only sets a bit that later ops must honour; inside a custom op that torch.compile
+    # traces without autograd (hwlib::resolvent_features_backward) that bit was not applied and the
+    # gradients came out wrong (torch.library.opcheck): conjugate the data itself.
+    v = grad.to(d.dtype).conj().resolve_conj()
     n = d.shape[-1]
     glp, grp = [None] * n, [None] * n
     for i in range(n):

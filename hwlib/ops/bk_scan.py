@@ -81,7 +81,7 @@ def backward_scan(a, b, c, z, grad: torch.Tensor):
     d, k = _d_k(a, b, c, z)
     gl, gr = sweeps_scan(d, k)
     g = combine_forward(d, k, gl, gr)
-    v = grad.to(d.dtype).conj()
+    v = grad.to(d.dtype).conj().resolve_conj()   # data, not a conjugate bit (see bk_reference.backward_loop)
     zero = torch.zeros_like(d[:, :1])
     # gL_i' = gL_i^2 v_i + (k_{i-1} gL_i^2) gL_{i-1}'
     glp = affine_left(torch.cat([zero, k], -1) * gl * gl, gl * gl * v)
