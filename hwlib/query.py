@@ -11,13 +11,14 @@ a damaged JSON file reads as absent. Each damaged file gets one warning naming i
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
 from pathlib import Path
 
 from .paths import REPO_ROOT, read_dir
-from .results import record_key
+from .results import STAMP_FIELDS, record_key
 from .steps import LADDER, STEP_NAMES, chain
 
 RESULTS_FILE = "results.jsonl"
@@ -43,11 +44,12 @@ def _valid(rec) -> str | None:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """Every valid record of a ``results.jsonl``, in file order; bad lines skipped with one warning."""
+    """Every valid record of a ``results.jsonl``, in file order, each with its stamp put back from the
+    stamp line it names (``results.pack``); bad lines skipped with one warning."""
     path = Path(path)
     if not path.exists():
         return []
-    recs, bad = [], []
+    recs, bad, kept, stamps = [], [], [], {}
     with open(path, "rb") as f:
         raw = f.read()
     lines = raw.split(b"\n")
@@ -63,14 +65,28 @@ def read_records(path: str | Path) -> list[dict]:
             # Only the last line of a file can be torn by a killed writer (appends are single writes).
             bad.append((n, "torn (no newline: a writer was interrupted)" if n == len(lines) else "not JSON"))
             continue
+        if isinstance(rec, dict) and "stamp" in rec and "metric" not in rec:   # a stamp line (results.pack)
+            if isinstance(rec["stamp"], str) and all(isinstance(rec.get(k), dict) for k in STAMP_FIELDS):
+                stamps[rec["stamp"]] = {k: rec[k] for k in STAMP_FIELDS}
+            else:
+                bad.append((n, "a stamp line without its fields"))
+            continue
         why = _valid(rec)
         if why:
             bad.append((n, why))
             continue
+        if "stamp" in rec:
+            st = stamps.get(rec.pop("stamp"))
+            if st is None:   # kept: its value stands, only where it ran is unknown
+                kept.append(n)
+            else:
+                rec.update(copy.deepcopy(st))
         recs.append(rec)
-    if bad:
+    if bad or kept:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
-        warnings.warn(f"{path}: skipped {len(bad)} damaged line(s): {shown}", stacklevel=3)
+        lost = (f"; {len(kept)} record(s) kept without device and versions, their stamp line missing "
+                f"(line {', '.join(map(str, kept[:5]))}{', ...' if len(kept) > 5 else ''})") if kept else ""
+        warnings.warn(f"{path}: skipped {len(bad)} damaged line(s){': ' + shown if bad else ''}{lost}", stacklevel=3)
     return recs
 
 

@@ -10,6 +10,12 @@ never a mix.
 A record that is measured again (a notebook re-run) supersedes the earlier one with the same key
 (``record_key``: notebook, workload, step, metric and the measurement's fields) when read; the file
 itself keeps both.
+
+The stamp that every record of a process shares (``STAMP_FIELDS``: device, library versions, where
+the code came from) is most of a record's bytes. ``append`` writes it once per call, as a line
+``{"stamp": <id>, ...}`` (the id a hash of its content) before the records, which carry the id in
+``"stamp"`` instead; the reader (``hwlib.query.read_records``) puts the fields back, so every
+record reads whole. Lines written before, with the stamp inside each record, read as they are.
 """
 
 from __future__ import annotations
@@ -242,12 +248,40 @@ def record_key(r: dict) -> tuple:
     return tuple(r.get(k) for k in KEY) + (tuple(sorted((k, str(v)) for k, v in fields.items())),)
 
 
+STAMP_FIELDS = ("device", "versions", "code_source")   # the same for every record one process writes
+
+
+def stamp_id(stamp: dict) -> str:
+    """The id of a stamp: a hash of its content, so equal stamps share one id in any file."""
+    import hashlib
+    return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def pack(records: list[dict]) -> list[dict]:
+    """The lines that store ``records``: each distinct stamp once, as ``{"stamp": id, **fields}``,
+    before the first record that carries its id in place of the fields. A record without the
+    whole stamp stays as it is."""
+    out, seen = [], set()
+    for r in records:
+        if not all(isinstance(r.get(k), dict) for k in STAMP_FIELDS) or "stamp" in r:
+            out.append(r)
+            continue
+        st = {k: r[k] for k in STAMP_FIELDS}
+        sid = stamp_id(st)
+        if sid not in seen:
+            out.append({"stamp": sid, **st})
+            seen.add(sid)
+        out.append({**{k: v for k, v in r.items() if k not in STAMP_FIELDS}, "stamp": sid})
+    return out
+
+
 def append(records: list[dict] | dict, run: str | os.PathLike | None = None) -> Path:
-    """Append records to ``<run>/results.jsonl`` atomically (one write per call)."""
+    """Append records to ``<run>/results.jsonl`` atomically (one write per call), their stamp
+    written once per call (``pack``)."""
     if isinstance(records, dict):
         records = [records]
     path = run_dir(run) / "results.jsonl"
-    payload = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in records).encode()
+    payload = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in pack(records)).encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         if fcntl:

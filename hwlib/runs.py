@@ -244,3 +244,39 @@ def end_leftover(folder: Path) -> tuple[str, list[int]] | None:
     ended = end_tree(live) if live else []
     path.unlink()
     return str(info.get("notebook") or "?"), ended
+
+
+def compact_results(folder: Path) -> tuple[int, int]:
+    """Rewrite ``folder/results.jsonl`` with each distinct stamp stored once (``results.pack``),
+    records, damaged lines and order otherwise as they were; refused (ValueError) unless the new
+    file reads back as exactly the same records. Returns the sizes before and after, in bytes."""
+    import warnings
+    path = Path(folder) / query.RESULTS_FILE
+    raw = path.read_bytes()
+    out, seen = [], set()
+    for line in raw.split(b"\n"):
+        try:
+            rec = json.loads(line.decode("utf-8")) if line.strip() else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            rec = None
+        if not isinstance(rec, dict) or "metric" not in rec or "stamp" in rec:
+            out.append(line)      # blank, damaged, a stamp line or a record already packed: as it is
+            continue
+        for r in results.pack([rec]):
+            if "metric" in r or results.stamp_id({k: r[k] for k in results.STAMP_FIELDS}) not in seen:
+                out.append(json.dumps(r, sort_keys=True, allow_nan=False).encode())
+            if "metric" not in r:
+                seen.add(r["stamp"])
+    new = b"\n".join(out)
+    tmp = path.with_name(path.name + ".compact")
+    tmp.write_bytes(new)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the same damaged lines warn in both
+            same = query.read_records(tmp) == query.read_records(path)
+        if not same:
+            raise ValueError(f"{path}: the compacted file would not read back as the same records; left as it was")
+        results.write_atomic(path, new)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(raw), len(new)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hwlib import release, results, source
+from hwlib import query, release, results, source
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "v0.0.0-colab-test"
@@ -242,7 +242,7 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
                        capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
-    recs = [json.loads(l) for l in (out / "colab" / "results.jsonl").read_text().splitlines() if l.strip()]
+    recs = query.read_records(out / "colab" / "results.jsonl")   # stamps put back into every record
     assert recs and all(x["notebook"] == "00_environment" and x["profile"] == "smoke" for x in recs)
     want = {"kind": "git", "version": importlib.metadata.version("hwlib"), "url": url, "ref": TAG,
             "commit": commit}

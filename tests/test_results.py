@@ -49,9 +49,64 @@ def test_append_load_and_latest_wins(isolated_run):
 
 def test_nonfinite_values_are_stored_as_strings(isolated_run):
     results.append(rec(value=float("nan"), p20=float("inf")))
-    line = (isolated_run / "results.jsonl").read_text()
+    line = (isolated_run / "results.jsonl").read_text().splitlines()[-1]
     assert '"value": "nan"' in line and '"p20": "inf"' in line
     json.loads(line)  # still strict JSON
+
+
+def test_the_stamp_is_written_once_per_append_and_read_back_into_every_record(isolated_run):
+    mine = [rec(value=1.0), rec(metric="final_loss", value=3.0), rec(metric="peak_mem_gib", value=2.0)]
+    other = rec(metric="tokens_per_s", value=9.0, device={"name": "Other GPU", "kind": "cuda"})
+    results.append(mine + [other])
+    lines = [json.loads(l) for l in (isolated_run / "results.jsonl").read_text().splitlines()]
+    stamps = [l for l in lines if "metric" not in l]
+    assert len(stamps) == 2 and len(lines) == 6             # two distinct stamps, each stored once
+    assert all(set(results.STAMP_FIELDS).isdisjoint(l) for l in lines if "metric" in l)
+    assert query.read_records(isolated_run / "results.jsonl") == mine + [other]   # every record whole again
+    # the records read are independent dicts: changing one's device changes no other
+    got = query.load(latest_only=False)
+    got[0]["device"]["name"] = "changed"
+    assert got[1]["device"]["name"] == mine[1]["device"]["name"]
+
+
+def test_old_lines_with_the_stamp_inside_read_as_they_are(isolated_run):
+    isolated_run.mkdir(parents=True, exist_ok=True)
+    old = rec(value=4.0)
+    (isolated_run / "results.jsonl").write_text(json.dumps(old) + "\n")
+    results.append(rec(metric="final_loss", value=5.0))
+    assert [r["value"] for r in query.load()] == [4.0, 5.0]
+    assert all(r["versions"]["torch"] for r in query.load())
+
+
+def test_a_record_whose_stamp_line_is_lost_is_kept_and_named(isolated_run):
+    results.append([rec(value=1.0), rec(metric="final_loss", value=3.0)])
+    path = isolated_run / "results.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[1:]) + "\n")            # the stamp line gone
+    with pytest.warns(UserWarning, match="2 record.s. kept without device and versions.*line 1, 2"):
+        got = query.load()
+    assert sorted(r["value"] for r in got) == [1.0, 3.0] and all("device" not in r for r in got)
+    path.write_text('{"stamp": "x"}\n' + "\n".join(lines[1:]) + "\n")   # a stamp line without its fields
+    with pytest.warns(UserWarning, match="line 1: a stamp line without its fields"):
+        assert len(query.load()) == 2
+
+
+def test_compacting_old_lines_keeps_every_record_and_damaged_line(isolated_run):
+    from hwlib import runs
+    isolated_run.mkdir(parents=True, exist_ok=True)
+    old = [rec(value=float(i), step=f"0{i}_x") for i in range(1, 6)]
+    path = isolated_run / "results.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in old[:3]) + b"\xff damaged\n"
+                     + b"".join(json.dumps(r).encode() + b"\n" for r in old[3:]))
+    results.append(rec(metric="final_loss", value=7.0))     # already packed: left as it is
+    with pytest.warns(UserWarning, match="not UTF-8"):
+        before = query.read_records(path)
+    size, after_size = runs.compact_results(isolated_run)
+    assert after_size < size
+    with pytest.warns(UserWarning, match="not UTF-8"):      # the damaged line is still there, still skipped
+        assert query.read_records(path) == before
+    stamps = [l for l in path.read_bytes().split(b"\n") if l.startswith(b'{"code_source"') and b'"metric"' not in l]
+    assert len(stamps) == 2            # the old lines' stamp once, the append's own once
 
 
 def test_torn_line_is_skipped_and_next_append_is_clean(isolated_run):
@@ -59,7 +114,7 @@ def test_torn_line_is_skipped_and_next_append_is_clean(isolated_run):
     with open(isolated_run / "results.jsonl", "a") as f:
         f.write('{"notebook": "nb", "metric": "half')   # a writer killed mid-line
     results.append(rec(metric="final_loss", value=5.0))
-    with pytest.warns(UserWarning, match="line 2: not JSON"):
+    with pytest.warns(UserWarning, match="line 3: not JSON"):    # line 1 is the first append's stamp
         recs = query.load()
     assert {r["metric"] for r in recs} == {"ms_per_step", "final_loss"}
 
@@ -78,7 +133,7 @@ def test_damaged_lines_are_skipped_with_one_warning_naming_them(isolated_run):
     assert len(w) == 1
     msg = str(w[0].message)
     assert "results.jsonl" in msg and "skipped 5" in msg
-    for n, why in ((2, "not UTF-8"), (3, "not an object"), (4, "no 'metric'"), (5, "not a number")):
+    for n, why in ((3, "not UTF-8"), (4, "not an object"), (5, "no 'metric'"), (6, "not a number")):
         assert f"line {n}: " in msg and why in msg
     assert sorted(r["metric"] for r in recs) == ["final_loss", "ms_per_step"]
 
@@ -87,7 +142,7 @@ def test_a_torn_last_line_is_named_torn(isolated_run):
     results.append(rec(value=1.0))
     with open(isolated_run / "results.jsonl", "a") as f:
         f.write('{"notebook": "nb", "metric": "half')
-    with pytest.warns(UserWarning, match="line 2: torn"):
+    with pytest.warns(UserWarning, match="line 3: torn"):
         assert len(query.load()) == 1
 
 
@@ -116,9 +171,11 @@ def test_concurrent_appends_never_interleave(tmp_path):
     run = str(tmp_path / "conc")   # inside HWLIB_OUTPUTS (conftest), inherited by the workers
     with mp.get_context("spawn").Pool(4) as pool:
         pool.map(_writer, [(run, i) for i in range(4)])
-    lines = (Path(run) / "results.jsonl").read_text().splitlines()
-    assert len(lines) == 160
-    assert all(json.loads(l)["params"]["pad"] == "x" * 2000 for l in lines)
+    lines = [json.loads(l) for l in (Path(run) / "results.jsonl").read_text().splitlines()]
+    recs = [r for r in lines if "metric" in r]
+    assert len(recs) == 160 and len(lines) == 320      # every append: its stamp line, then its record
+    assert all(r["params"]["pad"] == "x" * 2000 for r in recs)
+    assert len(query.read_records(Path(run) / "results.jsonl")) == 160
 
 
 def test_write_atomic_keeps_old_content_on_failure(tmp_path):
