@@ -203,6 +203,7 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         row["op_backends"] = m.get("op_backends", {}).get("value")   # None: no hwlib op, or recorded before
         row["profile"] = ms.get("profile")
         row["device"] = (ms.get("device") or {}).get("name")
+        row["measured_at"], row["code_digest"] = ms.get("time"), ms.get("code_digest")
         # A step whose math changed keeps its measured speed-up; its status says not to trust it.
         if row["throughput"]:
             base = base or row["throughput"]

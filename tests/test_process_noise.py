@@ -202,6 +202,28 @@ def test_ladder_table_marks_steps_within_the_measured_spread(isolated_run):
     assert [st["within_noise"] for st in s["workloads"]["gpt"]["steps"]] == [None, None, True, False, True]
 
 
+def test_a_spread_of_other_code_older_than_the_step_is_not_its_spread(isolated_run):
+    """A step timed again after a code change is a new measurement: the spread measured before, on the
+    old code, no longer describes it (it stays in the file); one measured on the same code, or after
+    the step, does."""
+    put("05_fused_optimizer", 96.0)
+    put("06_torch_compile", 95.0)            # 1.01x over 05
+    rows = query.load()
+    row_time = next(r["time"] for r in rows if r["step"] == "06_torch_compile" and r["metric"] == "ms_per_step")
+    common = dict(notebook="19_ablations", workload="gpt", step="06_torch_compile", profile="full",
+                  device={"name": "Test GPU"}, metric="process_spread", value=1.05, unit=pn.SPREAD_UNIT,
+                  fields={"processes": 2})
+    for digest, time, used in (("0ther0code000", "2000-01-01T00:00:00+00:00", False),   # older, other code
+                               (None, "2000-01-01T00:00:00+00:00", True),                # older, the same code
+                               ("0ther0code000", "2999-01-01T00:00:00+00:00", True)):    # after the step
+        r = results.make_record(**common)
+        r.update(time=time, **({"code_digest": digest} if digest else {}))
+        results.append(r)
+        marked = {x["step"]: x for x in report.ladder_rows_with_noise(query.load(), "gpt")}["06_torch_compile"]
+        assert (marked["process_spread"] is not None) == used, (digest, time, row_time)
+        assert marked["within_noise"] is (True if used else None)
+
+
 def test_a_run_without_spreads_shows_the_table_as_before(isolated_run):
     put("01_baseline_fp32", 100.0)
     put("02_tf32", 99.0)

@@ -87,16 +87,31 @@ def process_spreads(recs: list[dict], workload: str) -> dict[str, dict]:
     for r in sorted(found, key=lambda r: str(r.get("time") or "")):
         iv = (r.get("params") or {}).get("interval") or {}
         out[r["step"]] = {"spread": _num(r["value"]), "processes": (r.get("fields") or {}).get("processes"),
-                          "lo": _num(iv.get("lo")), "hi": _num(iv.get("hi"))}
+                          "lo": _num(iv.get("lo")), "hi": _num(iv.get("hi")),
+                          "time": r.get("time"), "code_digest": r.get("code_digest")}
     return out
 
 
+def describes(spread: dict | None, row: dict) -> bool:
+    """Whether a step's measured spread still describes its ladder row: measured on the same code, or
+    after the row was timed. A spread from other code, older than the row, is of a step that has
+    changed since (a rerun after a code change): it says nothing about this row."""
+    if not spread:
+        return False
+    same_code = spread.get("code_digest") is not None and spread.get("code_digest") == row.get("code_digest")
+    after = not row.get("measured_at") or str(spread.get("time") or "") >= str(row["measured_at"])
+    return same_code or after
+
+
 def mark_within_noise(rows: list[dict], spreads: dict[str, dict]) -> list[dict]:
-    """Copies of ladder ``rows`` with ``process_spread`` (the step's own, None when not measured),
+    """Copies of ladder ``rows`` with ``process_spread`` (the step's own, None when not measured or
+    when it no longer ``describes`` the row),
     ``noise_spread`` (the larger spread measured for the step or the timed step before it) and
     ``within_noise``: True when the step's speed-up over the step before, either way, is smaller
     than that spread; False when larger; None when neither step's spread was measured (nothing
     is said where nothing was measured)."""
+    by_step = {r["step"]: r for r in rows}
+    spreads = {s: v for s, v in spreads.items() if s in by_step and describes(v, by_step[s])}
     out = []
     for r in rows:
         r = dict(r)
