@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import hashlib
 import json
 import math
 import os
@@ -253,15 +254,14 @@ STAMP_FIELDS = ("device", "versions", "code_source")   # the same for every reco
 
 def stamp_id(stamp: dict) -> str:
     """The id of a stamp: a hash of its content, so equal stamps share one id in any file."""
-    import hashlib
     return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def pack(records: list[dict]) -> list[dict]:
+def pack(records: list[dict], seen: set | None = None) -> list[dict]:
     """The lines that store ``records``: each distinct stamp once, as ``{"stamp": id, **fields}``,
-    before the first record that carries its id in place of the fields. A record without the
-    whole stamp stays as it is."""
-    out, seen = [], set()
+    before the first record that carries its id in place of the fields (``seen``: ids already
+    written, updated; None: a new set). A record without the whole stamp stays as it is."""
+    out, seen = [], set() if seen is None else seen
     for r in records:
         if not all(isinstance(r.get(k), dict) for k in STAMP_FIELDS) or "stamp" in r:
             out.append(r)

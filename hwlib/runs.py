@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+import warnings
 from pathlib import Path
 
 from . import query, results
@@ -250,7 +251,6 @@ def compact_results(folder: Path) -> tuple[int, int]:
     """Rewrite ``folder/results.jsonl`` with each distinct stamp stored once (``results.pack``),
     records, damaged lines and order otherwise as they were; refused (ValueError) unless the new
     file reads back as exactly the same records. Returns the sizes before and after, in bytes."""
-    import warnings
     path = Path(folder) / query.RESULTS_FILE
     raw = path.read_bytes()
     out, seen = [], set()
@@ -262,11 +262,7 @@ def compact_results(folder: Path) -> tuple[int, int]:
         if not isinstance(rec, dict) or "metric" not in rec or "stamp" in rec:
             out.append(line)      # blank, damaged, a stamp line or a record already packed: as it is
             continue
-        for r in results.pack([rec]):
-            if "metric" in r or results.stamp_id({k: r[k] for k in results.STAMP_FIELDS}) not in seen:
-                out.append(json.dumps(r, sort_keys=True, allow_nan=False).encode())
-            if "metric" not in r:
-                seen.add(r["stamp"])
+        out += [json.dumps(r, sort_keys=True, allow_nan=False).encode() for r in results.pack([rec], seen)]
     new = b"\n".join(out)
     tmp = path.with_name(path.name + ".compact")
     tmp.write_bytes(new)
