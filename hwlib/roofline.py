@@ -182,6 +182,16 @@ def _counted(workload: str, step: str, profile: str, ceilings: dict | None, elem
         nb = 2.0 * cfg.n_layer * wl.items_per_step(cfg) * 4 * cfg.d_model
         return Prediction(workload, step, "estimate", "mlp_fc's bias gradient's own read of its [tokens, 4 d] "
                           "gradient", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
+    if step == "26_fp8_head" and workload == "gpt":
+        # The head's three GEMMs (2 N d V_pad FLOPs each) on FP8 tensor cores, whose peak on Hopper and Ada is
+        # twice the 16-bit one: at the measured bf16 ceiling doubled. Bytes a logit are the same either way
+        # (hwlib/ops/linear_ce_fp8.py: 10), and the casts of h and W are small, so only FLOPs move.
+        from .shapes import padded
+        head = 3 * 2.0 * wl.items_per_step(cfg) * cfg.d_model * padded(cfg.vocab, 64)
+        t = flops_ms(head, ceilings, "bf16")
+        return Prediction(workload, step, "estimate", "the LM head's three matmuls at twice the measured bf16 "
+                          "matmul ceiling (FP8 tensor cores' peak rate over 16-bit's); the same bytes a logit",
+                          flops_removed=0.0, saved_ms=None if t is None else t / 2)
     return None
 
 

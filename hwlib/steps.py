@@ -40,9 +40,15 @@ class Settings:
     branch_bias: bool = False        # each branch's output bias added, its gradient summed, in the fused LayerNorm after it
     fused_qkv: bool = False          # QKV projection + attention as one op: dq, dk, dv packed with the bias gradient (hwlib.ops.qkv_attention)
     fc_bias_column: bool = False     # mlp_fc's bias gradient from its weight-gradient matmul, through a column of ones ln_2 writes
+    fp8_head: bool = False           # the fused LM head's three GEMMs in FP8 (hwlib.ops.linear_ce_fp8); needs fused_head
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Whether any matmul runs in FP8 (the MLP's, step 18, or the LM head's, step 26)."""
+        return self.fp8 or self.fp8_head
 
     def diff(self, other: "Settings") -> dict:
         """Fields where ``self`` differs from ``other``: {name: (other's, self's)}."""
@@ -64,6 +70,13 @@ class Step:
     beyond_recipe: bool = False     # past the standard recipe the seeds describe (notebooks 17+)
     after: str | None = None        # the step it builds on, where that is not the one listed before it
 
+
+FP8_HEAD_TOLERANCE = (
+    "FP8 rounds the head's operands to 3 mantissa bits (h and W, e4m3, one scale each) and its gradient to 2 "
+    "(e5m2, a static scale): the logits move a few percent of their size, the errors independent across a "
+    "dot product's terms, and the loss is a mean over every token, so the curve moves far less than any one "
+    "logit. The bound is the FP8 MLP's (step 18), 1e-2, which bf16 itself (step 03: 3e-2) would fail; what "
+    "the head moves is measured by notebook 26 (curve_move) on every run")
 
 LADDER: tuple[Step, ...] = (
     Step("01_baseline_fp32", "fp32 eager, TF32 off", {}, 0.0,
@@ -180,6 +193,14 @@ LADDER: tuple[Step, ...] = (
                  "encoder_nli": "its MLP uses the erf GELU, which the fused MLP this step builds on does not compute",
                  **{w: "the fused MLP this step builds on is built into GPT's blocks only"
                     for w in ("vit_bdh", "vit_bdh_linear")}}),
+    # Built on 25, the fastest bf16 step: the FP8 branch's second step, its head instead of its MLP.
+    Step("26_fp8_head", "the fused LM head's three matmuls in FP8 (e4m3 forward, e5m2 gradient written by the "
+         "cross-entropy pass in both layouts)", {"fp8_head": True}, 1e-2, gpu_only=True, after="25_bias_column",
+         why_tolerance=FP8_HEAD_TOLERANCE,
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the FP8 head is built on GPT-2's fused head",
+                 **{w: "its head has no large vocabulary: the logits are a few classes wide"
+                    for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}}),
 )
 RECIPE_NAMES = tuple(s.name for s in LADDER if not s.beyond_recipe)
 
@@ -233,7 +254,7 @@ def unavailable(step: Step, di: DeviceInfo) -> str | None:
         ok, why = supports_compile(di)
         if not ok:
             return f"torch.compile unavailable: {why}"
-    if step.change.get("fp8") and di.kind == "cuda" and not supports_fp8(di):
+    if any(step.change.get(k) for k in ("fp8", "fp8_head")) and di.kind == "cuda" and not supports_fp8(di):
         return f"FP8 matmuls need sm_89 or newer (Ada, Hopper); this GPU is sm_{di.capability[0]}{di.capability[1]}"
     return None
 

@@ -55,8 +55,8 @@ CONFIGS = ((2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32))
 
 
 @triton.jit
-def _ce_rows_kernel(z_ptr, stride_row, t_ptr, loss_ptr, scale_ptr, V, V_pad, ignore_index,
-                    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _ce_rows_kernel(z_ptr, stride_row, t_ptr, loss_ptr, scale_ptr, lse_ptr, V, V_pad, ignore_index,
+                    WRITE_GRAD: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_row
     t = tl.load(t_ptr + row)
@@ -79,6 +79,8 @@ def _ce_rows_kernel(z_ptr, stride_row, t_ptr, loss_ptr, scale_ptr, V, V_pad, ign
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     lse = m + tl.log(s)
+    if STORE_LSE:
+        tl.store(lse_ptr + row, lse)
 
     t_safe = tl.where(ignored | bad, 0, t)          # never read outside the row
     z_t = tl.load(z_row + t_safe).to(tl.float32)
@@ -102,11 +104,12 @@ def _ce_rows_kernel(z_ptr, stride_row, t_ptr, loss_ptr, scale_ptr, V, V_pad, ign
 
 def ce_rows_(z: torch.Tensor, targets: torch.Tensor, loss_out: torch.Tensor, scale: torch.Tensor, vocab: int,
              ignore_index: int, write_grad: bool = True, block_v: int | None = None,
-             num_warps: int | None = None) -> None:
+             num_warps: int | None = None, lse_out: torch.Tensor | None = None) -> None:
     """Per-row cross-entropy of ``z`` [C, V_pad] (row stride any, columns contiguous) against
     ``targets`` [C] (int64) into ``loss_out`` [C] (float32); with ``write_grad``, the gradient of
     ``scale * sum(loss)`` written over ``z`` (``scale``: a 1-element float32 tensor on the device,
-    read there, so no host sync). Only the first ``vocab`` columns are classes."""
+    read there, so no host sync). Only the first ``vocab`` columns are classes. ``lse_out`` [C]
+    (float32), when given, gets each row's log-sum-exp (the FP8 head's gradient pass reads it)."""
     C, V_pad = z.shape
     if z.stride(1) != 1:
         raise ValueError(f"z: columns must be contiguous (stride 1), got strides {z.stride()}")
@@ -115,5 +118,6 @@ def ce_rows_(z: torch.Tensor, targets: torch.Tensor, loss_out: torch.Tensor, sca
     if C == 0:
         return
     block_v = block_v or min(DEFAULT_BLOCK_V, triton.next_power_of_2(V_pad))
-    _ce_rows_kernel[(C,)](z, z.stride(0), targets, loss_out, scale, vocab, V_pad, ignore_index,
-                          WRITE_GRAD=write_grad, BLOCK_V=block_v, num_warps=num_warps or DEFAULT_WARPS)
+    _ce_rows_kernel[(C,)](z, z.stride(0), targets, loss_out, scale, loss_out if lse_out is None else lse_out, vocab,
+                          V_pad, ignore_index, WRITE_GRAD=write_grad, STORE_LSE=lse_out is not None,
+                          BLOCK_V=block_v, num_warps=num_warps or DEFAULT_WARPS)

@@ -56,11 +56,14 @@ def _check(t: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"quantize needs a 2-d tensor, got shape {tuple(t.shape)}")
 
 
-def _scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale that maps ``amax`` onto ``dtype``'s largest finite value (fp32, on amax's device)."""
     return FMAX[dtype] / amax.float().clamp(min=EPS)
 
 
-def _cast(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_scaled(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``src * scale`` saturated into ``dtype``'s range and cast, written contiguous (a transposed
+    view of ``src`` gives the transposed layout)."""
     return (src.float() * scale).clamp(-FMAX[dtype], FMAX[dtype]).to(dtype).contiguous()
 
 
@@ -74,8 +77,8 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, *, transposed: bool = False, r
     _check(t, dtype)
     src = t.t() if transposed else t
     a = src.abs()
-    scale = _scale(a.amax(dim=1, keepdim=True) if rowwise else a.amax(), dtype)
-    return _cast(src, scale, dtype), scale.reciprocal()
+    scale = scale_for(a.amax(dim=1, keepdim=True) if rowwise else a.amax(), dtype)
+    return cast_scaled(src, scale, dtype), scale.reciprocal()
 
 
 def quantize_both(t: torch.Tensor, dtype: torch.dtype, *, rowwise: bool = False
@@ -86,9 +89,9 @@ def quantize_both(t: torch.Tensor, dtype: torch.dtype, *, rowwise: bool = False
     if rowwise:
         return (*quantize(t, dtype, rowwise=True), *quantize(t, dtype, transposed=True, rowwise=True))
     _check(t, dtype)
-    scale = _scale(t.abs().amax(), dtype)
+    scale = scale_for(t.abs().amax(), dtype)
     inv = scale.reciprocal()
-    return _cast(t, scale, dtype), inv, _cast(t.t(), scale, dtype), inv
+    return cast_scaled(t, scale, dtype), inv, cast_scaled(t.t(), scale, dtype), inv
 
 
 def _mm(a8, sa, b8_t, sb, out_dtype, fast_accum: bool) -> torch.Tensor:

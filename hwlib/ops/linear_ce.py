@@ -127,11 +127,11 @@ def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
                          f"[0, {vocab}) and not ignore_index ({ignore_index})")
 
 
-def chunk_rows(n_rows: int, width: int, elem_bytes: int, chunk: int | None = None) -> int:
-    """Rows per chunk: ``chunk``, or the most rows whose [rows, width] logits fit CHUNK_BYTES (a
-    multiple of ROW_ALIGN), balanced so the chunks are about equal."""
+def chunk_rows(n_rows: int, width: int, elem_bytes: int, chunk: int | None = None, budget: int = CHUNK_BYTES) -> int:
+    """Rows per chunk: ``chunk``, or the most rows whose [rows, width] buffers of ``elem_bytes`` an
+    element fit ``budget`` bytes (a multiple of ROW_ALIGN), balanced so the chunks are about equal."""
     if chunk is None:
-        chunk = max(ROW_ALIGN, CHUNK_BYTES // (width * elem_bytes) // ROW_ALIGN * ROW_ALIGN)
+        chunk = max(ROW_ALIGN, budget // (width * elem_bytes) // ROW_ALIGN * ROW_ALIGN)
     chunk = min(chunk, n_rows)
     n_chunks = -(-n_rows // chunk)
     return -(-n_rows // n_chunks)
@@ -180,11 +180,14 @@ def _rows_pass(backend: str):
     return _kernel().ce_rows_ if backend == "triton" else None
 
 
-def _rows_torch(z: torch.Tensor, t: torch.Tensor, loss_out: torch.Tensor, scale: torch.Tensor, vocab: int,
-                ignore_index: int, write_grad: bool) -> None:
-    """The Triton row pass's math in torch ops (same results to rounding), in place on ``z``."""
+def rows_torch(z: torch.Tensor, t: torch.Tensor, loss_out: torch.Tensor, scale: torch.Tensor, vocab: int,
+               ignore_index: int, write_grad: bool, lse_out: torch.Tensor | None = None) -> None:
+    """The Triton row pass's math in torch ops (same results to rounding), in place on ``z``; each
+    row's log-sum-exp into ``lse_out`` when given."""
     x = z[:, :vocab].to(loss_out.dtype)      # fp32 (fp64 for fp64 inputs)
     lse = torch.logsumexp(x, dim=1)
+    if lse_out is not None:
+        lse_out.copy_(lse)
     ignored = t == ignore_index
     bad = ((t < 0) | (t >= vocab)) & ~ignored
     safe = torch.where(ignored | bad, 0, t)
@@ -289,7 +292,7 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
         if row_pass is not None:
             row_pass(z, t[r0:r1], losses[r0:r1], scale, vocab, ignore_index, write_grad=need_grad)
         else:
-            _rows_torch(z, t[r0:r1], losses[r0:r1], scale, vocab, ignore_index, need_grad)
+            rows_torch(z, t[r0:r1], losses[r0:r1], scale, vocab, ignore_index, need_grad)
         if need_grad:
             _mm(gh[r0:r1], z, wc)                       # dh: fp32 for an fp32 h, as dW
             _mm(gw, z.t(), hc, accumulate=i > 0)
@@ -322,12 +325,15 @@ def _(h, w, targets, vocab, ignore_index, chunk, backend, need_grad, compute_dty
     return loss, torch.empty_like(h), torch.empty_like(w)
 
 
-def _setup_context(ctx, inputs, output):
+def save_grads(ctx, inputs, output):
+    """Autograd context of an op that returns (loss, dh, dW), its gradients computed in the forward."""
     _, gh, gw = output
     ctx.save_for_backward(gh, gw)
 
 
-def _backward(ctx, g_loss, _g_gh, _g_gw):
+def scale_saved_grads(ctx, g_loss, _g_gh, _g_gw):
+    """The backward of such an op: the saved gradients times the loss's incoming gradient (two
+    multiplies); None for its seven non-tensor arguments after h and W."""
     gh, gw = ctx.saved_tensors
     if gh.numel() == 0 and gw.numel() == 0:
         raise RuntimeError("linear_cross_entropy: backward through a call made without gradients "
@@ -335,7 +341,7 @@ def _backward(ctx, g_loss, _g_gh, _g_gw):
     return (gh * g_loss).to(gh.dtype), (gw * g_loss).to(gw.dtype), None, None, None, None, None, None, None
 
 
-_linear_ce_op.register_autograd(_backward, setup_context=_setup_context)
+_linear_ce_op.register_autograd(scale_saved_grads, setup_context=save_grads)
 fallbacks.register(_linear_ce_op)
 
 

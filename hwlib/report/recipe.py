@@ -37,7 +37,7 @@ def target_rows(rows: list[dict]) -> list[dict]:
     out = []
     for what, fp8, target in TARGETS:
         cands = [by_step[s.name] for s in LADDER if s.beyond_recipe and s.name in by_step
-                 and settings_for(s.name).fp8 == fp8 and _counts(by_step[s.name])]
+                 and settings_for(s.name).uses_fp8 == fp8 and _counts(by_step[s.name])]
         best = max(cands, key=lambda r: r["throughput"]) if cands else None
         ratio = best["throughput"] / base if best and base else None
         spreads = [r.get("process_spread") for r in (recipe, best) if r]

@@ -66,7 +66,7 @@ HEAD_GAP = 3.0       # the head's shortest matmul over the next GEMM, for the si
 # ("fmha_cutlassF_...") are attention, not GEMMs.
 RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("optimizer", re.compile(r"multi_tensor_apply|adam|optimizer\.|foreach")),
-    ("lm_head_ce", re.compile(r"log_softmax|logsoftmax|nll_loss|cross_entropy|logsumexp|linear_ce|ce_rows")),
+    ("lm_head_ce", re.compile(r"log_softmax|logsoftmax|nll_loss|cross_entropy|logsumexp|linear_ce|ce_rows|ce_grad")),
     ("gemm", re.compile(r"^triton_tem_")),
     ("elementwise", re.compile(r"^triton_(poi|red|per)_")),
     ("attention", re.compile(r"flash|fmha|sdpa|attention|_attn|scaled_dot_product")),
@@ -190,6 +190,10 @@ def floor_caveats(step: str) -> list[str]:
         notes.append("its MLP matmuls run in FP8, above the 16-bit matmul ceiling the GEMM floor is counted at: "
                      "for this step that floor is an upper bound; the FP8 casts and scales (Triton-fused) count as "
                      "LayerNorm / elementwise, where no floor counts them")
+    if st.fp8_head:
+        notes.append("its LM head's three matmuls run in FP8, above the 16-bit matmul ceiling the GEMM floor is "
+                     "counted at: for this step that floor is an upper bound; its casts and the gradient pass that "
+                     "writes the FP8 gradient count as LM head / cross-entropy")
     if st.fused_mlp:
         notes.append("its MLP's bias + GELU and the GELU's derivative run in the matmuls' "
                      "epilogues (cuBLASLt): their time counts as GEMMs, while the LayerNorm / elementwise floor still "

@@ -238,7 +238,7 @@ def fastest_step(rows: list[dict]) -> str | None:
         if r.get("status") != "ok" or not isinstance(r.get("ms_per_step"), (int, float)) or r["ms_per_step"] <= 0:
             return False
         st = settings_for(r["step"])
-        return bool(st.compile or st.cuda_graphs) and st.autocast == "bf16" and not st.fp8
+        return bool(st.compile or st.cuda_graphs) and st.autocast == "bf16" and not st.uses_fp8
     timed = [r for r in rows if fits(r)]
     return min(timed, key=lambda r: r["ms_per_step"])["step"] if timed else None
 

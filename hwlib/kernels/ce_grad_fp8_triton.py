@@ -1,0 +1,90 @@
+"""The cross-entropy gradient of one chunk of logits, written in FP8 in both layouts the backward's
+FP8 matmuls need, in Triton.
+
+Loaded from this folder by ``hwlib.ops.sources``; the Python face (the chunk loop, the FP8 GEMMs,
+the autograd op, the float64 reference) is ``hwlib/ops/linear_ce_fp8.py``.
+
+For the rows n of a chunk (logits z [C, V_pad] in bf16, each row's log-sum-exp already computed by
+``linear_ce_triton.py``'s row pass), per column v:
+
+    g_nv  = (exp(z_nv - lse_n) - [v = t_n]) * w_n            v < V; 0 for V <= v < V_pad
+    w_n   = 1; 0 where t_n = ignore_index; NaN where t_n is neither a class nor ignore_index
+    q_nv  = e5m2(g_nv * QMAX)                                 written to G [C, V_pad] and G^T [V_pad, C]
+
+|g_nv| <= 1 always (a probability minus at most one), so one static scale, QMAX = 57344 (e5m2's
+largest finite value), uses e5m2's whole range with no amax pass and no host sync: the caller's
+matmuls multiply back 1 / QMAX times the mean's weight 1 / #targets. Values down to about 1e-9
+stay normal numbers at this scale, so the smallest probabilities of a 50k vocabulary keep their
+2 mantissa bits.
+
+dh = g W needs g with V contiguous (the matmul's reduction dimension) and dW = g^T h needs g^T
+with C contiguous: FP8 tensor cores on Hopper take only K-major operands ("TN"), so both layouts are
+written here, from one DRAM read of z, instead of a second pass that transposes an FP8 copy. One
+program owns a BLOCK_M x BLOCK_V tile: it computes the tile row by row and writes G, then loads the
+same tile column by column (from L1/L2) and writes G^T, BLOCK_M contiguous bytes per row of G^T.
+
+Per element, bf16 logits, from DRAM: read 2 bytes, write 1 + 1; with the row pass's one read for the
+log-sum-exp, 6 bytes (the bf16 head's CUDA row pass: 4, one read and a bf16 write over z).
+FLOPs: ~8 per element and two exponentials (each layout computes its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QMAX = 57344.0                   # torch.finfo(torch.float8_e5m2).max
+DEFAULT_BLOCK_M, DEFAULT_BLOCK_V, DEFAULT_WARPS = 32, 128, 4
+
+
+@triton.jit
+def _ce_grad_fp8_kernel(z_ptr, stride_z, lse_ptr, t_ptr, g_ptr, stride_g, gt_ptr, stride_gt, C, V, V_pad,
+                        ignore_index, QMAX_: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rmask, cmask = rows < C, cols < V_pad
+    r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    t = tl.load(t_ptr + rows, mask=rmask, other=ignore_index)
+    ignored = t == ignore_index
+    bad = ((t < 0) | (t >= V)) & (t != ignore_index)
+    w = tl.where(bad, float("nan"), tl.where(ignored, 0.0, 1.0)) * QMAX_
+    # G: the tile [BLOCK_M rows, BLOCK_V columns], V contiguous.
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(z_ptr + r64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    p = tl.where(cols[None, :] < V, tl.exp(x - lse[:, None]), 0.0)
+    g = (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * w[:, None]
+    tl.store(g_ptr + r64[:, None] * stride_g + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
+    # G^T: the same tile loaded transposed ([BLOCK_V, BLOCK_M], served by L1/L2) and computed again, not
+    # made with tl.trans: a tl.trans-ed tile stored transposed wrote wrong elements on an H100 (Triton 3.6.0)
+    # whenever the sizes were multiples of 16 (hwlib/kernels/fp8_cast_triton.py; the tests check G^T).
+    mask_t = cmask[:, None] & rmask[None, :]
+    xt = tl.load(z_ptr + r64[None, :] * stride_z + c64[:, None], mask=mask_t, other=0.0).to(tl.float32)
+    pt = tl.where(cols[:, None] < V, tl.exp(xt - lse[None, :]), 0.0)
+    gt = (pt - tl.where(cols[:, None] == t[None, :], 1.0, 0.0)) * w[None, :]
+    tl.store(gt_ptr + c64[:, None] * stride_gt + rows[None, :], gt.to(gt_ptr.dtype.element_ty), mask=mask_t)
+
+
+def ce_grad_fp8(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, gt: torch.Tensor,
+                vocab: int, ignore_index: int, block_m: int | None = None, block_v: int | None = None,
+                num_warps: int | None = None) -> None:
+    """Write ``g`` [C, V_pad] and ``gt`` [V_pad, C'] (C' >= C; its columns past C are left as they are)
+    from ``z`` [C, V_pad] (columns contiguous), ``lse`` [C] (float32) and ``targets`` [C] (int64):
+    see the module doc. ``g``, ``gt``: float8_e5m2, columns contiguous."""
+    C, V_pad = z.shape
+    for name, t in (("z", z), ("g", g), ("gt", gt)):
+        if t.stride(1) != 1:
+            raise ValueError(f"{name}: columns must be contiguous (stride 1), got strides {t.stride()}")
+    if tuple(g.shape) != (C, V_pad) or gt.shape[0] != V_pad or gt.shape[1] < C:
+        raise ValueError(f"g must be [{C}, {V_pad}] and gt [{V_pad}, >= {C}], got {tuple(g.shape)} and {tuple(gt.shape)}")
+    if g.dtype != torch.float8_e5m2 or gt.dtype != torch.float8_e5m2:
+        raise ValueError(f"g and gt must be torch.float8_e5m2, got {g.dtype} and {gt.dtype}")
+    if not (1 <= vocab <= V_pad):
+        raise ValueError(f"vocab must be in [1, {V_pad}] (the logits' width), got {vocab}")
+    if C == 0:
+        return
+    bm, bv = block_m or DEFAULT_BLOCK_M, block_v or DEFAULT_BLOCK_V
+    grid = (triton.cdiv(C, bm), triton.cdiv(V_pad, bv))
+    _ce_grad_fp8_kernel[grid](z, z.stride(0), lse, targets, g, g.stride(0), gt, gt.stride(0), C, vocab, V_pad,
+                              ignore_index, QMAX_=QMAX, BLOCK_M=bm, BLOCK_V=bv, num_warps=num_warps or DEFAULT_WARPS)

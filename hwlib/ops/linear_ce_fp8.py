@@ -1,0 +1,284 @@
+"""The fused LM head + cross-entropy (``hwlib.ops.linear_ce``) with its three GEMMs in FP8.
+
+``fused_linear_cross_entropy_fp8(h, weight, targets)`` computes what ``fused_linear_cross_entropy``
+does, the mean of ``F.cross_entropy(h @ weight[:vocab].T, targets, ignore_index=...)`` and its
+gradients, with FP8 operands for ``torch._scaled_mm``. For each chunk c of C rows:
+
+    z_c          = e4m3(h_c) e4m3(W)^T        fast accumulation, bf16 out       2 C V_pad D FLOPs
+    loss_c, lse  = one read of z_c            (linear_ce_triton.py's row pass)
+    G_c, G_c^T   = e5m2((softmax - onehot) * 57344), from one more read of z_c, in both layouts
+                                              (hwlib/kernels/ce_grad_fp8_triton.py)
+    dh_c         = G_c e4m3(W)                fp32 accumulation, out in h's dtype  2 C V_pad D
+    dW          += G_c^T e4m3(h_c)            fp32 accumulation and out            2 C V_pad D
+
+Scales: h and W one each (per tensor), from their amax on the device; the gradient a static one,
+since every entry of softmax - onehot lies in [-1, 1] (no amax pass over the logits, no sync). The
+mean's weight 1 / #targets and the inverse scales go to ``_scaled_mm``. FP8 tensor cores on Hopper
+take K-major operands only, so the backward's matmuls need W^T, h_c^T and G_c^T laid out with the
+reduction dimension contiguous: W is quantized into both layouts once a call, h_c once a chunk, and
+G_c written in both by the gradient kernel (see ``hwlib.ops.fp8`` for the same layouts in a linear).
+
+Bytes a logit (bf16 z): the GEMM writes 2; the row pass reads 2; the gradient pass reads 2 and
+writes 1 + 1; the two backward GEMMs read 1 each. The bf16 head (``linear_ce`` with its CUDA row
+pass) moves 2 + 2 + 2 + 2 + 2: FP8 trades one more read for half the backward's operand bytes and
+tensor cores twice as fast. Buffers a chunk: 4 bytes a logit (z, G, G^T), so chunks are sized to
+``CHUNK_BYTES`` of them (GPT-2 small's 16,384 x 50,304 logits fit one chunk: no dW accumulation).
+
+Precision (measured on GPUs by notebook 26 against float64): e4m3 keeps 3 mantissa bits, so the
+logits move by a few percent of their size (``hwlib.studies.fp8``'s head matmuls: 3.8% relative
+Frobenius against 0.17% in bf16); e5m2 gradients keep 2. The step that uses this op states and
+justifies its tolerance by the loss curve it moves (``hwlib.steps``).
+
+Shapes: ``_scaled_mm`` on CUDA needs every dimension a multiple of 16. Rows, width and vocabulary
+that are not are padded with zeros inside (padding rows get ``ignore_index``: no loss, no gradient),
+so any shape gives the exact result of the padded problem; GPT-2's shapes need no padding.
+
+Backends: ``triton`` (the two row kernels; CUDA tensors, or CPU ones under TRITON_INTERPRET=1),
+``torch`` (the same passes in torch ops, any device torch._scaled_mm runs on, CPU included), ``auto``
+(Triton on CUDA where it loads, else torch). On a CUDA GPU older than sm_89 (Ada, Hopper) there are
+no FP8 tensor cores: an Unavailable error with that reason, never a crash inside cuBLAS.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from hwlib.device import Unavailable
+
+from . import fallbacks
+from .fp8 import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for
+from .linear_ce import (_acc_dtype, check_inputs, check_targets, chunk_rows, rows_torch, save_grads,
+                        scale_saved_grads)
+from .sources import load_python_kernel, note_backend, select_triton_backend
+
+BACKENDS = ("auto", "triton", "torch")
+GRAD_KERNEL_FILE = "ce_grad_fp8_triton.py"
+CAST_KERNEL_FILE = "fp8_cast_triton.py"
+ROWS_KERNEL_FILE = "linear_ce_triton.py"
+OP_NAME = "hwlib::linear_cross_entropy_fp8"
+GRAD_QMAX = float(torch.finfo(E5M2).max)     # the gradient's static scale: |softmax - onehot| <= 1
+# Per-chunk buffers (z in bf16, G and G^T in FP8: 4 bytes a logit) at most this many bytes.
+CHUNK_BYTES = 4 * 2**30
+
+
+def _round_up(n: int, m: int = CUDA_MULTIPLE) -> int:
+    return -(-n // m) * m
+
+
+def fp8_problem(device: torch.device) -> str | None:
+    """Why FP8 matmuls cannot run on ``device``, or None."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return f"FP8 matmuls need sm_89 or newer (Ada, Hopper); this GPU is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def select_backend(backend: str, device: torch.device | str) -> str:
+    """The backend that runs on ``device``: ``backend`` itself (Unavailable with the reason where it
+    cannot), or ``auto``'s choice; Unavailable on a GPU without FP8 matmuls, whatever the backend."""
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        from hwlib.device import ChoiceError
+        raise ChoiceError("backend", backend, BACKENDS)
+    why = fp8_problem(device)
+    if why:
+        raise Unavailable(f"fused_linear_cross_entropy_fp8: {why}")
+    name = select_triton_backend(GRAD_KERNEL_FILE, backend, device)
+    if name == "triton":      # the row pass's and the cast's kernel files must load too
+        for f in (ROWS_KERNEL_FILE, CAST_KERNEL_FILE):
+            select_triton_backend(f, "triton", device)
+    return name
+
+
+@torch.compiler.assume_constant_result
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``select_backend`` for the op: torch.compile calls it once while tracing and keeps the answer."""
+    return note_backend("linear_ce_fp8", select_backend(backend, device_type))
+
+
+# --- the passes over one chunk's logits ------------------------------------------------------------
+
+def _grad_torch(z, lse, t, g, gt, vocab: int, ignore_index: int) -> None:
+    """``ce_grad_fp8_triton.ce_grad_fp8``'s math in torch ops (torch's rounding into e5m2)."""
+    C = z.shape[0]
+    p = torch.exp(z.float() - lse[:, None])
+    p[:, vocab:] = 0
+    ignored = t == ignore_index
+    bad = ((t < 0) | (t >= vocab)) & ~ignored
+    safe = torch.where(ignored | bad, 0, t)
+    p.scatter_add_(1, safe[:, None], -torch.ones_like(p[:, :1]))
+    w = torch.where(bad, float("nan"), torch.where(ignored, 0.0, 1.0)).to(p.dtype)
+    q = (p * (w * GRAD_QMAX)[:, None]).to(E5M2)
+    g.copy_(q)
+    gt[:, :C].copy_(q.t())
+
+
+class _Passes(NamedTuple):
+    """A backend's three passes, each called as the Triton kernels' Python faces are."""
+    rows: Callable          # loss and log-sum-exp of each row (linear_ce_triton.ce_rows_)
+    grad: Callable          # the FP8 gradient in both layouts (ce_grad_fp8_triton.ce_grad_fp8)
+    cast_both: Callable     # a tensor in FP8 in both layouts (fp8_cast_triton.cast_both)
+
+
+def _cast_both_torch(x, scale, dtype):
+    return cast_scaled(x, scale, dtype), cast_scaled(x.t(), scale, dtype)
+
+
+def _rows_torch(z, t, loss, scale, vocab, ignore_index, write_grad, lse_out):
+    rows_torch(z, t, loss, scale, vocab, ignore_index, write_grad, lse_out)
+
+
+def _passes(backend: str) -> _Passes:
+    if backend == "triton":
+        return _Passes(load_python_kernel(ROWS_KERNEL_FILE).ce_rows_, load_python_kernel(GRAD_KERNEL_FILE).ce_grad_fp8,
+                       load_python_kernel(CAST_KERNEL_FILE).cast_both)
+    return _Passes(_rows_torch, _grad_torch, _cast_both_torch)
+
+
+def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``x`` [r, c] zero-padded to [rows, cols] (``x`` itself when no padding is needed)."""
+    if tuple(x.shape) == (rows, cols):
+        return x
+    out = x.new_zeros(rows, cols)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in one reduction (``x.abs().amax()`` writes |x| first: a pass over W's 154 MB more)."""
+    return torch.linalg.vector_norm(x, float("inf"))
+
+
+def _scaled_mm(a8, sa, bt8, sb, out_dtype, fast_accum: bool = False):
+    """a8 [M, K] @ bt8^T, bt8 [N, K] row-major (so ``bt8.t()`` is the column-major operand)."""
+    return torch._scaled_mm(a8, bt8.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
+    """(mean loss, dh in h's dtype, dW in w's dtype) of a [N, D] h; see the module doc."""
+    N, D = h.shape
+    V = w.shape[0]
+    Np, Dp, Vp = _round_up(N), _round_up(D), _round_up(V)
+    acc = _acc_dtype(cdt)
+    hp = _padded(h, Np, Dp)
+    tp = t if Np == N else torch.cat([t, t.new_full((Np - N,), ignore_index)])
+    n_valid = (t != ignore_index).sum()
+    mean_w = 1.0 / n_valid.clamp_min(1).to(torch.float32)
+    # One scale per tensor, on the device: W's both layouts now, h's chunk by chunk.
+    wp = _padded(w, Vp, Dp)
+    s_w = scale_for(_amax(wp), E4M3)
+    passes = _passes(backend)
+    w8, wt8 = passes.cast_both(wp, s_w, E4M3)
+    s_h = scale_for(_amax(hp), E4M3)
+    inv_w, inv_h = s_w.reciprocal(), s_h.reciprocal()
+    inv_g = (mean_w / GRAD_QMAX).reshape(())
+    # Chunks a multiple of 16 rows, like every dimension _scaled_mm takes on CUDA.
+    rows = _round_up(chunk_rows(Np, Vp, 4, chunk, budget=CHUNK_BYTES))
+    losses = torch.empty(Np, dtype=torch.float32, device=h.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=h.device)
+    unused_scale = torch.ones(1, dtype=torch.float32, device=h.device)   # the row pass writes no gradient
+    ghs, gw = [], None
+    for r0 in range(0, Np, rows):
+        r1 = min(Np, r0 + rows)
+        C, hc = r1 - r0, hp[r0:r1]
+        h8, ht8 = passes.cast_both(hc, s_h, E4M3)
+        z = _scaled_mm(h8, inv_h, w8, inv_w, cdt, fast_accum=True)
+        passes.rows(z, tp[r0:r1], losses[r0:r1], unused_scale, vocab, ignore_index, write_grad=False,
+                 lse_out=lse[:C])
+        if not need_grad:
+            continue
+        g = torch.empty(C, Vp, dtype=E5M2, device=h.device)
+        gt = torch.empty(Vp, C, dtype=E5M2, device=h.device)
+        passes.grad(z, lse[:C], tp[r0:r1], g, gt, vocab, ignore_index)
+        del z
+        ghs.append(_scaled_mm(g, inv_g, wt8, inv_w, h.dtype))
+        dw = _scaled_mm(gt, inv_g, ht8, inv_h, torch.float32)
+        gw = dw if gw is None else gw.add_(dw)
+        del g, gt
+    loss = losses[:N].sum() / n_valid           # NaN when every target is ignored, as F.cross_entropy
+    if not need_grad:
+        return loss.to(acc), h.new_empty(0), w.new_empty(0)
+    gh = ghs[0] if len(ghs) == 1 else torch.cat(ghs)
+    if (Np, Dp) != (N, D):
+        gh = gh[:N, :D].contiguous()
+    return loss.to(acc), gh, gw[:V, :D].to(w.dtype).contiguous()
+
+
+# --- the op ----------------------------------------------------------------------------------------
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _linear_ce_fp8_op(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab: int, ignore_index: int,
+                      chunk: int, backend: str, need_grad: bool,
+                      compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(h.device.type, enabled=False):
+        return _chunk_loop(h, w, targets, vocab, ignore_index, chunk, backend, need_grad, compute_dtype)
+
+
+@_linear_ce_fp8_op.register_fake
+def _(h, w, targets, vocab, ignore_index, chunk, backend, need_grad, compute_dtype):
+    loss = h.new_empty((), dtype=_acc_dtype(compute_dtype))
+    if not need_grad:
+        return loss, h.new_empty(0), w.new_empty(0)
+    return loss, torch.empty_like(h), torch.empty_like(w)
+
+
+_linear_ce_fp8_op.register_autograd(scale_saved_grads, setup_context=save_grads)
+fallbacks.register(_linear_ce_fp8_op)
+
+
+def fused_linear_cross_entropy_fp8(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                                   vocab: int | None = None, ignore_index: int = -100, chunk: int | None = None,
+                                   backend: str = "auto") -> torch.Tensor:
+    """``hwlib.ops.linear_ce.fused_linear_cross_entropy`` with FP8 GEMMs (see the module doc): the same
+    arguments, checks and errors. The logits come out of their GEMM in autocast's dtype when autocast
+    is on, else in h's; ``chunk``: rows per chunk (default: as many as ``CHUNK_BYTES`` allows)."""
+    vocab = check_inputs(h, weight, targets, vocab, ignore_index, chunk)
+    dev_type = h.device.type
+    if torch.is_autocast_enabled(dev_type):
+        cdt = torch.get_autocast_dtype(dev_type)
+    elif h.dtype != weight.dtype:
+        raise ValueError(f"h is {h.dtype} but weight is {weight.dtype}: outside autocast they must match")
+    else:
+        cdt = h.dtype
+    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"the logits' dtype must be bfloat16, float16 or float32 (FP8 GEMM outputs), got {cdt}")
+    name = resolve_backend(backend, dev_type)
+    h2 = h.reshape(-1, h.shape[-1]).contiguous()
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    w = weight.contiguous()
+    if not torch.compiler.is_compiling() and not (dev_type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        check_targets(t, vocab, ignore_index)
+    need_grad = torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad)
+    rows = chunk_rows(_round_up(h2.shape[0]), _round_up(w.shape[0]), 4, chunk, budget=CHUNK_BYTES)
+    loss, _, _ = torch.ops.hwlib.linear_cross_entropy_fp8(h2, w, t, vocab, int(ignore_index), rows, name,
+                                                          need_grad, cdt)
+    return loss
+
+
+def linear_cross_entropy_fp8_reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab: int | None = None,
+                                       ignore_index: int = -100):
+    """(loss, dh, dW) in float64 from the FP8-rounded operands the op uses, where only the rounding of
+    the logits (to bf16) and of the gradient's entries (to e5m2) is left out: what the op computes
+    when its accumulation is exact. Per-tensor scales for h and W, the static one for the gradient."""
+    from .fp8 import fake_quantize
+    vocab = w.shape[0] if vocab is None else vocab
+    h2, t2 = h.reshape(-1, h.shape[-1]), t.reshape(-1).long()
+    hq, wq = fake_quantize(h2, E4M3), fake_quantize(w, E4M3)
+    z = hq @ wq[:vocab].t()
+    keep = t2 != ignore_index
+    n = keep.sum().clamp_min(1)
+    lse = torch.logsumexp(z, dim=1)
+    safe = torch.where(keep, t2, 0)
+    loss = ((lse - z.gather(1, safe[:, None])[:, 0]) * keep).sum() / keep.sum()
+    g = torch.exp(z - lse[:, None])
+    g.scatter_add_(1, safe[:, None], -torch.ones_like(g[:, :1]))
+    g = g * keep[:, None] / n
+    dh = g @ wq[:vocab]
+    dw = torch.zeros_like(w, dtype=torch.float64)
+    dw[:vocab] = g.t() @ hq
+    return loss, dh.reshape(h.shape), dw

@@ -1,0 +1,175 @@
+"""Notebook 26's study of the FP8 LM head (``hwlib.ops.linear_ce_fp8``): the op against float64 at odd
+sizes, and the head alone at GPT-2 small's shape, in bf16 (step 25's) and in FP8, with the passes
+the FP8 head adds over the logits timed alone against their bytes.
+
+Timing: ``hwlib.bench.time_fn``, forward and backward of the whole head per sample (eager: the step
+replays it inside its CUDA graph, where the host's launches do not show).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import bench
+from ..ops import linear_ce as L
+from ..ops import linear_ce_fp8 as L8
+from ..ops.fp8 import E4M3, scale_for
+from ..ops.sources import load_python_kernel, read_kernel_source
+from .kernel_records import kernel_records as records_of
+from .kernel_records import timed_row
+
+NOTEBOOK = "26_fp8_head"
+# (rows, width, classes, weight rows): rows, widths and vocabularies that are multiples of nothing
+# (padded to 16 inside the op), one with the weight padded past the vocabulary as GPT's is.
+ODD_SIZES = ((1003, 200, 3001, 3008), (77, 40, 517, 517), (300, 96, 1000, 1024))
+# Against the float64 reference of the same FP8-rounded h and W (``linear_cross_entropy_fp8_reference``):
+# what is left is the logits' bf16 rounding (GPU; fp32 on CPU) and the gradient's e5m2 rounding, up to
+# 2^-3 of an entry (2 mantissa bits) but independent across the entries a gradient sums, so dh and dW
+# must stay within half of it.
+GRAD_TOL_FQ = 2.0 ** -4
+LOSS_TOL_FQ = 1e-3
+# Against the exact float64 head, FP8's own error: e4m3 rounds each operand by up to 2^-4 (3 mantissa
+# bits); the loss, a mean of log-sum-exps over every row, must move less than the step's tolerance
+# (1e-2, hwlib.steps), the gradients less than one operand's worst rounding.
+LOSS_TOL_EXACT = 1e-2
+GRAD_TOL_EXACT = 2.0 ** -4
+IGNORE_EVERY = 7        # every 7th target is ignore_index: those rows add no loss and no gradient
+
+
+def kernel_source() -> str:
+    """The gradient pass's Triton kernel, read from its file (no Triton import needed)."""
+    src = read_kernel_source(L8.GRAD_KERNEL_FILE)
+    start = src.index("@triton.jit")
+    return src[start: src.index("\ndef ce_grad_fp8(")].rstrip()
+
+
+def _draw(n, d, vocab, rows_w, gen, device):
+    h = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    w = torch.randn(rows_w, d, generator=gen, dtype=torch.float64) * (2.0 / d ** 0.5)   # logits ~ N(0, 4)
+    t = torch.randint(0, vocab, (n,), generator=gen)
+    t[::IGNORE_EVERY] = -100
+    return h.to(device, torch.float32), w.to(device, torch.float32), t.to(device)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300))
+
+
+def _run(fn, h, w, t, vocab, device, **kw):
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        loss = fn(hh, ww, t, vocab=vocab, **kw)
+    loss.backward()
+    return loss.detach(), hh.grad, ww.grad
+
+
+def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
+    """The FP8 head (backend ``auto``; under bf16 autocast on a GPU, as in the step; fp32 logits on a
+    CPU) on fresh inputs at ``sizes``: loss and gradients against float64 from the same FP8-rounded
+    operands and against the exact float64 head, beside the bf16 fused head's error against the exact
+    one (GPU). ``within tolerance``: the module's bounds."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for n, d, vocab, rows_w in sizes:
+        h, w, t = _draw(n, d, vocab, rows_w, gen, device)
+        loss, dh, dw = _run(L8.fused_linear_cross_entropy_fp8, h, w, t, vocab, device)
+        lq, dhq, dwq = L8.linear_cross_entropy_fp8_reference(h.double(), w.double(), t, vocab=vocab)
+        h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+        le = L.linear_cross_entropy_reference(h64, w64, t, vocab=vocab)
+        le.backward()
+        row = {"rows": n, "D": d, "vocab": vocab, "backend": L8.select_backend("auto", device),
+               "loss rel err (FP8 operands)": abs(float(loss) - float(lq)) / abs(float(lq)),
+               "dh rel err (FP8 operands)": _rel(dh, dhq), "dW rel err (FP8 operands)": _rel(dw, dwq),
+               "loss rel err (exact)": abs(float(loss) - le.item()) / abs(le.item()),
+               "dh rel err (exact)": _rel(dh, h64.grad), "dW rel err (exact)": _rel(dw, w64.grad)}
+        if device.type == "cuda":
+            _, bdh, bdw = _run(L.fused_linear_cross_entropy, h, w, t, vocab, device)
+            row["bf16 head dh rel err (exact)"] = _rel(bdh, h64.grad)
+            row["bf16 head dW rel err (exact)"] = _rel(bdw, w64.grad)
+        ok = (row["loss rel err (FP8 operands)"] <= LOSS_TOL_FQ
+              and max(row["dh rel err (FP8 operands)"], row["dW rel err (FP8 operands)"]) <= GRAD_TOL_FQ
+              and row["loss rel err (exact)"] <= LOSS_TOL_EXACT
+              and max(row["dh rel err (exact)"], row["dW rel err (exact)"]) <= GRAD_TOL_EXACT)
+        rows.append({**row, "within tolerance": ok})
+    return rows
+
+
+def _peak_extra_gib(fn, device) -> float:
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn(0)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
+def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict | None, iters: int = 20,
+                seed: int = 0) -> list[dict]:
+    """At [M, D] hidden states and a [rows_w, D] head (bf16 autocast, fp32 parameters as in the step):
+    the whole head forward and backward, bf16 (``fused_linear_cross_entropy``) and FP8, with its peak
+    memory past the inputs; then the passes the FP8 head runs outside its matmuls, each alone with the
+    bytes it moves from DRAM: the cast of W into both layouts, the row pass for each row's log-sum-exp,
+    the gradient pass that writes G and G^T."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
+    gen = torch.Generator(device).manual_seed(seed)
+    hs = [torch.randn(M, D, generator=gen, device=device, requires_grad=True) for _ in range(2)]
+    w = (torch.randn(rows_w, D, generator=gen, device=device) * (2.0 / D ** 0.5)).requires_grad_()
+    t = torch.randint(0, vocab, (M,), generator=gen, device=device)
+    rows = []
+    for name, fn in (("bf16 head (step 25's)", L.fused_linear_cross_entropy),
+                     ("FP8 head", L8.fused_linear_cross_entropy_fp8)):
+        def step(i, fn=fn):
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = fn(hs[i % 2], w, t, vocab=vocab)
+            loss.backward()
+        tm = bench.time_fn(step, device, warmup=3, iters=iters)
+        rows.append({"kernel": name, "M": M, "D": D, "V": rows_w, "ms": tm.median_ms, "p20": tm.p20_ms,
+                     "p80": tm.p80_ms, "peak extra GiB": _peak_extra_gib(step, device)})
+    # The FP8 head's own passes, alone, on the step's tensors.
+    rk, gk = load_python_kernel(L8.ROWS_KERNEL_FILE), load_python_kernel(L8.GRAD_KERNEL_FILE)
+    ck = load_python_kernel(L8.CAST_KERNEL_FILE)
+    wd, h = w.detach(), hs[0].detach()
+    s_w, s_h = scale_for(wd.abs().amax(), E4M3), scale_for(h.abs().amax(), E4M3)
+    w8, _ = ck.cast_both(wd, s_w, E4M3)
+    h8, _ = ck.cast_both(h, s_h, E4M3)
+    z = torch._scaled_mm(h8, w8.t(), scale_a=s_h.reciprocal(), scale_b=s_w.reciprocal(), out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
+    lse, loss = torch.empty(M, device=device), torch.empty(M, device=device)
+    one = torch.ones(1, device=device)
+    g = torch.empty(M, rows_w, dtype=L8.E5M2, device=device)
+    gt = torch.empty(rows_w, M, dtype=L8.E5M2, device=device)
+    logits = M * rows_w
+    passes = ((f"cast of W into both layouts (e4m3, {rows_w} x {D} fp32)", lambda i: ck.cast_both(wd, s_w, E4M3),
+               rows_w * D * (4 + 1 + 1)),
+              ("row pass: each row's log-sum-exp (one read of the bf16 logits)",
+               lambda i: rk.ce_rows_(z, t, loss, one, vocab, -100, write_grad=False, lse_out=lse), 2 * logits),
+              ("gradient pass: G and G^T in e5m2 (one read, two writes)",
+               lambda i: gk.ce_grad_fp8(z, lse, t, g, gt, vocab, -100), logits * (2 + 1 + 1)))
+    for name, fn, nbytes in passes:
+        tm = bench.time_fn(fn, device, warmup=2, iters=iters)
+        rows.append(timed_row(name, tm, float(nbytes), ceilings, M=M, D=D, V=rows_w))
+    return rows
+
+
+def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
+    """One ms record per row (GB/s beside the passes); the shape in fields."""
+    return records_of(rows, notebook=NOTEBOOK, study="fp8_head_kernel", keys=("kernel", "M", "D", "V"),
+                      profile=profile, device=device)
+
+
+def kernel_prose(rows: list[dict]) -> str:
+    """The two heads and the FP8 head's passes, in words built from ``rows``."""
+    if not rows:
+        return "The head was not timed alone here (a GPU and the full or mid profile time it)."
+    bf, f8, *passes = rows
+    text = (f"Alone, forward and backward at {bf['M']:,} x {bf['D']} against {bf['V']:,} classes: the bf16 head took "
+            f"{bf['ms']:.2f} ms (p20-p80 {bf['p20']:.2f}-{bf['p80']:.2f}) and the FP8 head {f8['ms']:.2f} ms "
+            f"({f8['p20']:.2f}-{f8['p80']:.2f}), {bf['ms'] / f8['ms']:.2f}x; extra memory at their peaks "
+            f"{bf['peak extra GiB']:.2f} and {f8['peak extra GiB']:.2f} GiB (the FP8 head holds a chunk's bf16 "
+            f"logits and both FP8 gradient layouts at once). ")
+    return text + " ".join(f"{r['kernel']}: {r['ms']:.3f} ms ({r['GB/s']:,.0f} GB/s"
+                           + (f", {r['share of copy']:.0%} of the measured copy bandwidth" if r["share of copy"] else "")
+                           + ")." for r in passes)

@@ -1,0 +1,202 @@
+"""The FP8 LM head (hwlib.ops.linear_ce_fp8): loss and gradients against float64, from the same
+FP8-rounded operands and exact, at odd sizes (padded to 16 inside); its Triton kernels (compiled on a
+GPU, interpreted on CPU tensors: conftest.py sets TRITON_INTERPRET=1) against the torch backend, both
+FP8 layouts element by element; ignore_index, bad input, no_grad, torch.compile, opcheck; GPT's head
+and the step's skip where FP8 is missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwlib.device import DeviceInfo, Unavailable
+from hwlib.ops import linear_ce_fp8 as L8
+from hwlib.ops.fp8 import E4M3, E5M2, cast_scaled, scale_for
+from hwlib.ops.sources import load_python_kernel
+from hwlib.steps import get_step, settings_for, unavailable
+from hwlib.studies import fp8_head as S
+
+from test_linear_ce import make, ref, run
+
+# Triton's interpreter converts to FP8 its own way (values a factor of 2 off torch's cast, seen with
+# Triton 3.9 on CPU): on CPU tensors the kernels' indexing is checked (which element lands where, in
+# each layout), on a GPU their numbers too, element by element against torch.
+INTERPRETED = "the interpreter's FP8 conversions are not the GPU's: the numbers are checked on a GPU"
+
+
+def rel(a, b) -> float:
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm().clamp_min(1e-300))
+
+
+# (N, D, V_pad, V, chunk): rows, widths and vocabularies that are multiples of nothing, ragged chunks
+SIZES = [(37, 19, 77, 70, None), (50, 33, 130, 127, 16), (1, 3, 5, 5, None), (64, 16, 48, 48, 32)]
+
+
+@pytest.mark.parametrize("n, d, vp, v, chunk", SIZES, ids=str)
+def test_torch_backend_against_float64(n, d, vp, v, chunk):
+    h, w, t = make(n, d, vp, v, dtype=torch.float32, ignored=min(2, n - 1), key=("fp8",))
+    got = run(h, w, t, fn=L8.fused_linear_cross_entropy_fp8, vocab=v, chunk=chunk, backend="torch")
+    fq = L8.linear_cross_entropy_fp8_reference(h.double(), w.double(), t, vocab=v)
+    exact = ref(h, w, t, v)
+    assert rel(got[0], fq[0]) < S.LOSS_TOL_FQ
+    assert rel(got[1], fq[1]) < S.GRAD_TOL_FQ and rel(got[2], fq[2]) < S.GRAD_TOL_FQ
+    assert rel(got[0], exact[0]) < S.LOSS_TOL_EXACT
+    # a single row's gradient is one softmax: its e5m2 rounding does not average out; the bound is 2^-3
+    tol = S.GRAD_TOL_EXACT if n > 1 else 2.0 ** -3
+    assert rel(got[1], exact[1]) < tol and rel(got[2], exact[2]) < tol
+    assert got[2][v:].abs().max() == 0 if vp > v else True     # padded weight rows: no gradient
+
+
+def test_the_reference_is_the_exact_head_without_fp8_rounding():
+    """The FP8 reference must differ from the exact head (it rounds), and by about FP8's error."""
+    h, w, t = make(40, 24, 60, 60, key=("fq",))
+    fq, exact = L8.linear_cross_entropy_fp8_reference(h, w, t), ref(h, w, t, 60)
+    assert 1e-4 < rel(fq[1], exact[1]) < S.GRAD_TOL_EXACT
+
+
+def test_odd_size_study_rows_on_cpu():
+    rows = S.odd_size_rows("cpu", seed=3, sizes=((45, 20, 101, 112), (17, 8, 33, 33)))
+    assert [r["rows"] for r in rows] == [45, 17] and all(r["within tolerance"] for r in rows), rows
+    assert all(r["backend"] == "torch" for r in rows)
+
+
+# --- the Triton kernels ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(64, 48), (37, 21), (128, 256), (16, 3008)], ids=str)
+def test_cast_kernel_writes_both_layouts(triton_device, shape):
+    """Every element of q and q^T, against torch's cast; sizes that are multiples of 16 included (a
+    tl.trans-ed transposed store wrote wrong elements exactly there on an H100)."""
+    ck = load_python_kernel(L8.CAST_KERNEL_FILE)
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(triton_device)
+    s = scale_for(x.abs().amax(), E4M3)
+    q, qt = ck.cast_both(x, s, E4M3)
+    assert qt.shape == shape[::-1]
+    assert torch.equal(qt.float().t(), q.float())
+    if triton_device == "cuda":     # the interpreter's FP8 conversions are not the GPU's (see INTERPRETED)
+        assert torch.equal(q.float(), cast_scaled(x, s, E4M3).float())
+
+
+@pytest.mark.parametrize("c, vp, v", [(32, 128, 128), (45, 77, 70), (16, 48, 40)], ids=str)
+def test_gradient_kernel_writes_both_layouts(triton_device, c, vp, v):
+    """G and G^T from the Triton pass against the torch pass, every element (ignored and bad targets
+    included: zeros and NaNs), and G^T exactly G transposed."""
+    g = torch.Generator().manual_seed(c + vp)
+    z = (torch.randn(c, vp, generator=g) * 3).to(torch.float16 if triton_device == "cpu" else torch.bfloat16)
+    z = z.to(triton_device)
+    t = torch.randint(0, v, (c,), generator=g).to(triton_device)
+    t[1], t[2] = -100, v          # one ignored row, one target outside the classes
+    lse = torch.logsumexp(z[:, :v].float(), dim=1)
+    gk = load_python_kernel(L8.GRAD_KERNEL_FILE)
+    g8, gt8 = torch.empty(c, vp, dtype=E5M2, device=triton_device), torch.empty(vp, c, dtype=E5M2, device=triton_device)
+    gk.ce_grad_fp8(z, lse, t, g8, gt8, v, -100)
+    w8, wt8 = torch.empty_like(g8), torch.empty_like(gt8)
+    L8._grad_torch(z, lse, t, w8, wt8, v, -100)
+    a = g8.float()
+    ok = ~a.isnan()
+    assert torch.equal(gt8.float().t().isnan(), a.isnan()) and bool(a[2].isnan().all()) and int(ok.sum()) == (c - 1) * vp
+    assert torch.equal(gt8.float().t()[ok], a[ok])
+    assert bool((a[1] == 0).all()) and bool((a[:, v:][ok[:, v:]] == 0).all())
+    if triton_device == "cuda":
+        assert torch.equal(a[ok], w8.float()[ok]) and torch.equal(wt8.float().t()[ok], a[ok])
+
+
+def test_triton_backend_against_the_torch_backend(triton_device):
+    if triton_device == "cpu":
+        pytest.skip(INTERPRETED)
+    h, w, t = make(45, 24, 80, 77, dtype=torch.float32, key=("fp8tri",), device=triton_device)
+    a = run(h, w, t, fn=L8.fused_linear_cross_entropy_fp8, vocab=77, backend="triton")
+    b = run(h, w, t, fn=L8.fused_linear_cross_entropy_fp8, vocab=77, backend="torch")
+    # the same roundings; exp differs in its last bits, which can move an entry across an e5m2 boundary
+    assert rel(a[0], b[0]) < 1e-5 and rel(a[1], b[1]) < 1e-3 and rel(a[2], b[2]) < 1e-3
+
+
+# --- semantics and bad input -----------------------------------------------------------------------
+
+def test_ignored_targets_and_the_all_ignored_nan():
+    h, w, t = make(20, 8, 24, 24, dtype=torch.float32, key=("ign",))
+    t[:5] = -100
+    loss, dh, _ = run(h, w, t, fn=L8.fused_linear_cross_entropy_fp8, vocab=24)
+    assert torch.isfinite(loss) and dh[:5].abs().max() == 0
+    with torch.no_grad():
+        assert torch.isnan(L8.fused_linear_cross_entropy_fp8(h, w, torch.full_like(t, -100), vocab=24))
+
+
+@pytest.mark.parametrize("args, says", [
+    (lambda h, w, t: (h, w[:, :3], t), "widths must match"),
+    (lambda h, w, t: (h, w, t[:-1]), "targets has shape"),
+    (lambda h, w, t: (h, w, t.float()), "integer class indices"),
+    (lambda h, w, t: (h, w, t.clone().fill_(99)), "targets: 99"),
+], ids=["width", "targets shape", "float targets", "out of range"])
+def test_bad_input_names_the_argument(args, says):
+    h, w, t = make(10, 6, 16, 16, dtype=torch.float32, key=("bad",))
+    with pytest.raises(ValueError, match=says):
+        L8.fused_linear_cross_entropy_fp8(*args(h, w, t))
+
+
+def test_non_contiguous_inputs_and_bad_backend():
+    h, w, t = make(24, 10, 32, 30, dtype=torch.float32, key=("nc",))
+    a = run(h, w, t, fn=L8.fused_linear_cross_entropy_fp8, vocab=30)
+    b = run(h.t().contiguous().t(), w.t().contiguous().t(), t, fn=L8.fused_linear_cross_entropy_fp8, vocab=30)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match="backend"):
+        L8.fused_linear_cross_entropy_fp8(h, w, t, backend="cuda")
+
+
+def test_no_grad_computes_the_loss_only_and_backward_says_why():
+    h, w, t = make(12, 6, 16, 16, dtype=torch.float32, key=("ng",))
+    with torch.no_grad():
+        out = L8._linear_ce_fp8_op(h, w, t, 16, -100, 16, "torch", False, torch.float32)
+    assert out[1].numel() == 0 and out[2].numel() == 0
+
+
+def test_a_gpu_without_fp8_is_unavailable_with_the_reason(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "sm_89" in L8.fp8_problem(torch.device("cuda")) and "sm_80" in L8.fp8_problem(torch.device("cuda"))
+    with pytest.raises(Unavailable, match="sm_89"):
+        L8.select_backend("auto", "cuda")
+
+
+def test_compiled_fullgraph_matches_eager():
+    h, w, t = make(32, 16, 48, 45, dtype=torch.float32, key=("cmp",))
+    eager = run(h, w, t, fn=L8.fused_linear_cross_entropy_fp8, vocab=45)
+    fn = torch.compile(lambda h, w, t: L8.fused_linear_cross_entropy_fp8(h, w, t, vocab=45), fullgraph=True,
+                       backend="aot_eager")
+    got = run(h, w, t, fn=lambda h, w, t, **_: fn(h, w, t))
+    assert all(torch.equal(a, b) for a, b in zip(eager, got))
+
+
+def test_opcheck_schema_fake_and_autograd():
+    h, w, t = make(16, 8, 16, 16, dtype=torch.float32, key=("opc",))
+    torch.library.opcheck(torch.ops.hwlib.linear_cross_entropy_fp8.default,
+                          (h.requires_grad_(), w.requires_grad_(), t, 16, -100, 16, "torch", True, torch.float32),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# --- GPT and the step ----------------------------------------------------------------------------------
+
+def test_gpt_head_fp8_needs_the_fused_head_and_trains_like_the_bf16_head():
+    from hwlib.workloads.gpt import GPT
+    from hwlib.workloads import get_workload
+    cfg = get_workload("gpt").profiles["smoke"]
+    with pytest.raises(ValueError, match="needs fused_head"):
+        GPT(cfg, head_fp8=True)
+    idx = torch.randint(0, cfg.vocab, (2, cfg.context), generator=torch.Generator().manual_seed(0))
+    losses = [GPT(cfg, fused_head=True, head_fp8=f).init_weights(0)(idx, idx) for f in (False, True)]
+    a, b = (float(x.detach()) for x in losses)
+    assert a != b and abs(a - b) / a < S.LOSS_TOL_EXACT
+
+
+def _gpu(cap):
+    return DeviceInfo(kind="cuda", name="GPU", capability=list(cap), total_mem_gib=80.0, sm_count=132, l2_mib=50.0,
+                      cpu_count=16, host="h", colab=False, versions={"triton": "3.6"})
+
+
+def test_the_step_builds_on_25_and_is_skipped_where_fp8_is_missing():
+    st = settings_for("26_fp8_head")
+    assert st.fp8_head and st.fused_head and st.fc_bias_column and not st.fp8 and st.uses_fp8
+    why = unavailable(get_step("26_fp8_head"), _gpu((8, 6)))
+    assert why and "sm_89" in why and "sm_86" in why
+    assert unavailable(get_step("26_fp8_head"), _gpu((9, 0))) is None
