@@ -76,7 +76,10 @@ FP8_HEAD_TOLERANCE = (
     "(e5m2, a static scale): the logits move a few percent of their size, the errors independent across a "
     "dot product's terms, and the loss is a mean over every token, so the curve moves far less than any one "
     "logit. The bound is the FP8 MLP's (step 18), 1e-2, which bf16 itself (step 03: 3e-2) would fail; what "
-    "the head moves is measured by notebook 26 (curve_move) on every run")
+    "the head moves is measured by notebook 26 (curve_move) on every run. Measured, H100 (outputs/reference/h100, "
+    "notebook 26): 1.4e-3 from step 25's curve over the 10 check steps, but after the measurement's last step the "
+    "loss was 2.1% above step 25's, outside the 0.43% band of the bf16 steps from 09 on: the bound holds over the "
+    "check's steps, not beyond them (notebook 26 compares the final losses on every run)")
 
 LADDER: tuple[Step, ...] = (
     Step("01_baseline_fp32", "fp32 eager, TF32 off", {}, 0.0,

@@ -200,3 +200,17 @@ def test_the_step_builds_on_25_and_is_skipped_where_fp8_is_missing():
     why = unavailable(get_step("26_fp8_head"), _gpu((8, 6)))
     assert why and "sm_89" in why and "sm_86" in why
     assert unavailable(get_step("26_fp8_head"), _gpu((9, 0))) is None
+
+
+
+def test_final_loss_words_say_whether_the_fp8_step_left_the_bf16_band():
+    from hwlib.report import recipe
+    row = lambda step, loss: {"step": step, "status": "ok", "final_loss": loss}
+    bf16 = [row("09_cuda_graphs", 5.72), row("21_fused_layernorm", 5.73), row("25_bias_column", 5.74)]
+    rows = bf16 + [row("18_fp8", 5.0), row("26_fp8_head", 5.86)]
+    out = recipe.final_loss_words(rows, "26_fp8_head")
+    assert "+2.09%" in out and "outside that band" in out and "3 bf16 steps" in out   # 18 is FP8: not in the band
+    assert "within that band" in recipe.final_loss_words(bf16 + [row("26_fp8_head", 5.735)], "26_fp8_head")
+    assert recipe.final_loss_words(bf16, "26_fp8_head").startswith("No final loss of 26_fp8_head")
+    m = recipe.final_loss_move(rows, "26_fp8_head")
+    assert m["prev"] == "25_bias_column" and m["outside_band"] and abs(m["band"] - (5.74 / 5.72 - 1)) < 1e-12

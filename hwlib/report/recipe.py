@@ -11,7 +11,7 @@ spread measured for either step, so that another run could land on the other sid
 from __future__ import annotations
 
 from .. import noise
-from ..steps import LADDER, settings_for
+from ..steps import LADDER, get_step, previous, settings_for
 
 WORKLOAD = "gpt"
 RECIPE_STEP = "09_cuda_graphs"
@@ -64,5 +64,48 @@ def sentence(rows: list[dict]) -> str:
         verdict = "met" if t["met"] else "not met"
         if t["within_noise_of_target"]:
             verdict += ", closer to it than the steps' spread across processes"
-        parts.append(f"the {t['what']}, {t['step']}, {t['x_vs_recipe']:.3f}x (target {t['target_x']:.2f}x: {verdict})")
+        part = f"the {t['what']}, {t['step']}, {t['x_vs_recipe']:.3f}x (target {t['target_x']:.2f}x: {verdict})"
+        move = final_loss_move(rows, t["step"])
+        if t["fp8"] and move and move["outside_band"]:
+            part += (f", though its final loss ended {move['vs_prev']:+.2%} from {move['prev']}'s, outside the bf16 "
+                     f"steps' band ({move['band']:.2%})")
+        parts.append(part)
     return f"Past the recipe (tokens/s over those of {RECIPE_STEP}): " + "; ".join(parts) + "."
+
+
+def final_loss_move(rows: list[dict], step: str) -> dict | None:
+    """How far ``step``'s final loss (after the last step of its measurement: check, warm-up and timed,
+    the same data for every step) lies from that of the step it builds on, beside the band of the bf16
+    steps' final losses (the recipe step and the steps past it without FP8). The same-math check bounds
+    the first K steps only; this says whether a move grew over the longer run. None where ``step`` or the
+    step before it has no final loss."""
+    by = {r["step"]: r["final_loss"] for r in rows
+          if r.get("status") == "ok" and isinstance(r.get("final_loss"), (int, float))}
+    prev = previous(step)
+    if step not in by or prev is None or prev.name not in by:
+        return None
+    bf16 = [v for s, v in by.items() if s == RECIPE_STEP or (get_step(s).beyond_recipe and not settings_for(s).uses_fp8)]
+    d = by[step] / by[prev.name] - 1
+    lo, hi = (min(bf16), max(bf16)) if len(bf16) >= 2 else (None, None)
+    band = hi / lo - 1 if lo else None
+    return {"step": step, "prev": prev.name, "final_loss": by[step], "prev_final_loss": by[prev.name],
+            "vs_prev": d, "bf16_steps": len(bf16), "band_low": lo, "band_high": hi, "band": band,
+            "outside_band": band is not None and abs(d) > band}
+
+
+def final_loss_words(rows: list[dict], step: str) -> str:
+    """``final_loss_move`` in words, for a notebook."""
+    m = final_loss_move(rows, step)
+    if m is None:
+        return f"No final loss of {step} and the step before it in this run to compare."
+    text = (f"After the last step of its measurement, {step}'s loss was {m['final_loss']:.4f} against "
+            f"{m['prev']}'s {m['prev_final_loss']:.4f} ({m['vs_prev']:+.2%}).")
+    if m["band"] is None:
+        return text
+    text += (f" The {m['bf16_steps']} bf16 steps from {RECIPE_STEP} on ended between {m['band_low']:.4f} and "
+             f"{m['band_high']:.4f} ({m['band']:.2%} apart).")
+    if m["outside_band"]:
+        return text + (" This step's final loss lies outside that band: over the longer run it moved further than "
+                       "the bf16 steps differ among themselves, so its tolerance, checked over the first K steps, "
+                       "does not bound it beyond them.")
+    return text + " This step's final loss lies within that band."

@@ -173,3 +173,4 @@ def kernel_prose(rows: list[dict]) -> str:
     return text + " ".join(f"{r['kernel']}: {r['ms']:.3f} ms ({r['GB/s']:,.0f} GB/s"
                            + (f", {r['share of copy']:.0%} of the measured copy bandwidth" if r["share of copy"] else "")
                            + ")." for r in passes)
+
