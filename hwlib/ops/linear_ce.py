@@ -46,6 +46,7 @@ ladder then reports the step ``nonfinite``, never a number).
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -317,12 +318,17 @@ def _linear_ce_op(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab
     return _forward_backward(h, w, targets, vocab, ignore_index, chunk, backend, need_grad, compute_dtype)
 
 
-@_linear_ce_op.register_fake
-def _(h, w, targets, vocab, ignore_index, chunk, backend, need_grad, compute_dtype):
+def fake_outputs(h, w, need_grad: bool, compute_dtype: torch.dtype):
+    """The (loss, dh, dW) shapes and dtypes of an op of this signature, for its fake impl."""
     loss = h.new_empty((), dtype=_acc_dtype(compute_dtype))
     if not need_grad:
         return loss, h.new_empty(0), w.new_empty(0)
     return loss, torch.empty_like(h), torch.empty_like(w)
+
+
+@_linear_ce_op.register_fake
+def _(h, w, targets, vocab, ignore_index, chunk, backend, need_grad, compute_dtype):
+    return fake_outputs(h, w, need_grad, compute_dtype)
 
 
 def save_grads(ctx, inputs, output):
@@ -355,6 +361,26 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     no loss and no gradient, and the mean is over the others (NaN when there are none, as
     ``F.cross_entropy``). ``chunk``: rows per chunk (default: ``chunk_rows``). Non-contiguous
     inputs are made contiguous (a copy). Under autocast the GEMMs run in autocast's dtype."""
+    a = prepare(h, weight, targets, vocab, ignore_index, chunk)
+    name = resolve_backend(backend, h.device.type, a.cdt, weight.shape[0])
+    rows = chunk_rows(a.h.shape[0], a.w.shape[0], a.cdt.itemsize, chunk)
+    loss, _, _ = torch.ops.hwlib.linear_cross_entropy(a.h, a.w, a.t, a.vocab, int(ignore_index), rows, name,
+                                                      a.need_grad, a.cdt)
+    return loss
+
+
+class Prepared(NamedTuple):
+    h: torch.Tensor          # [N, D], contiguous
+    w: torch.Tensor          # [V_pad, D], contiguous
+    t: torch.Tensor          # [N] int64, contiguous
+    vocab: int
+    cdt: torch.dtype         # the logits' dtype: autocast's when it is on, else h's
+    need_grad: bool
+
+
+def prepare(h, weight, targets, vocab, ignore_index, chunk) -> Prepared:
+    """The checks and layouts a fused head's op gets its arguments in (this module's and
+    ``linear_ce_fp8``'s): ValueErrors naming the argument, targets looked at where a sync may happen."""
     vocab = check_inputs(h, weight, targets, vocab, ignore_index, chunk)
     dev_type = h.device.type
     if torch.is_autocast_enabled(dev_type):
@@ -364,16 +390,13 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
         raise ValueError(f"h is {h.dtype} but weight is {weight.dtype}: outside autocast they must match")
     else:
         cdt = h.dtype
-    name = resolve_backend(backend, dev_type, cdt, weight.shape[0])
     h2 = h.reshape(-1, h.shape[-1]).contiguous()
     t = targets.reshape(-1).to(torch.int64).contiguous()
     w = weight.contiguous()
     if not torch.compiler.is_compiling() and not (dev_type == "cuda" and torch.cuda.is_current_stream_capturing()):
         check_targets(t, vocab, ignore_index)
     need_grad = torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad)
-    rows = chunk_rows(h2.shape[0], w.shape[0], cdt.itemsize, chunk)
-    loss, _, _ = torch.ops.hwlib.linear_cross_entropy(h2, w, t, vocab, int(ignore_index), rows, name, need_grad, cdt)
-    return loss
+    return Prepared(h2, w, t, vocab, cdt, need_grad)
 
 
 def linear_cross_entropy_reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, vocab: int | None = None,

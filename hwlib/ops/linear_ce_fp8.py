@@ -49,7 +49,7 @@ from hwlib.device import Unavailable
 
 from . import fallbacks
 from .fp8 import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for
-from .linear_ce import (_acc_dtype, check_inputs, check_targets, chunk_rows, rows_torch, save_grads,
+from .linear_ce import (_acc_dtype, chunk_rows, fake_outputs, prepare, rows_torch, save_grads,
                         scale_saved_grads)
 from .sources import load_python_kernel, note_backend, select_triton_backend
 
@@ -221,10 +221,7 @@ def _linear_ce_fp8_op(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, v
 
 @_linear_ce_fp8_op.register_fake
 def _(h, w, targets, vocab, ignore_index, chunk, backend, need_grad, compute_dtype):
-    loss = h.new_empty((), dtype=_acc_dtype(compute_dtype))
-    if not need_grad:
-        return loss, h.new_empty(0), w.new_empty(0)
-    return loss, torch.empty_like(h), torch.empty_like(w)
+    return fake_outputs(h, w, need_grad, compute_dtype)
 
 
 _linear_ce_fp8_op.register_autograd(scale_saved_grads, setup_context=save_grads)
@@ -237,26 +234,13 @@ def fused_linear_cross_entropy_fp8(h: torch.Tensor, weight: torch.Tensor, target
     """``hwlib.ops.linear_ce.fused_linear_cross_entropy`` with FP8 GEMMs (see the module doc): the same
     arguments, checks and errors. The logits come out of their GEMM in autocast's dtype when autocast
     is on, else in h's; ``chunk``: rows per chunk (default: as many as ``CHUNK_BYTES`` allows)."""
-    vocab = check_inputs(h, weight, targets, vocab, ignore_index, chunk)
-    dev_type = h.device.type
-    if torch.is_autocast_enabled(dev_type):
-        cdt = torch.get_autocast_dtype(dev_type)
-    elif h.dtype != weight.dtype:
-        raise ValueError(f"h is {h.dtype} but weight is {weight.dtype}: outside autocast they must match")
-    else:
-        cdt = h.dtype
-    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"the logits' dtype must be bfloat16, float16 or float32 (FP8 GEMM outputs), got {cdt}")
-    name = resolve_backend(backend, dev_type)
-    h2 = h.reshape(-1, h.shape[-1]).contiguous()
-    t = targets.reshape(-1).to(torch.int64).contiguous()
-    w = weight.contiguous()
-    if not torch.compiler.is_compiling() and not (dev_type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        check_targets(t, vocab, ignore_index)
-    need_grad = torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad)
-    rows = chunk_rows(_round_up(h2.shape[0]), _round_up(w.shape[0]), 4, chunk, budget=CHUNK_BYTES)
-    loss, _, _ = torch.ops.hwlib.linear_cross_entropy_fp8(h2, w, t, vocab, int(ignore_index), rows, name,
-                                                          need_grad, cdt)
+    a = prepare(h, weight, targets, vocab, ignore_index, chunk)
+    if a.cdt not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"the logits' dtype must be bfloat16, float16 or float32 (FP8 GEMM outputs), got {a.cdt}")
+    name = resolve_backend(backend, h.device.type)
+    rows = chunk_rows(_round_up(a.h.shape[0]), _round_up(a.w.shape[0]), 4, chunk, budget=CHUNK_BYTES)
+    loss, _, _ = torch.ops.hwlib.linear_cross_entropy_fp8(a.h, a.w, a.t, a.vocab, int(ignore_index), rows, name,
+                                                          a.need_grad, a.cdt)
     return loss
 
 
