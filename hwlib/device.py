@@ -232,6 +232,14 @@ def supports_fp8(di: DeviceInfo) -> bool:
     return di.kind == "cuda" and di.capability is not None and tuple(di.capability) >= (8, 9)
 
 
+def fp8_missing(di: DeviceInfo) -> str | None:
+    """Why a GPU cannot run FP8 matmuls (no FP8 tensor cores before Ada and Hopper), or None; None on
+    CPUs too, where torch._scaled_mm runs (slowly) with per-tensor scales."""
+    if di.kind != "cuda" or supports_fp8(di):
+        return None
+    return f"FP8 matmuls need sm_89 or newer (Ada, Hopper); this GPU is sm_{di.capability[0]}{di.capability[1]}"
+
+
 def supports_compile(di: DeviceInfo) -> tuple[bool, str]:
     """torch.compile's inductor needs Triton on a GPU (sm_70+) or a C++ compiler on CPU."""
     if di.kind == "cuda":

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .data.loader import LOADER_MODES
-from .device import (ChoiceError, DeviceInfo, Unavailable, supports_bf16, supports_compile, supports_fp8,
+from .device import (ChoiceError, DeviceInfo, Unavailable, fp8_missing, supports_bf16, supports_compile,
                      supports_tf32)
 
 
@@ -257,8 +257,8 @@ def unavailable(step: Step, di: DeviceInfo) -> str | None:
         ok, why = supports_compile(di)
         if not ok:
             return f"torch.compile unavailable: {why}"
-    if any(step.change.get(k) for k in ("fp8", "fp8_head")) and di.kind == "cuda" and not supports_fp8(di):
-        return f"FP8 matmuls need sm_89 or newer (Ada, Hopper); this GPU is sm_{di.capability[0]}{di.capability[1]}"
+    if Settings(**step.change).uses_fp8 and (why := fp8_missing(di)):
+        return why
     return None
 
 

@@ -152,11 +152,15 @@ def test_no_grad_computes_the_loss_only_and_backward_says_why():
 
 
 def test_a_gpu_without_fp8_is_unavailable_with_the_reason(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert "sm_89" in L8.fp8_problem(torch.device("cuda")) and "sm_80" in L8.fp8_problem(torch.device("cuda"))
-    with pytest.raises(Unavailable, match="sm_89"):
-        L8.select_backend("auto", "cuda")
+    assert L8.fp8_problem(torch.device("cpu")) is None
+    monkeypatch.setattr(L8, "info", lambda device: _gpu((8, 0)))
+    L8.fp8_problem.cache_clear()
+    try:
+        assert "sm_89" in L8.fp8_problem(torch.device("cuda")) and "sm_80" in L8.fp8_problem(torch.device("cuda"))
+        with pytest.raises(Unavailable, match="sm_89"):
+            L8.select_backend("auto", "cuda")
+    finally:
+        L8.fp8_problem.cache_clear()      # the next caller asks the real device
 
 
 def test_compiled_fullgraph_matches_eager():
@@ -177,14 +181,14 @@ def test_opcheck_schema_fake_and_autograd():
 
 # --- GPT and the step ----------------------------------------------------------------------------------
 
-def test_gpt_head_fp8_needs_the_fused_head_and_trains_like_the_bf16_head():
+def test_gpt_fp8_head_needs_the_fused_head_and_trains_like_the_bf16_head():
     from hwlib.workloads.gpt import GPT
     from hwlib.workloads import get_workload
     cfg = get_workload("gpt").profiles["smoke"]
     with pytest.raises(ValueError, match="needs fused_head"):
-        GPT(cfg, head_fp8=True)
+        GPT(cfg, fp8_head=True)
     idx = torch.randint(0, cfg.vocab, (2, cfg.context), generator=torch.Generator().manual_seed(0))
-    losses = [GPT(cfg, fused_head=True, head_fp8=f).init_weights(0)(idx, idx) for f in (False, True)]
+    losses = [GPT(cfg, fused_head=True, fp8_head=f).init_weights(0)(idx, idx) for f in (False, True)]
     a, b = (float(x.detach()) for x in losses)
     assert a != b and abs(a - b) / a < S.LOSS_TOL_EXACT
 

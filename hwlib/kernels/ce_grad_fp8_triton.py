@@ -69,15 +69,14 @@ def _ce_grad_fp8_kernel(z_ptr, stride_z, lse_ptr, t_ptr, g_ptr, stride_g, gt_ptr
 def ce_grad_fp8(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, gt: torch.Tensor,
                 vocab: int, ignore_index: int, block_m: int | None = None, block_v: int | None = None,
                 num_warps: int | None = None) -> None:
-    """Write ``g`` [C, V_pad] and ``gt`` [V_pad, C'] (C' >= C; its columns past C are left as they are)
-    from ``z`` [C, V_pad] (columns contiguous), ``lse`` [C] (float32) and ``targets`` [C] (int64):
+    """Write ``g`` [C, V_pad] and ``gt`` [V_pad, C] from ``z`` [C, V_pad] (columns contiguous), ``lse`` [C] (float32) and ``targets`` [C] (int64):
     see the module doc. ``g``, ``gt``: float8_e5m2, columns contiguous."""
     C, V_pad = z.shape
     for name, t in (("z", z), ("g", g), ("gt", gt)):
         if t.stride(1) != 1:
             raise ValueError(f"{name}: columns must be contiguous (stride 1), got strides {t.stride()}")
-    if tuple(g.shape) != (C, V_pad) or gt.shape[0] != V_pad or gt.shape[1] < C:
-        raise ValueError(f"g must be [{C}, {V_pad}] and gt [{V_pad}, >= {C}], got {tuple(g.shape)} and {tuple(gt.shape)}")
+    if tuple(g.shape) != (C, V_pad) or tuple(gt.shape) != (V_pad, C):
+        raise ValueError(f"g must be [{C}, {V_pad}] and gt [{V_pad}, {C}], got {tuple(g.shape)} and {tuple(gt.shape)}")
     if g.dtype != torch.float8_e5m2 or gt.dtype != torch.float8_e5m2:
         raise ValueError(f"g and gt must be torch.float8_e5m2, got {g.dtype} and {gt.dtype}")
     if not (1 <= vocab <= V_pad):

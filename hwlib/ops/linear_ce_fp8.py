@@ -41,16 +41,16 @@ no FP8 tensor cores: an Unavailable error with that reason, never a crash inside
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
 
-from hwlib.device import Unavailable
+from hwlib.device import ChoiceError, Unavailable, fp8_missing, info
 
 from . import fallbacks
 from .fp8 import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for
-from .linear_ce import (_acc_dtype, chunk_rows, fake_outputs, prepare, rows_torch, save_grads,
-                        scale_saved_grads)
+from .linear_ce import chunk_rows, fake_outputs, prepare, rows_torch, save_grads, scale_saved_grads
 from .sources import load_python_kernel, note_backend, select_triton_backend
 
 BACKENDS = ("auto", "triton", "torch")
@@ -67,15 +67,11 @@ def _round_up(n: int, m: int = CUDA_MULTIPLE) -> int:
     return -(-n // m) * m
 
 
+@functools.lru_cache(maxsize=None)
 def fp8_problem(device: torch.device) -> str | None:
-    """Why FP8 matmuls cannot run on ``device``, or None."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
-            return f"FP8 matmuls need sm_89 or newer (Ada, Hopper); this GPU is sm_{cap[0]}{cap[1]}"
-    return None
+    """Why FP8 matmuls cannot run on ``device`` (``hwlib.device.fp8_missing``), or None; asked once per
+    device (eager calls resolve the backend on every call)."""
+    return fp8_missing(info(device))
 
 
 def select_backend(backend: str, device: torch.device | str) -> str:
@@ -83,7 +79,6 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     cannot), or ``auto``'s choice; Unavailable on a GPU without FP8 matmuls, whatever the backend."""
     device = torch.device(device)
     if backend not in BACKENDS:
-        from hwlib.device import ChoiceError
         raise ChoiceError("backend", backend, BACKENDS)
     why = fp8_problem(device)
     if why:
@@ -105,7 +100,6 @@ def resolve_backend(backend: str, device_type: str) -> str:
 
 def _grad_torch(z, lse, t, g, gt, vocab: int, ignore_index: int) -> None:
     """``ce_grad_fp8_triton.ce_grad_fp8``'s math in torch ops (torch's rounding into e5m2)."""
-    C = z.shape[0]
     p = torch.exp(z.float() - lse[:, None])
     p[:, vocab:] = 0
     ignored = t == ignore_index
@@ -115,7 +109,7 @@ def _grad_torch(z, lse, t, g, gt, vocab: int, ignore_index: int) -> None:
     w = torch.where(bad, float("nan"), torch.where(ignored, 0.0, 1.0)).to(p.dtype)
     q = (p * (w * GRAD_QMAX)[:, None]).to(E5M2)
     g.copy_(q)
-    gt[:, :C].copy_(q.t())
+    gt.copy_(q.t())
 
 
 class _Passes(NamedTuple):
@@ -129,15 +123,11 @@ def _cast_both_torch(x, scale, dtype):
     return cast_scaled(x, scale, dtype), cast_scaled(x.t(), scale, dtype)
 
 
-def _rows_torch(z, t, loss, scale, vocab, ignore_index, write_grad, lse_out):
-    rows_torch(z, t, loss, scale, vocab, ignore_index, write_grad, lse_out)
-
-
 def _passes(backend: str) -> _Passes:
     if backend == "triton":
         return _Passes(load_python_kernel(ROWS_KERNEL_FILE).ce_rows_, load_python_kernel(GRAD_KERNEL_FILE).ce_grad_fp8,
                        load_python_kernel(CAST_KERNEL_FILE).cast_both)
-    return _Passes(_rows_torch, _grad_torch, _cast_both_torch)
+    return _Passes(rows_torch, _grad_torch, _cast_both_torch)
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -164,7 +154,6 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
     N, D = h.shape
     V = w.shape[0]
     Np, Dp, Vp = _round_up(N), _round_up(D), _round_up(V)
-    acc = _acc_dtype(cdt)
     hp = _padded(h, Np, Dp)
     tp = t if Np == N else torch.cat([t, t.new_full((Np - N,), ignore_index)])
     n_valid = (t != ignore_index).sum()
@@ -177,8 +166,7 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
     s_h = scale_for(_amax(hp), E4M3)
     inv_w, inv_h = s_w.reciprocal(), s_h.reciprocal()
     inv_g = (mean_w / GRAD_QMAX).reshape(())
-    # Chunks a multiple of 16 rows, like every dimension _scaled_mm takes on CUDA.
-    rows = _round_up(chunk_rows(Np, Vp, 4, chunk, budget=CHUNK_BYTES))
+    rows = _round_up(min(chunk, Np))    # a multiple of 16, like every dimension _scaled_mm takes on CUDA
     losses = torch.empty(Np, dtype=torch.float32, device=h.device)
     lse = torch.empty(rows, dtype=torch.float32, device=h.device)
     unused_scale = torch.ones(1, dtype=torch.float32, device=h.device)   # the row pass writes no gradient
@@ -202,11 +190,11 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
         del g, gt
     loss = losses[:N].sum() / n_valid           # NaN when every target is ignored, as F.cross_entropy
     if not need_grad:
-        return loss.to(acc), h.new_empty(0), w.new_empty(0)
+        return loss, h.new_empty(0), w.new_empty(0)
     gh = ghs[0] if len(ghs) == 1 else torch.cat(ghs)
     if (Np, Dp) != (N, D):
         gh = gh[:N, :D].contiguous()
-    return loss.to(acc), gh, gw[:V, :D].to(w.dtype).contiguous()
+    return loss, gh, gw[:V, :D].to(w.dtype).contiguous()
 
 
 # --- the op ----------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import bench, results
-from ..device import ChoiceError, info, resolve_device, supports_fp8
+from ..device import ChoiceError, fp8_missing, info, resolve_device
 from ..ops.fp8 import E4M3, E5M2, quantize, quantize_both
 from ..profiles import GPU_PROFILES
 from ..shapes import padded
@@ -90,7 +90,7 @@ def head_matmuls(profile: str = "full", device: str | torch.device = "auto", *, 
     _check_iters(iters)
     layouts, compiled = _layouts(dev, compile_layouts)
     x, w, dy = _operands(M, K, N, dev, seed)
-    fp8_why = _fp8_missing(dev)
+    fp8_why = fp8_missing(info(dev))
     pre = None if fp8_why else matmuls_only(x, w, dy)
     fns = {VARIANTS[0]: bf16_step, VARIANTS[1]: fp8_with_copies, VARIANTS[2]: layouts, VARIANTS[3]: pre}
     rows = _timed_rows(fns, x, w, dy, dev, iters, fp8_why, compiled)
@@ -121,12 +121,6 @@ def _layouts(dev: torch.device, compile_layouts: bool | None):
     shape it meets."""
     compiled = dev.type == "cuda" if compile_layouts is None else compile_layouts
     return (torch.compile(fp8_layouts, dynamic=False) if compiled else fp8_layouts), compiled
-
-
-def _fp8_missing(dev: torch.device) -> str | None:
-    di = info(dev)
-    return None if (dev.type == "cpu" or supports_fp8(di)) else \
-        f"FP8 matmuls need sm_89 or newer; this GPU is sm_{di.capability[0]}{di.capability[1]}"
 
 
 def matmuls_only(x, w, dy):
@@ -193,7 +187,7 @@ def block_matmuls(profile: str = "full", device: str | torch.device = "auto", *,
     dev = resolve_device(device)
     linears = block_linears(profile)
     layouts, compiled = _layouts(dev, compile_layouts)
-    fp8_why = _fp8_missing(dev)
+    fp8_why = fp8_missing(info(dev))
     rows = []
     for name, (M, K, N) in linears.items():
         x, w, dy = _operands(M, K, N, dev, seed)

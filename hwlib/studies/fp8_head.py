@@ -17,6 +17,7 @@ from ..ops.fp8 import E4M3, scale_for
 from ..ops.sources import load_python_kernel, read_kernel_source
 from .kernel_records import kernel_records as records_of
 from .kernel_records import timed_row
+from .lm_head import peak_extra_gib
 
 NOTEBOOK = "26_fp8_head"
 # (rows, width, classes, weight rows): rows, widths and vocabularies that are multiples of nothing
@@ -95,15 +96,6 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     return rows
 
 
-def _peak_extra_gib(fn, device) -> float:
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn(0)
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
-
-
 def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict | None, iters: int = 20,
                 seed: int = 0) -> list[dict]:
     """At [M, D] hidden states and a [rows_w, D] head (bf16 autocast, fp32 parameters as in the step):
@@ -127,7 +119,7 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
             loss.backward()
         tm = bench.time_fn(step, device, warmup=3, iters=iters)
         rows.append({"kernel": name, "M": M, "D": D, "V": rows_w, "ms": tm.median_ms, "p20": tm.p20_ms,
-                     "p80": tm.p80_ms, "peak extra GiB": _peak_extra_gib(step, device)})
+                     "p80": tm.p80_ms, "peak extra GiB": peak_extra_gib(lambda: step(0), device)})
     # The FP8 head's own passes, alone, on the step's tensors.
     rk, gk = load_python_kernel(L8.ROWS_KERNEL_FILE), load_python_kernel(L8.GRAD_KERNEL_FILE)
     ck = load_python_kernel(L8.CAST_KERNEL_FILE)

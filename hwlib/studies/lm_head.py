@@ -228,7 +228,7 @@ def head_rows(n: int, d: int, vocab: int, vocab_padded: int, device, *, impls=IM
                     row["loss_rel_err"] = abs(loss - ref_loss) / abs(ref_loss)
                     row["grad_h_rel_err"] = _rel(h.grad, ref_gh)
                     row["grad_w_rel_err"] = _rel(w.grad, ref_gw)
-                    row["peak_extra_gib"] = _peak_extra_gib(lambda: _fwd_bwd(fn, h, w, t, device, amp), device)
+                    row["peak_extra_gib"] = peak_extra_gib(lambda: _fwd_bwd(fn, h, w, t, device, amp), device)
                     tm = bench.time_fn(lambda i: _fwd_bwd(fn, h, w, t, device, amp), device, warmup=warmup, iters=iters)
                     row.update(ms=tm.median_ms, p20=tm.p20_ms, p80=tm.p80_ms)
                 h.grad = w.grad = None
@@ -238,7 +238,7 @@ def head_rows(n: int, d: int, vocab: int, vocab_padded: int, device, *, impls=IM
     return rows
 
 
-def _peak_extra_gib(call, device) -> float | None:
+def peak_extra_gib(call, device) -> float | None:
     """Peak memory allocated during ``call()`` above what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
@@ -263,7 +263,7 @@ def chunk_rows_sweep(n: int, d: int, vocab: int, vocab_padded: int, device, chun
         for c in chunks:
             fn = functools.partial(fused_linear_cross_entropy, vocab=vocab, chunk=c)
             _fwd_bwd(fn, h, w, t, device, amp)
-            peak = _peak_extra_gib(lambda: _fwd_bwd(fn, h, w, t, device, amp), device)
+            peak = peak_extra_gib(lambda: _fwd_bwd(fn, h, w, t, device, amp), device)
             tm = bench.time_fn(lambda i: _fwd_bwd(fn, h, w, t, device, amp), device, warmup=warmup, iters=iters)
             rows.append({"chunk": c, "chunks": -(-n // c), "ms": tm.median_ms, "p20": tm.p20_ms, "p80": tm.p80_ms,
                          "peak_extra_gib": peak})

@@ -125,7 +125,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
                  checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False,
                  fused_mlp: bool = False, branch_bias: bool = False, fused_qkv: bool = False,
-                 fc_bias_column: bool = False, head_fp8: bool = False):
+                 fc_bias_column: bool = False, fp8_head: bool = False):
         super().__init__()
         self.cfg = cfg
         # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
@@ -133,9 +133,9 @@ class GPT(nn.Module):
         # LM head + cross-entropy as one chunked op (hwlib.ops.linear_ce): no [tokens, V] logits.
         self.fused_head = fused_head
         # The fused head's GEMMs in FP8 (hwlib.ops.linear_ce_fp8).
-        self.head_fp8 = head_fp8
-        if head_fp8 and not fused_head:
-            raise ValueError("head_fp8 runs the fused LM head's GEMMs in FP8: it needs fused_head")
+        self.fp8_head = fp8_head
+        if fp8_head and not fused_head:
+            raise ValueError("fp8_head runs the fused LM head's GEMMs in FP8: it needs fused_head")
         # Checkpointed blocks keep only their input; their activations are recomputed in backward.
         self.checkpointed, self.checkpoint_head = parse_checkpointing(checkpointing, cfg.n_layer)
         if fused_ln and (self.checkpointed or self.checkpoint_head):
@@ -199,7 +199,7 @@ class GPT(nn.Module):
         """Logits, or the mean loss, from ``h = ln_f(x)``."""
         if targets is not None and self.fused_head:
             # The tied head weight keeps its padded rows; the op masks them out of the softmax.
-            head = fused_linear_cross_entropy_fp8 if self.head_fp8 else fused_linear_cross_entropy
+            head = fused_linear_cross_entropy_fp8 if self.fp8_head else fused_linear_cross_entropy
             return head(h, self.wte.weight, targets, vocab=self.cfg.vocab)
         logits = self._logits(h)
         if targets is None:
@@ -231,7 +231,7 @@ class GPTWorkload(TokenLMWorkload):
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
                     fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp,
                     branch_bias=settings.branch_bias, fused_qkv=settings.fused_qkv,
-                    fc_bias_column=settings.fc_bias_column, head_fp8=settings.fp8_head).init_weights(seed)
+                    fc_bias_column=settings.fc_bias_column, fp8_head=settings.fp8_head).init_weights(seed)
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)
