@@ -48,6 +48,30 @@ def test_torch_backend_against_float64(n, d, vp, v, chunk):
     assert got[2][v:].abs().max() == 0 if vp > v else True     # padded weight rows: no gradient
 
 
+@pytest.mark.parametrize("p_t", [0.001, 0.06, 0.3, 0.9, 0.999])
+def test_the_target_entry_of_the_gradient_is_exact_at_any_confidence(p_t):
+    """With W the identity, dh_n is row n of the gradient itself. Its target entry, p_t - 1, must come
+    out to 1e-4 whatever p_t is: rounded in e5m2 it would read -1 for every p_t below 0.07 (6% off at
+    0.06), and rounded as p_t it would be off by up to 2^-3 of 1 where p_t is near 1 (1 - p_t = 1e-3)."""
+    v = 48
+    a = torch.log(torch.tensor((v - 1) * p_t / (1 - p_t)))
+    h = torch.zeros(5, v)
+    t = torch.tensor([3, 17, 30, 41, 47])
+    h[torch.arange(5), t] = a                  # row n: logit a at its target, 0 elsewhere
+    h[torch.arange(5), (t + 5) % v] = 1.0      # and one other class, so the per-tensor scale is shared
+    w = torch.eye(v)
+    got = run(h, w, t, fn=L8.fused_linear_cross_entropy_fp8, vocab=v, backend="torch")
+    fq = L8.linear_cross_entropy_fp8_reference(h.double(), w.double(), t, vocab=v)
+    want = fq[1][torch.arange(5), t]           # (p_t - 1) / 5 from the same FP8-rounded h
+    err = (got[1][torch.arange(5), t].double() - want).abs() / want.abs()
+    assert float(err.max()) < 1e-4, (p_t, err)
+    # the other entries are probabilities rounded to e5m2: at most 2^-3 of each (plus fp32 noise)
+    off = torch.ones(5, v, dtype=torch.bool)
+    off[torch.arange(5), t] = False
+    bound = fq[1].abs() * 2.0 ** -3 + 1e-12
+    assert bool(((got[1].double() - fq[1]).abs() <= bound)[off].all())
+
+
 def test_the_reference_is_the_exact_head_without_fp8_rounding():
     """The FP8 reference must differ from the exact head (it rounds), and by about FP8's error."""
     h, w, t = make(40, 24, 60, 60, key=("fq",))

@@ -1,31 +1,39 @@
-"""The cross-entropy gradient of one chunk of logits, written in FP8 in both layouts the backward's
-FP8 matmuls need, in Triton.
+"""The softmax part of the cross-entropy gradient of one chunk of logits, written in FP8 in both
+layouts the backward's FP8 matmuls need, in Triton.
 
 Loaded from this folder by ``hwlib.ops.sources``; the Python face (the chunk loop, the FP8 GEMMs,
-the autograd op, the float64 reference) is ``hwlib/ops/linear_ce_fp8.py``.
+the one-hot part, the autograd op, the float64 reference) is ``hwlib/ops/linear_ce_fp8.py``.
 
 For the rows n of a chunk (logits z [C, V_pad] in bf16, each row's log-sum-exp already computed by
 ``linear_ce_triton.py``'s row pass), per column v:
 
-    g_nv  = (exp(z_nv - lse_n) - [v = t_n]) * w_n            v < V; 0 for V <= v < V_pad
+    p_nv  = exp(z_nv - lse_n) * w_n                            v < V, v != t_n; 0 at v = t_n and V <= v < V_pad
     w_n   = 1; 0 where t_n = ignore_index; NaN where t_n is neither a class nor ignore_index
-    q_nv  = e5m2(g_nv * QMAX)                                 written to G [C, V_pad] and G^T [V_pad, C]
+    q_nv  = e5m2(p_nv * QMAX)                                  written to P [C, V_pad] and P^T [V_pad, C]
 
-|g_nv| <= 1 always (a probability minus at most one), so one static scale, QMAX = 57344 (e5m2's
-largest finite value), uses e5m2's whole range with no amax pass and no host sync: the caller's
-matmuls multiply back 1 / QMAX times the mean's weight 1 / #targets. Values down to about 1e-9
-stay normal numbers at this scale, so the smallest probabilities of a 50k vocabulary keep their
-2 mantissa bits.
+The gradient is softmax - onehot(t). Its target entry, p_t - 1, stays out of FP8: the caller adds
+(p_t - 1) W's row t_n to dh_n and (p_t - 1) h_n to dW's row t_n, in fp32, with p_t = exp(-loss_n) from
+the row pass. In e5m2 the target entry would round on a grid 1/7 apart near -1 (every p_t below 0.07
+reads as 0), the largest error of the row and the same sign wherever p_t sits on a step: trained that
+way, GPT-2's loss fell far behind step 25's (``hwlib.studies.fp8_head``'s long curves). Rounding p - 1
+as p and 1 apart would trade that for another: a p_t near 1 rounds by up to 2^-3 of 1, larger than
+the 1 - p_t it stands for. The other entries are probabilities alone, each rounded by at most 2^-3
+of itself.
 
-dh = g W needs g with V contiguous (the matmul's reduction dimension) and dW = g^T h needs g^T
+|p_nv| <= 1 always, so one static scale, QMAX = 57344 (e5m2's largest finite value), uses e5m2's whole
+range with no amax pass and no host sync: the caller's matmuls multiply back 1 / QMAX times the mean's
+weight 1 / #targets. Values down to about 1e-9 stay normal numbers at this scale, so the smallest
+probabilities of a 50k vocabulary keep their 2 mantissa bits.
+
+dh = p W needs p with V contiguous (the matmul's reduction dimension) and dW = p^T h needs p^T
 with C contiguous: FP8 tensor cores on Hopper take only K-major operands ("TN"), so both layouts are
 written here, from one DRAM read of z, instead of a second pass that transposes an FP8 copy. One
-program owns a BLOCK_M x BLOCK_V tile: it computes the tile row by row and writes G, then loads the
-same tile column by column (from L1/L2) and writes G^T, BLOCK_M contiguous bytes per row of G^T.
+program owns a BLOCK_M x BLOCK_V tile: it computes the tile row by row and writes P, then loads the
+same tile column by column (from L1/L2) and writes P^T, BLOCK_M contiguous bytes per row of P^T.
 
 Per element, bf16 logits, from DRAM: read 2 bytes, write 1 + 1; with the row pass's one read for the
 log-sum-exp, 6 bytes (the bf16 head's CUDA row pass: 4, one read and a bf16 write over z).
-FLOPs: ~8 per element and two exponentials (each layout computes its own).
+FLOPs: ~5 per element and two exponentials (each layout computes its own).
 """
 
 from __future__ import annotations
@@ -50,19 +58,19 @@ def _ce_grad_fp8_kernel(z_ptr, stride_z, lse_ptr, t_ptr, g_ptr, stride_g, gt_ptr
     ignored = t == ignore_index
     bad = ((t < 0) | (t >= V)) & (t != ignore_index)
     w = tl.where(bad, float("nan"), tl.where(ignored, 0.0, 1.0)) * QMAX_
-    # G: the tile [BLOCK_M rows, BLOCK_V columns], V contiguous.
+    # P: the tile [BLOCK_M rows, BLOCK_V columns], V contiguous.
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(z_ptr + r64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    p = tl.where(cols[None, :] < V, tl.exp(x - lse[:, None]), 0.0)
-    g = (p - tl.where(cols[None, :] == t[:, None], 1.0, 0.0)) * w[:, None]
+    keep = (cols[None, :] < V) & (cols[None, :] != t[:, None])
+    g = tl.where(keep, tl.exp(x - lse[:, None]), 0.0) * w[:, None]
     tl.store(g_ptr + r64[:, None] * stride_g + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
-    # G^T: the same tile loaded transposed ([BLOCK_V, BLOCK_M], served by L1/L2) and computed again, not
+    # P^T: the same tile loaded transposed ([BLOCK_V, BLOCK_M], served by L1/L2) and computed again, not
     # made with tl.trans: a tl.trans-ed tile stored transposed wrote wrong elements on an H100 (Triton 3.6.0)
-    # whenever the sizes were multiples of 16 (hwlib/kernels/fp8_cast_triton.py; the tests check G^T).
+    # whenever the sizes were multiples of 16 (hwlib/kernels/fp8_cast_triton.py; the tests check P^T).
     mask_t = cmask[:, None] & rmask[None, :]
     xt = tl.load(z_ptr + r64[None, :] * stride_z + c64[:, None], mask=mask_t, other=0.0).to(tl.float32)
-    pt = tl.where(cols[:, None] < V, tl.exp(xt - lse[None, :]), 0.0)
-    gt = (pt - tl.where(cols[:, None] == t[None, :], 1.0, 0.0)) * w[None, :]
+    keep_t = (cols[:, None] < V) & (cols[:, None] != t[None, :])
+    gt = tl.where(keep_t, tl.exp(xt - lse[None, :]), 0.0) * w[None, :]
     tl.store(gt_ptr + c64[:, None] * stride_gt + rows[None, :], gt.to(gt_ptr.dtype.element_ty), mask=mask_t)
 
 
