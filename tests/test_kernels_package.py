@@ -22,7 +22,7 @@ from hwlib.paths import KERNELS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILES = ("add_layernorm_triton.py", "bk_core.cu", "bk_core.h", "bk_core_triton.py", "ce_rows.cu", "ce_rows.h",
-                "ce_grad_fp8_triton.py", "diversity_triton.py", "fp8_cast_triton.py", "gelu_epilogue.cpp", "gelu_epilogue.h",
+                "ce_grad_fp8_triton.py", "ce_target_fp8_triton.py", "diversity_triton.py", "fp8_cast_triton.py", "gelu_epilogue.cpp", "gelu_epilogue.h",
                 "linear_ce_triton.py",
                 "qkv_grad_triton.py")
 

@@ -126,6 +126,49 @@ def test_gradient_kernel_writes_both_layouts(triton_device, c, vp, v):
         assert torch.equal(a[ok], w8.float()[ok]) and torch.equal(wt8.float().t()[ok], a[ok])
 
 
+@pytest.mark.parametrize("c, d, v", [(40, 24, 30), (64, 768, 100), (7, 1100, 9)], ids=str)
+def test_target_kernel_against_the_torch_pass(triton_device, c, d, v):
+    """dh's rows and dW's scattered rows from the Triton kernel against the torch pass: targets that
+    repeat (the atomic adds to one row of dW), an ignored row (coef 0: nothing moves) and a bad one (NaN)."""
+    g = torch.Generator().manual_seed(c + d)
+    w8 = (torch.randn(v, d, generator=g) * 2).to(E4M3).to(triton_device)
+    h8 = (torch.randn(c, d, generator=g) * 2).to(E4M3).to(triton_device)
+    t = torch.randint(0, 4, (c,), generator=g).to(triton_device)          # few targets: many repeats
+    coef = (-torch.rand(c, generator=g)).to(triton_device)
+    coef[1], coef[2] = 0.0, float("nan")
+    t[1] = -100
+    inv_w, inv_h = torch.tensor([0.5], device=triton_device), torch.tensor([0.25], device=triton_device)
+    dh0 = torch.randn(c, d, generator=g).to(triton_device, torch.bfloat16 if triton_device == "cuda" else torch.float32)
+    dw0 = torch.randn(v, d, generator=g).to(triton_device)
+    tk = load_python_kernel(L8.TARGET_KERNEL_FILE)
+    a_dh, a_dw, b_dh, b_dw = dh0.clone(), dw0.clone(), dh0.clone(), dw0.clone()
+    tk.add_target_terms(a_dh, a_dw, t, coef, w8, inv_w, h8, inv_h)
+    L8._add_target_terms(b_dh, b_dw, t, coef, w8, inv_w, h8, inv_h)
+    assert torch.equal(a_dh[1], dh0[1]) and bool(a_dh[2].isnan().all())
+    assert torch.equal(a_dw[4:], dw0[4:])                                   # rows no target names: untouched
+    ok = ~torch.arange(c, device=triton_device).eq(2)
+    moved = (a_dh[ok] != dh0[ok]).any(dim=1)
+    assert torch.equal(moved, (b_dh[ok] != dh0[ok]).any(dim=1))            # the same rows moved
+    if triton_device == "cuda":     # the interpreter's FP8 conversions are not the GPU's (see INTERPRETED)
+        # fp32 sums rounded once into bf16 (the kernel may fuse the multiply-add: one bf16 step apart at most);
+        # the atomic adds' order varies
+        assert torch.allclose(a_dh[ok].float(), b_dh[ok].float(), rtol=2.0 ** -8, atol=0)
+        assert torch.allclose(a_dw, b_dw, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert bool(a_dw[t[2]].isnan().all()) and bool(b_dw[t[2]].isnan().all())   # the NaN row's into its target's
+
+
+def test_target_kernel_names_bad_shapes():
+    tk = load_python_kernel(L8.TARGET_KERNEL_FILE)
+    w8, h8 = torch.zeros(5, 8, dtype=E4M3), torch.zeros(3, 8, dtype=E4M3)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="dw must be float32"):
+        tk.add_target_terms(torch.zeros(3, 8), torch.zeros(5, 8, dtype=torch.float64), torch.zeros(3, dtype=torch.long),
+                            torch.zeros(3), w8, one, h8, one)
+    with pytest.raises(ValueError, match="shapes"):
+        tk.add_target_terms(torch.zeros(3, 7), torch.zeros(5, 8), torch.zeros(3, dtype=torch.long), torch.zeros(3),
+                            w8, one, h8, one)
+
+
 def test_triton_backend_against_the_torch_backend(triton_device):
     if triton_device == "cpu":
         pytest.skip(INTERPRETED)

@@ -61,6 +61,7 @@ from .sources import load_python_kernel, note_backend, select_triton_backend
 BACKENDS = ("auto", "triton", "torch")
 GRAD_KERNEL_FILE = "ce_grad_fp8_triton.py"
 CAST_KERNEL_FILE = "fp8_cast_triton.py"
+TARGET_KERNEL_FILE = "ce_target_fp8_triton.py"
 ROWS_KERNEL_FILE = "linear_ce_triton.py"
 OP_NAME = "hwlib::linear_cross_entropy_fp8"
 GRAD_QMAX = float(torch.finfo(E5M2).max)     # the gradient's static scale: |softmax - onehot| <= 1
@@ -90,7 +91,7 @@ def select_backend(backend: str, device: torch.device | str) -> str:
         raise Unavailable(f"fused_linear_cross_entropy_fp8: {why}")
     name = select_triton_backend(GRAD_KERNEL_FILE, backend, device)
     if name == "triton":      # the row pass's and the cast's kernel files must load too
-        for f in (ROWS_KERNEL_FILE, CAST_KERNEL_FILE):
+        for f in (ROWS_KERNEL_FILE, CAST_KERNEL_FILE, TARGET_KERNEL_FILE):
             select_triton_backend(f, "triton", device)
     return name
 
@@ -122,19 +123,20 @@ def _row_weights(t: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor
 
 
 def _add_target_terms(dh, dw, t, coef, w8, inv_w, h8, inv_h) -> None:
-    """The gradient's target entries, in fp32: dh_n += coef_n W8[t_n] / s_w and dW[t_n] += coef_n h8_n / s_h,
+    """``ce_target_fp8_triton.add_target_terms``'s math in torch ops: the gradient's target entries, in fp32: dh_n += coef_n W8[t_n] / s_w and dW[t_n] += coef_n h8_n / s_h,
     ``coef``: (p_t - 1) times the row's weight and the mean's (0 for ignored rows, at row 0)."""
     rows = t.clamp(0, w8.shape[0] - 1)   # ignored and bad targets: coef 0 or NaN, at any valid row
     w_t = w8.view(torch.uint8).index_select(0, rows).view(w8.dtype).to(torch.float32)
-    dh.add_(w_t.mul_((coef * inv_w)[:, None]).to(dh.dtype))
+    dh.copy_(dh.to(torch.float32).add_(w_t.mul_((coef * inv_w)[:, None])))    # summed in fp32, rounded once
     dw.index_add_(0, rows, h8.to(torch.float32).mul_((coef * inv_h)[:, None]))
 
 
 class _Passes(NamedTuple):
-    """A backend's three passes, each called as the Triton kernels' Python faces are."""
+    """A backend's four passes, each called as the Triton kernels' Python faces are."""
     rows: Callable          # loss and log-sum-exp of each row (linear_ce_triton.ce_rows_)
-    grad: Callable          # the FP8 gradient in both layouts (ce_grad_fp8_triton.ce_grad_fp8)
+    grad: Callable          # the off-target probabilities in FP8 in both layouts (ce_grad_fp8_triton.ce_grad_fp8)
     cast_both: Callable     # a tensor in FP8 in both layouts (fp8_cast_triton.cast_both)
+    targets: Callable       # the target entries into dh and dW (ce_target_fp8_triton.add_target_terms)
 
 
 def _cast_both_torch(x, scale, dtype):
@@ -144,8 +146,8 @@ def _cast_both_torch(x, scale, dtype):
 def _passes(backend: str) -> _Passes:
     if backend == "triton":
         return _Passes(load_python_kernel(ROWS_KERNEL_FILE).ce_rows_, load_python_kernel(GRAD_KERNEL_FILE).ce_grad_fp8,
-                       load_python_kernel(CAST_KERNEL_FILE).cast_both)
-    return _Passes(rows_torch, _grad_torch, _cast_both_torch)
+                       load_python_kernel(CAST_KERNEL_FILE).cast_both, load_python_kernel(TARGET_KERNEL_FILE).add_target_terms)
+    return _Passes(rows_torch, _grad_torch, _cast_both_torch, _add_target_terms)
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -207,7 +209,7 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
         dw = _scaled_mm(gt, inv_g, ht8, inv_h, torch.float32)
         del g, gt
         coef = torch.expm1(-losses[r0:r1]) * row_w[r0:r1] * mean_w       # (p_t - 1) w_n / #targets
-        _add_target_terms(gh, dw, tp[r0:r1], coef, w8, inv_w, h8, inv_h)
+        passes.targets(gh, dw, tp[r0:r1], coef, w8, inv_w, h8, inv_h)
         ghs.append(gh)
         gw = dw if gw is None else gw.add_(dw)
     loss = losses[:N].sum() / n_valid           # NaN when every target is ignored, as F.cross_entropy
