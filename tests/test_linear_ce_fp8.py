@@ -285,3 +285,20 @@ def test_final_loss_words_say_whether_the_fp8_step_left_the_bf16_band():
     assert recipe.final_loss_words(bf16, "26_fp8_head").startswith("No final loss of 26_fp8_head")
     m = recipe.final_loss_move(rows, "26_fp8_head")
     assert m["prev"] == "25_bias_column" and m["outside_band"] and abs(m["band"] - (5.74 / 5.72 - 1)) < 1e-12
+
+
+def test_long_curves_rows_band_and_words():
+    curves = S.long_curves("cpu", "smoke", steps=("01_baseline_fp32", "26_fp8_head"), n=10, progress=False)
+    assert list(curves) == ["01_baseline_fp32"] and len(curves["01_baseline_fp32"]) == 10   # 26 needs FP8: left out
+    with pytest.raises(ValueError, match="n must be"):
+        S.long_curves("cpu", "smoke", n=3)
+    fake = {"09_cuda_graphs": [5.0] * 20 + [3.0] * 10, "25_bias_column": [5.0] * 27 + [3.3] * 3,
+            "26_fp8_head": [5.0] * 27 + [3.6] * 3}
+    assert S.tail_mean(fake["25_bias_column"]) == pytest.approx(3.3)
+    rows = S.long_rows(fake)
+    assert [r["vs 25"] for r in rows] == pytest.approx([3.0 / 3.3 - 1, 0.0, 3.6 / 3.3 - 1])
+    assert S.band(fake) == pytest.approx(0.1) and S.band({"25_bias_column": [1.0]}) is None
+    text = S.long_prose(rows, S.band(fake))
+    assert "+9.1% from step 25, inside that band" in text and "10.0% apart" in text
+    with pytest.raises(ValueError, match="no curve"):
+        S.long_rows({"09_cuda_graphs": [1.0]})

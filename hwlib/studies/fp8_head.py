@@ -176,6 +176,10 @@ def kernel_prose(rows: list[dict]) -> str:
 LONG_STEPS = 300
 LONG_BF16 = ("09_cuda_graphs", "25_bias_column")   # the same math in bf16: their spread is the band
 LONG_FP8 = "26_fp8_head"
+# The FP8 step's end (``tail_mean``) within this of step 25's. On an H100 (notebook 26's records in
+# outputs/reference/h100), steps 09 and 25 ended 6.0% apart after 300 steps, and the head that
+# rounded its target entries into e5m2 ended 41% above step 25 (a probe of the same 300 steps).
+LONG_TOL = 0.10
 
 
 def long_curves(device, profile: str, steps=(*LONG_BF16, LONG_FP8), n: int = LONG_STEPS, seed: int = 0,
