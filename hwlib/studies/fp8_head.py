@@ -14,7 +14,7 @@ from .. import bench
 from ..ops import linear_ce as L
 from ..ops import linear_ce_fp8 as L8
 from ..ops.fp8 import E4M3, scale_for
-from ..ops.sources import load_python_kernel, read_kernel_source
+from ..ops.sources import read_kernel_source
 from .kernel_records import kernel_records as records_of
 from .kernel_records import timed_row
 from .lm_head import peak_extra_gib
@@ -102,7 +102,7 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
     the whole head forward and backward, bf16 (``fused_linear_cross_entropy``) and FP8, with its peak
     memory past the inputs; then the passes the FP8 head runs outside its matmuls, each alone with the
     bytes it moves from DRAM: the cast of W into both layouts, the row pass for each row's log-sum-exp,
-    the gradient pass that writes P and P^T."""
+    the gradient pass that writes P and P^T, the target entries added after the backward GEMMs."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
@@ -120,26 +120,31 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
         tm = bench.time_fn(step, device, warmup=3, iters=iters)
         rows.append({"kernel": name, "M": M, "D": D, "V": rows_w, "ms": tm.median_ms, "p20": tm.p20_ms,
                      "p80": tm.p80_ms, "peak extra GiB": peak_extra_gib(lambda: step(0), device)})
-    # The FP8 head's own passes, alone, on the step's tensors.
-    rk, gk = load_python_kernel(L8.ROWS_KERNEL_FILE), load_python_kernel(L8.GRAD_KERNEL_FILE)
-    ck = load_python_kernel(L8.CAST_KERNEL_FILE)
+    # The FP8 head's own passes, alone, on the step's tensors, launched as the op launches them.
+    ps = L8._passes("triton")
     wd, h = w.detach(), hs[0].detach()
     s_w, s_h = scale_for(wd.abs().amax(), E4M3), scale_for(h.abs().amax(), E4M3)
-    w8, _ = ck.cast_both(wd, s_w, E4M3)
-    h8, _ = ck.cast_both(h, s_h, E4M3)
+    w8, _ = ps.cast_both(wd, s_w, E4M3)
+    h8, _ = ps.cast_both(h, s_h, E4M3)
     z = torch._scaled_mm(h8, w8.t(), scale_a=s_h.reciprocal(), scale_b=s_w.reciprocal(), out_dtype=torch.bfloat16,
                          use_fast_accum=True)
     lse, loss = torch.empty(M, device=device), torch.empty(M, device=device)
     one = torch.ones(1, device=device)
     g = torch.empty(M, rows_w, dtype=L8.E5M2, device=device)
     gt = torch.empty(rows_w, M, dtype=L8.E5M2, device=device)
+    dh = torch.zeros(M, D, dtype=torch.bfloat16, device=device)
+    dw = torch.zeros(rows_w, D, device=device)
+    coef = -torch.rand(M, generator=gen, device=device) / M
+    inv_w, inv_h = s_w.reciprocal().reshape(1), s_h.reciprocal().reshape(1)
     logits = M * rows_w
-    passes = ((f"cast of W into both layouts (e4m3, {rows_w} x {D} fp32)", lambda i: ck.cast_both(wd, s_w, E4M3),
+    passes = ((f"cast of W into both layouts (e4m3, {rows_w} x {D} fp32)", lambda i: ps.cast_both(wd, s_w, E4M3),
                rows_w * D * (4 + 1 + 1)),
               ("row pass: each row's log-sum-exp (one read of the bf16 logits)",
-               lambda i: rk.ce_rows_(z, t, loss, one, vocab, -100, write_grad=False, lse_out=lse), 2 * logits),
-              ("gradient pass: G and G^T in e5m2 (one read, two writes)",
-               lambda i: gk.ce_grad_fp8(z, lse, t, g, gt, vocab, -100), logits * (2 + 1 + 1)))
+               lambda i: ps.rows(z, t, loss, one, vocab, -100, write_grad=False, lse_out=lse), 2 * logits),
+              ("gradient pass: P and P^T in e5m2 (one read, two writes)",
+               lambda i: ps.grad(z, lse, t, g, gt, vocab, -100), logits * (2 + 1 + 1)),
+              ("target entries into dh and dW (a row of W gathered, a row of h scattered a token)",
+               lambda i: ps.targets(dh, dw, t, coef, w8, inv_w, h8, inv_h), M * D * (1 + 1 + 2 + 2 + 4)))
     for name, fn, nbytes in passes:
         tm = bench.time_fn(fn, device, warmup=2, iters=iters)
         rows.append(timed_row(name, tm, float(nbytes), ceilings, M=M, D=D, V=rows_w))
@@ -176,10 +181,12 @@ def kernel_prose(rows: list[dict]) -> str:
 LONG_STEPS = 300
 LONG_BF16 = ("09_cuda_graphs", "25_bias_column")   # the same math in bf16: their spread is the band
 LONG_FP8 = "26_fp8_head"
-# The FP8 step's end (``tail_mean``) within this of step 25's. On an H100 (notebook 26's records in
-# outputs/reference/h100), steps 09 and 25 ended 6.0% apart after 300 steps, and the head that
-# rounded its target entries into e5m2 ended 41% above step 25 (a probe of the same 300 steps).
-LONG_TOL = 0.10
+# The FP8 step's end (``tail_mean``) within this of step 25's. At 300 steps the synthetic stream's
+# curves are chaotic: on H100s (300-step probes, not in the series) step 26 ended 2.32 and 2.65 in two
+# runs (only the order of its atomic adds differs), steps 09 and 25 2.43 and 2.58; the head that rounded
+# its target entries into e5m2 ended at 3.60 against step 25's 2.52 (+43%), and one with fast
+# accumulation in its backward GEMMs at 3.53 (+37%). 20% keeps the first apart from the second.
+LONG_TOL = 0.20
 
 
 def long_curves(device, profile: str, steps=(*LONG_BF16, LONG_FP8), n: int = LONG_STEPS, seed: int = 0,
