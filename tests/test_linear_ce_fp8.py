@@ -150,10 +150,10 @@ def test_target_kernel_against_the_torch_pass(triton_device, c, d, v):
     moved = (a_dh[ok] != dh0[ok]).any(dim=1)
     assert torch.equal(moved, (b_dh[ok] != dh0[ok]).any(dim=1))            # the same rows moved
     if triton_device == "cuda":     # the interpreter's FP8 conversions are not the GPU's (see INTERPRETED)
-        # fp32 sums rounded once into bf16 (the kernel may fuse the multiply-add: one bf16 step apart at most);
-        # the atomic adds' order varies
-        assert torch.allclose(a_dh[ok].float(), b_dh[ok].float(), rtol=2.0 ** -8, atol=0)
-        assert torch.allclose(a_dw, b_dw, rtol=1e-6, atol=1e-6, equal_nan=True)
+        # fp32 sums rounded once into bf16 (the kernel may fuse the multiply-add: one bf16 step apart at most,
+        # up to 2^-7 of the value); the atomic adds' order varies (fp32 sums of a few terms)
+        assert torch.allclose(a_dh[ok].float(), b_dh[ok].float(), rtol=2.0 ** -7, atol=0)
+        assert torch.allclose(a_dw, b_dw, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert bool(a_dw[t[2]].isnan().all()) and bool(b_dw[t[2]].isnan().all())   # the NaN row's into its target's
 
 
