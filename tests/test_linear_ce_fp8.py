@@ -299,6 +299,8 @@ def test_long_curves_rows_band_and_words():
     assert [r["vs 25"] for r in rows] == pytest.approx([3.0 / 3.3 - 1, 0.0, 3.6 / 3.3 - 1])
     assert S.band(fake) == pytest.approx(0.1) and S.band({"25_bias_column": [1.0]}) is None
     text = S.long_prose(rows, S.band(fake))
-    assert "+9.1% from step 25, inside that band" in text and "10.0% apart" in text
+    assert "+9.1% from step 25, +9.1% past the highest bf16 end (the bound: 20%" in text and "10.0% apart" in text
+    fake["26_fp8_head"][-3:] = [3.1] * 3
+    assert "-6.1% from step 25, inside that band" in S.long_prose(S.long_rows(fake), S.band(fake))
     with pytest.raises(ValueError, match="no curve"):
         S.long_rows({"09_cuda_graphs": [1.0]})

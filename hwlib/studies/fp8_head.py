@@ -255,14 +255,21 @@ def long_prose(rows: list[dict], spread: float | None, base: str = "25_bias_colu
     """What the long curves showed, in words built from ``long_rows`` and ``band``."""
     if not rows:
         return "The long curves run on a GPU with FP8 matmuls, in the full or mid profile."
-    key = f"vs {base.split('_', 1)[0]}"
+    key, end = f"vs {base.split('_', 1)[0]}", "final loss (mean of last tenth)"
     by = {r["step"]: r for r in rows}
     f8 = by.get(LONG_FP8)
-    text = (f"After {rows[0]['steps']} steps, " + ", ".join(f"{r['step']} ended at {r['final loss (mean of last tenth)']:.3f}"
-                                                        for r in rows) + ". ")
+    text = (f"After {rows[0]['steps']} steps, " + ", ".join(f"{r['step']} ended at {r[end]:.3f}" for r in rows) + ". ")
     if spread is not None:
         text += f"The bf16 steps ended {spread:.1%} apart: that is the band their different roundings give. "
     if f8 is not None:
-        text += (f"The FP8 head ended {f8[key]:+.1%} from step {base.split('_', 1)[0]}"
-                 + (f", {'inside' if abs(f8[key]) <= spread else 'outside'} that band." if spread is not None else "."))
+        text += f"The FP8 head ended {f8[key]:+.1%} from step {base.split('_', 1)[0]}"
+        ends = [r[end] for r in rows if r["step"] in LONG_BF16]
+        if spread is not None:
+            lo, hi = min(ends), max(ends)
+            if lo <= f8[end] <= hi:
+                text += ", inside that band"
+            else:
+                text += (f", {f8[end] / lo - 1:+.1%} past the lowest bf16 end" if f8[end] < lo
+                         else f", {f8[end] / hi - 1:+.1%} past the highest bf16 end")
+        text += f" (the bound: {LONG_TOL:.0%} of step {base.split('_', 1)[0]}'s)."
     return text
