@@ -188,17 +188,29 @@ def pin_notebooks(ref: str, notebooks: list[Path] | None = None, source_file: Pa
 
 # --- the reference run's versions as constraints -------------------------------------------------
 
+# What the measurements themselves ran on (with the stamp's own keys: python, torch, triton, CUDA,
+# cuDNN, driver): two versions of one of these in a run mean no single environment produced it, and
+# no constraints file can say which. Other packages (those only some notebooks import: peft,
+# transformers, ...) may differ between the run's records: the newest record's version is pinned and
+# the file names the others.
+CORE_PACKAGES = ("torch", "triton", "numpy")
+
+
 def run_versions(records: list[dict], run: str = "") -> dict:
     """The one ``versions`` stamp of a run's records (records without one are left out), merged over
     its records: a record stamped before ``packages`` existed names fewer libraries and agrees with
-    the rest on those it names. An error when two records name different versions of one library,
-    since no single environment then produced the run."""
-    stamps = [r["versions"] for r in records if isinstance(r.get("versions"), dict) and r["versions"]]
-    if not stamps:
+    the rest on those it names. An error when two records name different versions of a core library
+    (the stamp's own keys, ``CORE_PACKAGES``), since no single environment then produced the run; another
+    package that differs takes the newest record's version, and ``mixed`` lists its versions."""
+    stamped = [r for r in records if isinstance(r.get("versions"), dict) and r["versions"]]
+    if not stamped:
         raise ReleaseError(f"run {run!r}: no record carries library versions")
+    stamped.sort(key=lambda r: str(r.get("time") or ""))     # oldest first: the newest is set last
     merged: dict = {}
     differ: set = set()
-    for s in stamps:
+    seen: dict = {}
+    for r in stamped:
+        s = r["versions"]
         for k, v in s.items():
             if k == "packages":
                 continue
@@ -206,13 +218,21 @@ def run_versions(records: list[dict], run: str = "") -> dict:
                 differ.add(k)
         pk = merged.setdefault("packages", {})
         for k, v in (s.get("packages") or {}).items():
-            if v is not None and pk.setdefault(k, v) != v:
-                differ.add(k)
+            if v is None:
+                continue
+            seen.setdefault(k, set()).add(v)
+            if pk.setdefault(k, v) != v:
+                if k in CORE_PACKAGES:
+                    differ.add(k)
+                pk[k] = v
     if differ:
         raise ReleaseError(f"run {run!r} mixes versions ({', '.join(sorted(differ))} differ between its records): "
                            f"measure it again in one environment before pinning it")
     if not merged.get("packages"):
         merged.pop("packages", None)
+    mixed = {k: sorted(v) for k, v in seen.items() if len(v) > 1}
+    if mixed:
+        merged["mixed"] = mixed
     return merged
 
 
@@ -240,6 +260,8 @@ def constraints_text(run: str = REFERENCE_RUN) -> str:
             f"CUDA {v.get('cuda')}, cuDNN {v.get('cudnn')}, driver {v.get('driver')}."]
     if "packages" not in v:
         head.append("# Its records name torch and triton only (stamped before records named every dependency).")
+    for name, versions in sorted((v.get("mixed") or {}).items()):
+        head.append(f"# {name}: its records carry {', '.join(versions)}; pinned to {pkgs[name]}, the newest records'.")
     pins = []
     for name in sorted(pkgs):
         public, local = _public(pkgs[name])

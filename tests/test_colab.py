@@ -299,6 +299,14 @@ def test_constraints_pin_every_package_a_record_names(tmp_path):
     results.append(_records("02_tf32"), "mixed")   # another measurement: a re-measure would supersede
     with pytest.raises(release.ReleaseError, match=r"mixes versions \(numpy differ"):
         release.constraints_text("mixed")
+    # a package outside the core (one a few notebooks import) may differ: the newest record's is pinned, and named
+    a, b = _records(), _records("02_tf32")
+    a["versions"]["packages"] = {**a["versions"]["packages"], "peft": "0.1.0"}
+    b["versions"]["packages"] = {**b["versions"]["packages"], "peft": "0.2.0"}
+    a["time"], b["time"] = "2026-01-02T00:00:00+00:00", "2026-01-01T00:00:00+00:00"
+    results.append([a, b], "side")
+    text = release.constraints_text("side")
+    assert "peft==0.1.0" in text and "# peft: its records carry 0.1.0, 0.2.0; pinned to 0.1.0" in text
     with pytest.raises(release.ReleaseError, match="--run 'empty'"):
         release.constraints_text("empty")
 
