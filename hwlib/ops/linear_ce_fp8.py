@@ -96,7 +96,7 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     if why:
         raise Unavailable(f"fused_linear_cross_entropy_fp8: {why}")
     name = select_triton_backend(GRAD_KERNEL_FILE, backend, device)
-    if name == "triton":      # the row pass's and the cast's kernel files must load too
+    if name == "triton":      # the row pass's, the cast's and the target entries' kernel files must load too
         for f in (ROWS_KERNEL_FILE, CAST_KERNEL_FILE, TARGET_KERNEL_FILE):
             select_triton_backend(f, "triton", device)
     return name
@@ -129,8 +129,9 @@ def _row_weights(t: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor
 
 
 def _add_target_terms(dh, dw, t, coef, w8, inv_w, h8, inv_h) -> None:
-    """``ce_target_fp8_triton.add_target_terms``'s math in torch ops: the gradient's target entries, in fp32: dh_n += coef_n W8[t_n] / s_w and dW[t_n] += coef_n h8_n / s_h,
-    ``coef``: (p_t - 1) times the row's weight and the mean's (0 for ignored rows, at row 0)."""
+    """``ce_target_fp8_triton.add_target_terms``'s math in torch ops, the gradient's target entries in
+    fp32: dh_n += coef_n W8[t_n] / s_w and dW[t_n] += coef_n h8_n / s_h, with ``coef`` (p_t - 1) times the
+    row's weight and the mean's (0 for an ignored row, added at row 0)."""
     rows = t.clamp(0, w8.shape[0] - 1)   # ignored and bad targets: coef 0 or NaN, at any valid row
     w_t = w8.view(torch.uint8).index_select(0, rows).view(w8.dtype).to(torch.float32)
     dh.copy_(dh.to(torch.float32).add_(w_t.mul_((coef * inv_w)[:, None])))    # summed in fp32, rounded once
