@@ -56,7 +56,7 @@ import torch
 from hwlib.device import ChoiceError, Unavailable, fp8_missing, info
 
 from . import fallbacks
-from .fp8 import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for
+from .fp8 import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for, scaled_mm
 from .linear_ce import chunk_rows, fake_outputs, prepare, rows_torch, save_grads, scale_saved_grads
 from .sources import load_python_kernel, note_backend, select_triton_backend
 
@@ -115,23 +115,18 @@ def _grad_torch(z, lse, t, g, gt, vocab: int, ignore_index: int) -> None:
     p = torch.exp(z.float() - lse[:, None])
     p[:, vocab:] = 0
     p.scatter_(1, t.clamp(0, p.shape[1] - 1)[:, None], 0.0)   # a bad or ignored row is all NaN or 0 below
-    q = (p * (_row_weights(t, vocab, ignore_index) * GRAD_QMAX)[:, None]).to(E5M2)
+    ignored = t == ignore_index
+    bad = ((t < 0) | (t >= vocab)) & ~ignored
+    w = torch.where(bad, float("nan"), torch.where(ignored, 0.0, 1.0))   # the kernel's w_n
+    q = (p * (w * GRAD_QMAX)[:, None]).to(E5M2)
     g.copy_(q)
     gt.copy_(q.t())
 
 
-def _row_weights(t: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
-    """Each row's weight in the mean's gradient, as the kernel's w_n: 1, 0 where ignored, NaN where the
-    target is neither a class nor ignore_index (a NaN gradient, as the bf16 head's)."""
-    ignored = t == ignore_index
-    bad = ((t < 0) | (t >= vocab)) & ~ignored
-    return torch.where(bad, float("nan"), torch.where(ignored, 0.0, 1.0))
-
-
 def _add_target_terms(dh, dw, t, coef, w8, inv_w, h8, inv_h) -> None:
     """``ce_target_fp8_triton.add_target_terms``'s math in torch ops, the gradient's target entries in
-    fp32: dh_n += coef_n W8[t_n] / s_w and dW[t_n] += coef_n h8_n / s_h, with ``coef`` (p_t - 1) times the
-    row's weight and the mean's (0 for an ignored row, added at row 0)."""
+    fp32: dh_n += coef_n W8[t_n] / s_w and dW[t_n] += coef_n h8_n / s_h, with ``coef`` (p_t - 1) / #targets
+    (0 for an ignored row, added at row 0; NaN for a bad one)."""
     rows = t.clamp(0, w8.shape[0] - 1)   # ignored and bad targets: coef 0 or NaN, at any valid row
     w_t = w8.view(torch.uint8).index_select(0, rows).view(w8.dtype).to(torch.float32)
     dh.copy_(dh.to(torch.float32).add_(w_t.mul_((coef * inv_w)[:, None])))    # summed in fp32, rounded once
@@ -172,17 +167,6 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"))
 
 
-def _scaled_mm(a8, sa, bt8, sb, out_dtype, fast_accum: bool = False):
-    """a8 [M, K] @ bt8^T, bt8 [N, K] row-major (so ``bt8.t()`` is the column-major operand). On CPU the
-    FP8 values go through an fp32 matmul instead: every e4m3 and e5m2 value and every product of two
-    is exact in fp32, so it is the same product with fp32 accumulation, and torch's CPU _scaled_mm took
-    16 s for a 1008 x 208 x 3008 product (0.04 GFLOP/s; notebook 26's odd sizes on CPU)."""
-    if a8.device.type == "cpu":
-        out = (a8.to(torch.float32) @ bt8.to(torch.float32).t()).mul_(sa * sb)
-        return out.to(out_dtype)
-    return torch._scaled_mm(a8, bt8.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
-
-
 def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
     """(mean loss, dh in h's dtype, dW in w's dtype) of a [N, D] h; see the module doc."""
     N, D = h.shape
@@ -200,7 +184,6 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
     s_h = scale_for(_amax(hp), E4M3)
     inv_w, inv_h = s_w.reciprocal(), s_h.reciprocal()
     inv_g = (mean_w / GRAD_QMAX).reshape(())
-    row_w = _row_weights(tp, vocab, ignore_index)
     rows = _round_up(min(chunk, Np))    # a multiple of 16, like every dimension _scaled_mm takes on CUDA
     losses = torch.empty(Np, dtype=torch.float32, device=h.device)
     lse = torch.empty(rows, dtype=torch.float32, device=h.device)
@@ -210,7 +193,7 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
         r1 = min(Np, r0 + rows)
         C, hc = r1 - r0, hp[r0:r1]
         h8, ht8 = passes.cast_both(hc, s_h, E4M3)
-        z = _scaled_mm(h8, inv_h, w8, inv_w, cdt, fast_accum=True)
+        z = scaled_mm(h8, inv_h, w8, inv_w, cdt, fast_accum=True)
         passes.rows(z, tp[r0:r1], losses[r0:r1], unused_scale, vocab, ignore_index, write_grad=False,
                  lse_out=lse[:C])
         if not need_grad:
@@ -219,10 +202,11 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
         gt = torch.empty(Vp, C, dtype=E5M2, device=h.device)
         passes.grad(z, lse[:C], tp[r0:r1], g, gt, vocab, ignore_index)
         del z
-        gh = _scaled_mm(g, inv_g, wt8, inv_w, h.dtype)
-        dw = _scaled_mm(gt, inv_g, ht8, inv_h, torch.float32)
+        gh = scaled_mm(g, inv_g, wt8, inv_w, h.dtype)
+        dw = scaled_mm(gt, inv_g, ht8, inv_h, torch.float32)
         del g, gt
-        coef = torch.expm1(-losses[r0:r1]) * row_w[r0:r1] * mean_w       # (p_t - 1) w_n / #targets
+        # (p_t - 1) / #targets: 0 on an ignored row (its loss is 0), NaN on a bad one (its loss is NaN)
+        coef = torch.expm1(-losses[r0:r1]) * mean_w
         passes.targets(gh, dw, tp[r0:r1], coef, w8, inv_w, h8, inv_h)
         ghs.append(gh)
         gw = dw if gw is None else gw.add_(dw)

@@ -13,7 +13,7 @@ import torch
 from .. import bench
 from ..ops import linear_ce as L
 from ..ops import linear_ce_fp8 as L8
-from ..ops.fp8 import E4M3, scale_for
+from ..ops.fp8 import E4M3, scale_for, scaled_mm
 from ..ops.sources import read_kernel_source
 from .kernel_records import kernel_records as records_of
 from .kernel_records import timed_row
@@ -126,8 +126,7 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
     s_w, s_h = scale_for(wd.abs().amax(), E4M3), scale_for(h.abs().amax(), E4M3)
     w8, _ = ps.cast_both(wd, s_w, E4M3)
     h8, _ = ps.cast_both(h, s_h, E4M3)
-    z = torch._scaled_mm(h8, w8.t(), scale_a=s_h.reciprocal(), scale_b=s_w.reciprocal(), out_dtype=torch.bfloat16,
-                         use_fast_accum=True)
+    z = scaled_mm(h8, s_h.reciprocal(), w8, s_w.reciprocal(), torch.bfloat16, fast_accum=True)
     lse, loss = torch.empty(M, device=device), torch.empty(M, device=device)
     one = torch.ones(1, device=device)
     g = torch.empty(M, rows_w, dtype=L8.E5M2, device=device)
