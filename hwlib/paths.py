@@ -85,7 +85,7 @@ def compile_cache_env(run: Path, code: str | None) -> dict[str, str]:
 
 
 def apply_compile_cache_env(env: dict[str, str]) -> None:
-    """Put ``compile_cache_env``'s folders in ``os.environ`` unless the user chose others. Importing ``torch._dynamo`` (which ``from hwlib import notebook`` does) writes inductor's
+    """Put ``compile_cache_env``'s folders in ``os.environ`` unless the user chose others. Importing ``torch._dynamo`` (torch.compile's first call does) writes inductor's
     default folder into ``TORCHINDUCTOR_CACHE_DIR``: a value equal to that default is inductor's
     own, not a choice, and is replaced (else a notebook run outside ``hwlib reproduce`` would reuse
     graphs compiled against older hwlib code, whose custom ops gave other output shapes)."""

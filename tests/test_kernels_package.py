@@ -134,3 +134,30 @@ def test_kernel_sources_stay_free_of_torch_headers():
     for f in files:
         text = f.read_text()
         assert "torch/" not in text and "ATen" not in text and "c10/" not in text, f.name
+
+
+def test_constant_result_marks_a_function_as_torch_does():
+    """``sources.constant_result`` sets the attribute torch.compiler.assume_constant_result sets (and
+    only it), so torch.compile keeps each op's backend choice as a constant without hwlib importing
+    the compiler."""
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+    base = set(vars(torchs))
+    torch.compiler.assume_constant_result(torchs)
+    assert sources.constant_result(ours) is ours
+    assert set(vars(ours)) - base == set(vars(torchs)) - base == {"_dynamo_marked_constant"}
+    assert vars(ours)["_dynamo_marked_constant"] == vars(torchs)["_dynamo_marked_constant"]
+
+
+def test_importing_the_notebook_helpers_imports_no_compiler():
+    """``from hwlib import notebook`` (every notebook's first import) stays clear of torch._dynamo and
+    triton: about a second of import per process, and Triton's interpreter mode must be settable
+    after it (``sources.triton_interpreter_mismatch``)."""
+    code = "import sys, hwlib.notebook, hwlib.ops.linear_ce_fp8, hwlib.ops.gelu_mlp, hwlib.ops.qkv_attention\n" \
+           "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

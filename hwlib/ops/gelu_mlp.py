@@ -39,7 +39,7 @@ from hwlib.precision import compute_dtype
 
 from . import fallbacks
 from .add_layernorm import BIAS_COLUMNS
-from .sources import note_backend, read_kernel_source, warn_fallback
+from .sources import constant_result, note_backend, read_kernel_source, warn_fallback
 
 BACKENDS = ("auto", "cublaslt", "torch")
 KERNEL_FILE = "gelu_epilogue.cpp"
@@ -189,7 +189,7 @@ def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype 
     return "torch" if problem or fit_problem(dtype, *sizes) else "cublaslt"
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def resolve_backend(backend: str, device_type: str, dtype: torch.dtype, K: int, N: int, C: int) -> str:
     """``select_backend`` for the op's forward: torch.compile calls it once while tracing and keeps its
     answer as a constant (building the extension is not traceable)."""

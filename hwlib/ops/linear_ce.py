@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from hwlib.device import ChoiceError, Unavailable
 
 from . import ce_rows_cuda, fallbacks
-from .sources import load_python_kernel, note_backend, select_triton_backend, warn_fallback
+from .sources import constant_result, load_python_kernel, note_backend, select_triton_backend, warn_fallback
 
 BACKENDS = ("auto", "cuda", "triton", "torch")
 KERNEL_FILE = "linear_ce_triton.py"
@@ -166,7 +166,7 @@ def select_backend(backend: str, device: torch.device | str, dtype: torch.dtype 
     return select_triton_backend(KERNEL_FILE, backend, device)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def resolve_backend(backend: str, device_type: str, dtype: torch.dtype, vocab_padded: int) -> str:
     """``select_backend`` for the op's forward: torch.compile calls it once while tracing and keeps its
     answer as a constant (building or loading a kernel is not traceable)."""

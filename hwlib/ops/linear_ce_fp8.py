@@ -58,7 +58,7 @@ from hwlib.device import ChoiceError, Unavailable, fp8_missing, info
 from . import fallbacks
 from .fp8 import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for, scaled_mm
 from .linear_ce import chunk_rows, fake_outputs, prepare, rows_torch, save_grads, scale_saved_grads
-from .sources import load_python_kernel, note_backend, select_triton_backend
+from .sources import constant_result, load_python_kernel, note_backend, select_triton_backend
 
 BACKENDS = ("auto", "triton", "torch")
 GRAD_KERNEL_FILE = "ce_grad_fp8_triton.py"
@@ -102,7 +102,7 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     return name
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def resolve_backend(backend: str, device_type: str) -> str:
     """``select_backend`` for the op: torch.compile calls it once while tracing and keeps the answer."""
     return note_backend("linear_ce_fp8", select_backend(backend, device_type))

@@ -37,7 +37,7 @@ import torch
 from ..device import Unavailable, info, supports_cudnn_attention
 from ..precision import compute_dtype
 from . import fallbacks
-from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
+from .sources import (TRITON_BACKENDS, constant_result, load_python_kernel, read_kernel_source, resolve_triton_backend,
                       select_triton_backend)
 
 BACKENDS = TRITON_BACKENDS
@@ -58,7 +58,7 @@ def select_backend(backend: str, device: torch.device | str) -> str:
     return select_triton_backend(KERNEL_FILE, backend, device)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def attention_problem(device_type: str) -> str | None:
     """Why this op cannot run its fused attention on tensors of ``device_type`` ("cuda": the current
     GPU), or None: cuDNN's attention on CUDA (sm_80 or newer, cuDNN 9), the flash-attention kernel on a

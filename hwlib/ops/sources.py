@@ -62,7 +62,7 @@ def triton_device_problem(device) -> str | None:
 def triton_interpreter_mismatch() -> str | None:
     """Why Triton kernels loaded now would break, if they would: Triton decorates its own library
     (``tl.zeros`` ...) at its first import, so TRITON_INTERPRET must match from before that import
-    (``import hwlib`` imports torch._dynamo, which imports triton)."""
+    (an op's first ``auto`` or ``triton`` call imports triton, and so does torch.compile)."""
     if "triton" not in sys.modules:
         return None
     import triton.language as tl
@@ -149,6 +149,15 @@ def warn_fallback(op: str, wanted: str, chosen: str, device_type: str, why: str)
                   RuntimeWarning, stacklevel=4)
 
 
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)``: torch.compile calls ``fn`` once while tracing and
+    keeps its answer as a constant. Torch's decorator imports torch._dynamo (about a second) to set
+    one attribute on ``fn``; this sets the same attribute, so importing hwlib's ops imports no
+    compiler (tests/test_kernels_package.py checks that the attribute is still the one torch sets)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def note_backend(op: str, name: str) -> str:
     """Remember that ``op`` chose backend ``name`` (returned): the ladder records what each of hwlib's
     ops ran, since ``auto`` falls back to torch where a kernel cannot run. Called where an op resolves
@@ -166,7 +175,7 @@ def backends_used() -> dict[str, str]:
     return dict(sorted(_USED.items()))
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def resolve_triton_backend(filename: str, backend: str, device_type: str) -> str:
     """``select_triton_backend`` for an op's forward: torch.compile calls it once while tracing and
     keeps its answer as a constant (loading a kernel module is not traceable)."""
