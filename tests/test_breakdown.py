@@ -150,6 +150,26 @@ def test_a_head_below_its_floor_is_taken_with_the_gemms():
     assert not bd.by_step(recs)["17_fused_lm_head"]["head_in_gemms"]
 
 
+def test_a_head_whose_matmuls_were_found_stays_its_own_category_below_its_floor():
+    """Step 26's FP8 head: the size rule found its matmuls (no note says they were counted among the
+    GEMMs), and they beat the 16-bit ceiling its floor counts them at. The head stays its own
+    category and the prose says why it is under its floor; with the note, the two are taken together."""
+    def rec(metric, value, category=None, notes=()):
+        return {"step": "26_fp8_head", "metric": metric, "value": value, "status": "ok",
+                "fields": {"category": category} if category else {}, "params": {"notes": list(notes)}}
+    cats = {"gemm": (13.3, 10.4), "lm_head_ce": (4.58, 4.73), "attention": (3.8, 1.2), "elementwise": (4.9, 7.3),
+            "optimizer": (1.3, 1.2)}
+    recs = [rec("step_ms", 29.9), rec("category_ms", 0.8, "idle")]
+    for c, (ms, floor) in cats.items():
+        recs += [rec("category_ms", ms, c), rec("category_floor_ms", floor, c)]
+    s = bd.by_step(recs)["26_fp8_head"]
+    assert not s["head_in_gemms"] and s["ms"]["lm_head_ce"] == pytest.approx(4.58)
+    text = bd.prose(recs)
+    assert "taken together" not in text and "0.15 ms below that category's floor" in text and "FP8" in text
+    note = "the head's matmuls are not the longest GEMMs by 3x (...): " + bd.HEAD_AMONG_GEMMS
+    assert bd.by_step([dict(r, params={"notes": [note]}) for r in recs])["26_fp8_head"]["head_in_gemms"]
+
+
 def test_the_fp8_and_epilogue_steps_carry_their_floor_caveats():
     """Step 18 runs its MLP matmuls in FP8: its GEMM floor (16-bit ceiling) is an upper bound and its
     casts have no floor; step 22 moves the GELU's passes into the GEMMs, below the elementwise floor's

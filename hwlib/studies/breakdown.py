@@ -57,6 +57,8 @@ HEAD_IN_GEMMS = "gemm+lm_head_ce"
 LABELS[HEAD_IN_GEMMS] = "GEMMs + LM head + cross-entropy"
 HEAD_MATMULS = 3     # per training step: logits, grad of the hidden states, grad of the (tied) weight
 HEAD_GAP = 3.0       # the head's shortest matmul over the next GEMM, for the size rule to apply
+# How a breakdown's notes say that the size rule did not apply (``split_head_gemms``): by_step reads it back
+HEAD_AMONG_GEMMS = "counted among the GEMMs"
 
 # Kernel (or CPU operator) names, lower-cased, matched in this order: the first rule that matches
 # decides. Order matters: an inductor kernel that fuses the log-softmax is the loss's; inductor names
@@ -105,7 +107,7 @@ def split_head_gemms(durations: list[float], steps: int, per_step: int = HEAD_MA
     kth, nxt = durations[order[k - 1]], durations[order[k]]
     if kth < gap * nxt:
         return set(), (f"the head's matmuls are not the longest GEMMs by {gap:g}x (the {k}th longest takes "
-                       f"{kth / max(nxt, 1e-12):.2f}x the next): counted among the GEMMs")
+                       f"{kth / max(nxt, 1e-12):.2f}x the next): {HEAD_AMONG_GEMMS}")
     return set(order[:k]), None
 
 
@@ -399,15 +401,21 @@ def breakdown_figure(bds: list[Breakdown], path=None):
 
 def by_step(records: list[dict]) -> dict[str, dict]:
     """A breakdown's records, per profiled step: ``{"ms": {category: ms}, "floor": {category: ms},
-    "step_ms", "sol_share", "head_in_gemms"}``. An LM head measured below its own floor had its
-    matmuls counted as GEMMs (the fused head's chunked matmuls are plain cuBLAS calls that the size
-    rule cannot tell from the model's): then the two are one category, ``HEAD_IN_GEMMS``, in both
-    the times and the floors, so that no category reads as faster than its floor."""
+    "step_ms", "sol_share", "head_in_gemms"}``. Where the size rule did not apply, the head's matmuls
+    were counted as GEMMs (the fused head's chunked matmuls are plain cuBLAS calls the rule cannot
+    tell from the model's; the breakdown's notes say so), and the head then measures below its own
+    floor: the two are one category, ``HEAD_IN_GEMMS``, in both the times and the floors, so that no
+    category reads as faster than its floor. A head below its floor whose matmuls the rule did find
+    (FP8 matmuls, faster than the 16-bit ceiling its floor counts them at) stays its own category.
+    Records without notes (none recorded) are taken together whenever the head is below its floor."""
     steps: dict = {}
     for r in records:
         if r.get("status") != "ok" or r.get("value") is None:
             continue
         s = steps.setdefault(r["step"], {"ms": {}, "floor": {}, "head_in_gemms": False})
+        notes = (r.get("params") or {}).get("notes")
+        if notes is not None:
+            s["notes"] = list(notes)
         cat = (r.get("fields") or {}).get("category")
         if r["metric"] == "category_ms":
             s["ms"][cat] = r["value"]
@@ -417,11 +425,20 @@ def by_step(records: list[dict]) -> dict[str, dict]:
             s[r["metric"]] = r["value"]
     pair = ("gemm", "lm_head_ce")
     for s in steps.values():
-        if all(c in s["ms"] and c in s["floor"] for c in pair) and s["ms"]["lm_head_ce"] < s["floor"]["lm_head_ce"]:
+        among = any(HEAD_AMONG_GEMMS in n for n in s["notes"]) if "notes" in s else True
+        if (among and all(c in s["ms"] and c in s["floor"] for c in pair)
+                and s["ms"]["lm_head_ce"] < s["floor"]["lm_head_ce"]):
             for d in (s["ms"], s["floor"]):
                 d[HEAD_IN_GEMMS] = d.pop("gemm") + d.pop("lm_head_ce")
             s["head_in_gemms"] = True
     return steps
+
+
+def _fp8_head(step: str) -> bool:
+    try:
+        return settings_for(step).fp8_head
+    except ValueError:    # a step name the ladder does not know (hand-made records)
+        return False
 
 
 def prose(records: list[dict]) -> str:
@@ -438,6 +455,10 @@ def prose(records: list[dict]) -> str:
         if s["head_in_gemms"]:
             text += (f" Its {LABELS['lm_head_ce']} measured below that category's floor: the head's matmuls were "
                      f"counted as {LABELS['gemm']}, so the two are taken together.")
+        elif s["ms"].get("lm_head_ce", 0.0) < s["floor"].get("lm_head_ce", 0.0):
+            text += (f" Its {LABELS['lm_head_ce']}, its matmuls included, measured "
+                     f"{s['floor']['lm_head_ce'] - s['ms']['lm_head_ce']:.3g} ms below that category's floor, which "
+                     f"counts those matmuls at the 16-bit ceiling" + (": they run in FP8." if _fp8_head(step) else "."))
         counted = ((HEAD_IN_GEMMS,) if s["head_in_gemms"] else ("gemm", "lm_head_ce")) + (
             "attention", "elementwise", "optimizer")   # the categories with a floor
         gaps = {c: s["ms"][c] - s["floor"][c] for c in s["floor"] if c in s["ms"] and c != "idle"}
