@@ -302,6 +302,31 @@ def test_past_the_recipe_says_not_met_within_noise_and_unmeasured():
     assert "09_cuda_graphs is contended" in recipe.sentence(bad)
 
 
+def test_past_the_recipe_adds_the_fp8_steps_long_run_where_its_final_loss_left_the_band():
+    """Step 26's final loss after its measurement left the bf16 steps' band: the sentence then adds
+    notebook 26's long run (the newest records of the longest run of that step), and says nothing of
+    it without such records or where the step before it has no long run."""
+    from hwlib.report import recipe
+
+    def row(step, tps, loss):
+        return dict(_row(step, tps), final_loss=loss)
+
+    def long(step, value, steps=300):
+        return {"metric": "long_final_loss", "status": "ok", "workload": "gpt", "step": step, "value": value,
+                "fields": {"steps": steps}}
+    rows = [row("09_cuda_graphs", 1000.0, 5.72), row("25_bias_column", 1149.0, 5.74), row("26_fp8_head", 1227.0, 5.67)]
+    recs = [long("09_cuda_graphs", 2.438), long("25_bias_column", 2.513), long("26_fp8_head", 2.431),
+            long("26_fp8_head", 9.0, steps=50)]              # a shorter run of the step does not count
+    m = recipe.long_move(recs, "26_fp8_head")
+    assert (m["steps"], m["prev"], m["bf16_steps"]) == (300, "25_bias_column", 2)
+    assert m["vs_prev"] == pytest.approx(2.431 / 2.513 - 1) and m["band"] == pytest.approx(2.513 / 2.438 - 1)
+    text = recipe.sentence(rows, recs)
+    assert "outside the bf16 steps' band" in text and "trained 300 steps from the same seed, it ended -3.3%" in text
+    assert "3.1% apart" in text
+    assert "trained 300" not in recipe.sentence(rows)                       # no records: no long run
+    assert recipe.long_move(recs[:1] + recs[2:], "26_fp8_head") is None     # the step before it has none
+
+
 def test_readme_block_says_how_gpt_stands_past_the_recipe(ladder):
     assert "Past the recipe" not in report.readme_block(ladder)          # no step 09 in the run: nothing said
     put("09_cuda_graphs", ms=2.0, tps=5000.0, check=1e-5, mfu=0.4)

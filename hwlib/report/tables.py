@@ -381,7 +381,7 @@ def readme_block(run) -> str:
     for w in s["workloads"]:
         rows = ladder_rows_with_noise(recs, w)
         lines += [f"**{w}**", "", markdown_table(rows), what_we_saw(rows, w), ""]
-        if w == recipe.WORKLOAD and (past := recipe.sentence(rows)):
+        if w == recipe.WORKLOAD and (past := recipe.sentence(rows, recs)):
             lines += [past, ""]
     lines += generation_lines(s["generation"]["steps"])
     lines += toggle_lines(toggle_rows(recs, run_windows(query.state(run))))
