@@ -129,24 +129,32 @@ def test_the_study_runs_on_cpu_and_records_per_category(isolated_run):
     assert na.status == "n/a" and na.records("16")[0]["status"] == "n/a"
 
 
+def _breakdown_records(step, step_ms, idle, cats, notes=None):
+    """Hand-made breakdown records of one step: {category: (ms, floor)}; ``notes`` as the breakdown
+    records them in params (None: records without params, as older runs have)."""
+    def rec(metric, value, category=None):
+        r = {"step": step, "metric": metric, "value": value, "status": "ok",
+             "fields": {"category": category} if category else {}}
+        return r if notes is None else {**r, "params": {"notes": list(notes)}}
+    recs = [rec("step_ms", step_ms), rec("category_ms", idle, "idle")]
+    for c, (ms, floor) in cats.items():
+        recs += [rec("category_ms", ms, c), rec("category_floor_ms", floor, c)]
+    return recs
+
+
 def test_a_head_below_its_floor_is_taken_with_the_gemms():
     """The fused head's matmuls are counted as GEMMs, which leaves the head's category under its floor:
     by_step (and the prose built on it) takes the two together, in the times and the floors alike."""
-    def rec(metric, value, category=None):
-        return {"step": "17_fused_lm_head", "metric": metric, "value": value, "status": "ok",
-                "fields": {"category": category} if category else {}}
     cats = {"gemm": (17.2, 11.0), "lm_head_ce": (1.8, 5.0), "attention": (3.8, 1.2), "elementwise": (8.9, 7.4),
             "optimizer": (1.3, 1.2)}
-    recs = [rec("step_ms", 34.7), rec("category_ms", 0.7, "idle")]
-    for c, (ms, floor) in cats.items():
-        recs += [rec("category_ms", ms, c), rec("category_floor_ms", floor, c)]
+    recs = _breakdown_records("17_fused_lm_head", 34.7, 0.7, cats)
     s = bd.by_step(recs)["17_fused_lm_head"]
     assert s["head_in_gemms"] and "gemm" not in s["ms"] and "lm_head_ce" not in s["floor"]
     assert s["ms"][bd.HEAD_IN_GEMMS] == pytest.approx(19.0) and s["floor"][bd.HEAD_IN_GEMMS] == pytest.approx(16.0)
     text = bd.prose(recs)
     assert "taken together" in text and "GEMMs + LM head + cross-entropy (3 ms above a floor of 16 ms)" in text
     # a head at or above its floor stays its own category
-    recs[recs.index(rec("category_ms", 1.8, "lm_head_ce"))]["value"] = 5.5
+    recs = _breakdown_records("17_fused_lm_head", 34.7, 0.7, {**cats, "lm_head_ce": (5.5, 5.0)})
     assert not bd.by_step(recs)["17_fused_lm_head"]["head_in_gemms"]
 
 
@@ -154,20 +162,15 @@ def test_a_head_whose_matmuls_were_found_stays_its_own_category_below_its_floor(
     """Step 26's FP8 head: the size rule found its matmuls (no note says they were counted among the
     GEMMs), and they beat the 16-bit ceiling its floor counts them at. The head stays its own
     category and the prose says why it is under its floor; with the note, the two are taken together."""
-    def rec(metric, value, category=None, notes=()):
-        return {"step": "26_fp8_head", "metric": metric, "value": value, "status": "ok",
-                "fields": {"category": category} if category else {}, "params": {"notes": list(notes)}}
     cats = {"gemm": (13.3, 10.4), "lm_head_ce": (4.58, 4.73), "attention": (3.8, 1.2), "elementwise": (4.9, 7.3),
             "optimizer": (1.3, 1.2)}
-    recs = [rec("step_ms", 29.9), rec("category_ms", 0.8, "idle")]
-    for c, (ms, floor) in cats.items():
-        recs += [rec("category_ms", ms, c), rec("category_floor_ms", floor, c)]
+    recs = _breakdown_records("26_fp8_head", 29.9, 0.8, cats, notes=[])
     s = bd.by_step(recs)["26_fp8_head"]
     assert not s["head_in_gemms"] and s["ms"]["lm_head_ce"] == pytest.approx(4.58)
     text = bd.prose(recs)
     assert "taken together" not in text and "0.15 ms below that category's floor" in text and "FP8" in text
     note = "the head's matmuls are not the longest GEMMs by 3x (...): " + bd.HEAD_AMONG_GEMMS
-    assert bd.by_step([dict(r, params={"notes": [note]}) for r in recs])["26_fp8_head"]["head_in_gemms"]
+    assert bd.by_step(_breakdown_records("26_fp8_head", 29.9, 0.8, cats, notes=[note]))["26_fp8_head"]["head_in_gemms"]
 
 
 def test_the_fp8_and_epilogue_steps_carry_their_floor_caveats():
