@@ -311,18 +311,20 @@ def test_past_the_recipe_adds_the_fp8_steps_long_run_where_its_final_loss_left_t
     def row(step, tps, loss):
         return dict(_row(step, tps), final_loss=loss)
 
-    def long(step, value, steps=300):
-        return {"metric": "long_final_loss", "status": "ok", "workload": "gpt", "step": step, "value": value,
+    def long(step, value, steps=300, metric="long_final_loss"):
+        return {"metric": metric, "status": "ok", "workload": "gpt", "step": step, "value": value,
                 "fields": {"steps": steps}}
     rows = [row("09_cuda_graphs", 1000.0, 5.72), row("25_bias_column", 1149.0, 5.74), row("26_fp8_head", 1227.0, 5.67)]
     recs = [long("09_cuda_graphs", 2.438), long("25_bias_column", 2.513), long("26_fp8_head", 2.431),
-            long("26_fp8_head", 9.0, steps=50)]              # a shorter run of the step does not count
+            long("26_fp8_head", 9.0, steps=50),              # a shorter run of the step does not count
+            long(None, 0.031, metric="long_bf16_band"), long(None, 0.5, steps=50, metric="long_bf16_band")]
     m = recipe.long_move(recs, "26_fp8_head")
-    assert (m["steps"], m["prev"], m["bf16_steps"]) == (300, "25_bias_column", 2)
-    assert m["vs_prev"] == pytest.approx(2.431 / 2.513 - 1) and m["band"] == pytest.approx(2.513 / 2.438 - 1)
+    assert (m["steps"], m["prev"]) == (300, "25_bias_column")
+    assert m["vs_prev"] == pytest.approx(2.431 / 2.513 - 1) and m["band"] == pytest.approx(0.031)
     text = recipe.sentence(rows, recs)
     assert "outside the bf16 steps' band" in text and "trained 300 steps from the same seed, it ended -3.3%" in text
     assert "3.1% apart" in text
+    assert "apart" not in recipe.sentence(rows, recs[:4]).split("trained")[1]   # no band recorded: none said
     assert "trained 300" not in recipe.sentence(rows)                       # no records: no long run
     assert recipe.long_move(recs[:1] + recs[2:], "26_fp8_head") is None     # the step before it has none
 

@@ -52,13 +52,18 @@ def target_rows(rows: list[dict]) -> list[dict]:
 def long_move(records: list[dict], step: str) -> dict | None:
     """How far ``step``'s loss ended from the step before it over notebook 26's long run (metric
     ``long_final_loss``, each step trained from the same seed for ``steps`` steps), beside the spread
-    of the bf16 steps' ends in the same run: from the newest such records of ``records`` (a run's,
-    ``query.load``). None where ``step`` or the step before it has no long run."""
-    long = {}
+    of the bf16 steps' ends that notebook 26 recorded for the same run length (``long_bf16_band``;
+    None where it recorded none): from ``records`` (a run's, ``query.load``, the newest of each).
+    None where ``step`` or the step before it has no long run."""
+    long, bands = {}, {}
     for r in records:
-        if (r.get("metric") == "long_final_loss" and r.get("status") == "ok" and r.get("workload") == WORKLOAD
-                and isinstance(r.get("value"), (int, float))):
-            long[(r["step"], (r.get("fields") or {}).get("steps"))] = r["value"]
+        if r.get("status") != "ok" or r.get("workload") != WORKLOAD or not isinstance(r.get("value"), (int, float)):
+            continue
+        n = (r.get("fields") or {}).get("steps")
+        if r.get("metric") == "long_final_loss":
+            long[(r["step"], n)] = r["value"]
+        elif r.get("metric") == "long_bf16_band":
+            bands[n] = r["value"]
     prev = previous(step)
     mine = [n for (s, n) in long if s == step]
     if prev is None or not mine:
@@ -66,10 +71,8 @@ def long_move(records: list[dict], step: str) -> dict | None:
     n = max(mine)
     if (prev.name, n) not in long:
         return None
-    bf16 = [v for (s, k), v in long.items() if k == n and not settings_for(s).uses_fp8]
-    band = max(bf16) / min(bf16) - 1 if len(bf16) >= 2 else None
     return {"step": step, "prev": prev.name, "steps": n, "vs_prev": long[(step, n)] / long[(prev.name, n)] - 1,
-            "band": band, "bf16_steps": len(bf16)}
+            "band": bands.get(n)}
 
 
 def sentence(rows: list[dict], records: list[dict] | None = None) -> str:
@@ -95,8 +98,8 @@ def sentence(rows: list[dict], records: list[dict] | None = None) -> str:
             lm = long_move(records or [], t["step"])
             if lm:
                 part += (f"; trained {lm['steps']} steps from the same seed, it ended {lm['vs_prev']:+.1%} from "
-                         f"{lm['prev']}'s loss" + (f", where the {lm['bf16_steps']} bf16 steps' ends lie "
-                                                   f"{lm['band']:.1%} apart" if lm["band"] is not None else ""))
+                         f"{lm['prev']}'s loss" + (f", where the bf16 steps' ends lie {lm['band']:.1%} apart"
+                                                   if lm["band"] is not None else ""))
         parts.append(part)
     return f"Past the recipe (tokens/s over those of {RECIPE_STEP}): " + "; ".join(parts) + "."
 
