@@ -129,13 +129,16 @@ def test_the_study_runs_on_cpu_and_records_per_category(isolated_run):
     assert na.status == "n/a" and na.records("16")[0]["status"] == "n/a"
 
 
-def _breakdown_records(step, step_ms, idle, cats, notes=None):
+# The note a breakdown records where the size rule left the head's matmuls among the GEMMs
+AMONG = "the head's matmuls are not the longest GEMMs by 3x (...): " + bd.HEAD_AMONG_GEMMS
+
+
+def _breakdown_records(step, step_ms, idle, cats, notes=()):
     """Hand-made breakdown records of one step: {category: (ms, floor)}; ``notes`` as the breakdown
-    records them in params (None: records without params, as older runs have)."""
+    records them in params."""
     def rec(metric, value, category=None):
-        r = {"step": step, "metric": metric, "value": value, "status": "ok",
-             "fields": {"category": category} if category else {}}
-        return r if notes is None else {**r, "params": {"notes": list(notes)}}
+        return {"step": step, "metric": metric, "value": value, "status": "ok",
+                "fields": {"category": category} if category else {}, "params": {"notes": list(notes)}}
     recs = [rec("step_ms", step_ms), rec("category_ms", idle, "idle")]
     for c, (ms, floor) in cats.items():
         recs += [rec("category_ms", ms, c), rec("category_floor_ms", floor, c)]
@@ -147,14 +150,14 @@ def test_a_head_below_its_floor_is_taken_with_the_gemms():
     by_step (and the prose built on it) takes the two together, in the times and the floors alike."""
     cats = {"gemm": (17.2, 11.0), "lm_head_ce": (1.8, 5.0), "attention": (3.8, 1.2), "elementwise": (8.9, 7.4),
             "optimizer": (1.3, 1.2)}
-    recs = _breakdown_records("17_fused_lm_head", 34.7, 0.7, cats)
+    recs = _breakdown_records("17_fused_lm_head", 34.7, 0.7, cats, notes=[AMONG])
     s = bd.by_step(recs)["17_fused_lm_head"]
     assert s["head_in_gemms"] and "gemm" not in s["ms"] and "lm_head_ce" not in s["floor"]
     assert s["ms"][bd.HEAD_IN_GEMMS] == pytest.approx(19.0) and s["floor"][bd.HEAD_IN_GEMMS] == pytest.approx(16.0)
     text = bd.prose(recs)
     assert "taken together" in text and "GEMMs + LM head + cross-entropy (3 ms above a floor of 16 ms)" in text
     # a head at or above its floor stays its own category
-    recs = _breakdown_records("17_fused_lm_head", 34.7, 0.7, {**cats, "lm_head_ce": (5.5, 5.0)})
+    recs = _breakdown_records("17_fused_lm_head", 34.7, 0.7, {**cats, "lm_head_ce": (5.5, 5.0)}, notes=[AMONG])
     assert not bd.by_step(recs)["17_fused_lm_head"]["head_in_gemms"]
 
 
@@ -164,13 +167,12 @@ def test_a_head_whose_matmuls_were_found_stays_its_own_category_below_its_floor(
     category and the prose says why it is under its floor; with the note, the two are taken together."""
     cats = {"gemm": (13.3, 10.4), "lm_head_ce": (4.58, 4.73), "attention": (3.8, 1.2), "elementwise": (4.9, 7.3),
             "optimizer": (1.3, 1.2)}
-    recs = _breakdown_records("26_fp8_head", 29.9, 0.8, cats, notes=[])
+    recs = _breakdown_records("26_fp8_head", 29.9, 0.8, cats)
     s = bd.by_step(recs)["26_fp8_head"]
     assert not s["head_in_gemms"] and s["ms"]["lm_head_ce"] == pytest.approx(4.58)
     text = bd.prose(recs)
     assert "taken together" not in text and "0.15 ms below that category's floor" in text and "FP8" in text
-    note = "the head's matmuls are not the longest GEMMs by 3x (...): " + bd.HEAD_AMONG_GEMMS
-    assert bd.by_step(_breakdown_records("26_fp8_head", 29.9, 0.8, cats, notes=[note]))["26_fp8_head"]["head_in_gemms"]
+    assert bd.by_step(_breakdown_records("26_fp8_head", 29.9, 0.8, cats, notes=[AMONG]))["26_fp8_head"]["head_in_gemms"]
 
 
 def test_the_fp8_and_epilogue_steps_carry_their_floor_caveats():

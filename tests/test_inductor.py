@@ -8,6 +8,7 @@ from hwlib import query
 from hwlib.device import ChoiceError, info
 from hwlib.steps import Settings, settings_for
 from hwlib.studies import ablation, inductor
+from hwlib.studies import breakdown as bd
 
 TINY = ablation.Window(repeats=2, steps=2, settle=1, warmup=2)
 
@@ -206,9 +207,9 @@ def test_same_math_check_and_verdicts():
     assert inductor.verdict({"status": "skipped"}) == "not measured (skipped)"
 
 
-def _bd(step, metric, value, category=None):
+def _bd(step, metric, value, category=None, notes=()):
     return {"notebook": "16_where_time_goes", "step": step, "metric": metric, "value": value, "status": "ok",
-            "fields": {"category": category} if category else {"window": "unprofiled"}}
+            "fields": {"category": category} if category else {"window": "unprofiled"}, "params": {"notes": list(notes)}}
 
 
 def test_what_the_breakdown_leaves_is_read_from_notebook_16s_records():
@@ -233,8 +234,10 @@ def test_what_the_breakdown_leaves_is_read_from_notebook_16s_records():
     assert "1.33x" in said and "compiling took 90 s with it against 2 s without" in said
     said = inductor.prose([{**measured, "effect": "within noise", "verdict": "drop (within noise)"}], 0.9, True, rows)
     assert "inductor's defaults stay" in said and "no option reached any of it" in said
-    # the fused head: its GEMMs counted as GEMMs leave the head below its floor; the two become one row
-    fused = [_bd("17_fused_lm_head", "step_ms", 34.7),
+    # the fused head: its GEMMs counted as GEMMs (the breakdown's note) leave the head below its floor; the two
+    # become one row
+    among = "the head's matmuls are not the longest GEMMs by 3x (...): " + bd.HEAD_AMONG_GEMMS
+    fused = [_bd("17_fused_lm_head", "step_ms", 34.7, notes=[among]),
              _bd("17_fused_lm_head", "category_ms", 17.2, "gemm"), _bd("17_fused_lm_head", "category_floor_ms", 11.0, "gemm"),
              _bd("17_fused_lm_head", "category_ms", 1.8, "lm_head_ce"), _bd("17_fused_lm_head", "category_floor_ms", 5.0, "lm_head_ce")]
     rows, text = inductor.breakdown_left(fused, "17_fused_lm_head")

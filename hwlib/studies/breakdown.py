@@ -406,16 +406,14 @@ def by_step(records: list[dict]) -> dict[str, dict]:
     tell from the model's; the breakdown's notes say so), and the head then measures below its own
     floor: the two are one category, ``HEAD_IN_GEMMS``, in both the times and the floors, so that no
     category reads as faster than its floor. A head below its floor whose matmuls the rule did find
-    (FP8 matmuls, faster than the 16-bit ceiling its floor counts them at) stays its own category.
-    Records without notes (none recorded) are taken together whenever the head is below its floor."""
+    (FP8 matmuls, faster than the 16-bit ceiling its floor counts them at) stays its own category."""
     steps: dict = {}
     for r in records:
         if r.get("status") != "ok" or r.get("value") is None:
             continue
         s = steps.setdefault(r["step"], {"ms": {}, "floor": {}, "head_in_gemms": False})
-        notes = (r.get("params") or {}).get("notes")
-        if notes is not None:
-            s["notes"] = list(notes)
+        if r["metric"] == "step_ms":   # the measurement's notes (``Breakdown.records``)
+            s["notes"] = list((r.get("params") or {}).get("notes") or ())
         cat = (r.get("fields") or {}).get("category")
         if r["metric"] == "category_ms":
             s["ms"][cat] = r["value"]
@@ -425,7 +423,7 @@ def by_step(records: list[dict]) -> dict[str, dict]:
             s[r["metric"]] = r["value"]
     pair = ("gemm", "lm_head_ce")
     for s in steps.values():
-        among = any(HEAD_AMONG_GEMMS in n for n in s["notes"]) if "notes" in s else True
+        among = any(HEAD_AMONG_GEMMS in n for n in s.get("notes", ()))
         if (among and all(c in s["ms"] and c in s["floor"] for c in pair)
                 and s["ms"]["lm_head_ce"] < s["floor"]["lm_head_ce"]):
             for d in (s["ms"], s["floor"]):
