@@ -192,6 +192,18 @@ def _counted(workload: str, step: str, profile: str, ceilings: dict | None, elem
         return Prediction(workload, step, "estimate", "the LM head's three matmuls at twice the measured bf16 "
                           "matmul ceiling (FP8 tensor cores' peak rate over 16-bit's); the same bytes a logit",
                           flops_removed=0.0, saved_ms=None if t is None else t / 2)
+    if step == "27_bf16_stream" and workload == "gpt":
+        # The fused residual LayerNorms' bytes (hwlib/kernels/add_layernorm_triton.py's count) with a bf16
+        # stream against an fp32 one, at each of the 2 L calls (one after every branch; block 0's first
+        # LayerNorm has no add before it, the final one has): forward and backward once each. The embedding
+        # sum's write and block 0's plain LayerNorm read, both narrower too, are not counted.
+        from .ops.add_layernorm import traffic_bytes
+        n, d = wl.items_per_step(cfg), cfg.d_model
+        f32, b16 = traffic_bytes(n, d, stream_bytes=4), traffic_bytes(n, d, stream_bytes=2)
+        nb = 2.0 * cfg.n_layer * sum(f32[k] - b16[k] for k in f32)
+        return Prediction(workload, step, "estimate", "the fused residual LayerNorms' stream terms at 2 bytes "
+                          "instead of 4, and the branch gradient's copy that a stream of the branch's dtype "
+                          "no longer needs", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
     return None
 
 

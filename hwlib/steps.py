@@ -41,6 +41,7 @@ class Settings:
     fused_qkv: bool = False          # QKV projection + attention as one op: dq, dk, dv packed with the bias gradient (hwlib.ops.qkv_attention)
     fc_bias_column: bool = False     # mlp_fc's bias gradient from its weight-gradient matmul, through a column of ones ln_2 writes
     fp8_head: bool = False           # the fused LM head's three GEMMs in FP8 (hwlib.ops.linear_ce_fp8); needs fused_head
+    bf16_stream: bool = False        # the residual stream in autocast's 16-bit dtype instead of fp32 (hwlib.ops.add_layernorm)
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
@@ -80,6 +81,15 @@ FP8_HEAD_TOLERANCE = (
     "notebook 26 (curve_move) on every run. The 10 steps cannot see a gradient error that only steers "
     "training (a head that rounded p_t - 1 into e5m2 passed them and then fell far behind), so notebook 26 also "
     "trains steps 09, 25 and 26 for 300 steps and bounds the FP8 step's end against step 25's "
+    "(hwlib.studies.fp8_head.LONG_TOL)")
+
+BF16_STREAM_TOLERANCE = (
+    "The residual stream is rounded to bf16's 8 significant bits after each of its 25 adds (a relative error of "
+    "at most 2^-9 each, independent from element to element), where the recipe keeps it in fp32; the branches "
+    "already read it through a bf16 LayerNorm output, and every matmul, LayerNorm statistic and gradient sum is "
+    "as before. The bound is the one the FP8 steps are held to, 1e-2, a third of bf16 autocast's own (step 03: "
+    "3e-2); notebook 27 measures the move on every run (curve_move) and, as notebook 26 does for the FP8 head, "
+    "trains it 300 steps beside the steps before it and bounds its end against step 26's "
     "(hwlib.studies.fp8_head.LONG_TOL)")
 
 LADDER: tuple[Step, ...] = (
@@ -204,6 +214,13 @@ LADDER: tuple[Step, ...] = (
          workloads=("gpt",), beyond_recipe=True,
          why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the FP8 head is built on GPT-2's fused head",
                  **{w: "its head has no large vocabulary: the logits are a few classes wide"
+                    for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}}),
+    Step("27_bf16_stream", "the residual stream in bf16 (the sum of each residual add rounded once; LayerNorm "
+         "statistics and every matmul as before)", {"bf16_stream": True}, 1e-2, gpu_only=True,
+         why_tolerance=BF16_STREAM_TOLERANCE,
+         workloads=("gpt",), beyond_recipe=True,
+         why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the stream is built into GPT's fused blocks",
+                 **{w: "the fused residual LayerNorm this step builds on is built into GPT's blocks only"
                     for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}}),
 )
 RECIPE_NAMES = tuple(s.name for s in LADDER if not s.beyond_recipe)

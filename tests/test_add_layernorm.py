@@ -298,6 +298,81 @@ def test_gpt_refuses_fused_blocks_with_checkpointing():
 def test_traffic_is_the_kernel_files_count():
     t = A.traffic_bytes(16384, 768)
     assert t == {"forward": 16384 * (12 * 768 + 8.0), "backward": 16384 * (16 * 768 + 8.0)}
+    # a bf16 stream: every stream term at 2 bytes, and dr (dx itself) not written
+    assert A.traffic_bytes(16384, 768, stream_bytes=2) == {"forward": 16384 * (8 * 768 + 8.0),
+                                                           "backward": 16384 * (8 * 768 + 8.0)}
+
+
+# --- a 16-bit stream (step 27): the interpreter has no bf16, so the Triton kernels run it in fp16 ------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_half_precision_stream_matches_float64_and_hands_on_one_gradient(backend, triton_device):
+    """The stream, the branch and the incoming gradients in one 16-bit dtype (bf16 for torch, fp16 for the
+    interpreted kernels): s, y, dx and dr come back in it, within its rounding of float64, and dr is dx's
+    memory (the kernel skips its write)."""
+    dt = torch.bfloat16 if backend == "torch" else torch.float16
+    dev = "cpu" if backend == "torch" else triton_device
+    x, r, w, b, ds, dy = make(37, 71, torch.float32, device=dev, key=("stream",))
+    x, r, ds, dy = (t.to(dt) for t in (x, r, ds, dy))
+    leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+    grads = {}
+    leaves[0].register_hook(lambda g: grads.setdefault("x", g))
+    leaves[1].register_hook(lambda g: grads.setdefault("r", g))
+    s, y = A.add_layer_norm(*leaves, backend=backend)
+    torch.autograd.backward([s, y], [ds, dy])
+    got = [s.detach(), y.detach()] + [t.grad for t in leaves]
+    assert [t.dtype for t in got] == [dt] * 4 + [torch.float32] * 2
+    assert grads["x"].data_ptr() == grads["r"].data_ptr()     # one tensor's memory, no copy
+    want = ref(x, r, w, b, ds, dy)
+    unit = 2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -11
+    for name, g, wt in zip(NAMES, got, want):
+        assert rel(g, wt) < 4 * unit, (name, rel(g, wt), unit)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_half_precision_stream_is_normalised_as_rounded(backend, triton_device):
+    """y (asked in fp32 from the op) is the LayerNorm of the stored, rounded s to fp32 precision, not of the
+    unrounded x + r: the backward, which recomputes s_hat from the stored s, then differentiates what the
+    forward computed. The unrounded sum's LayerNorm lies a 16-bit rounding away, which this would see."""
+    dt = torch.bfloat16 if backend == "torch" else torch.float16
+    dev = "cpu" if backend == "torch" else triton_device
+    x, r, w, b, _, _ = make(29, 48, torch.float32, device=dev, key=("rounded",))
+    x, r = x.to(dt), r.to(dt)
+    s, y, _, _ = torch.ops.hwlib.add_layer_norm(x, r, None, w, b, 1e-5, torch.float32, 0, backend)
+    assert s.dtype == dt and y.dtype == torch.float32
+    as_rounded = F.layer_norm(s.double().cpu(), (48,), w.double().cpu(), b.double().cpu())
+    unrounded = F.layer_norm((x.double() + r.double()).cpu(), (48,), w.double().cpu(), b.double().cpu())
+    assert rel(y, as_rounded) < 1e-5
+    assert rel(unrounded, as_rounded) > 30 * rel(y, as_rounded)
+
+
+def test_gpt_with_a_bf16_stream_keeps_it_in_bf16_and_moves_the_loss_by_its_rounding(monkeypatch):
+    """The smoke GPT under CPU bf16 autocast, fused blocks (torch backend): with bf16_stream every fused
+    LayerNorm gets a bf16 stream (fp32 without), the loss stays within a few bf16 roundings of the fp32
+    stream's, and every parameter's gradient is finite and close to the fp32 stream's."""
+    from hwlib.workloads import blocks, get_workload, gpt
+    from hwlib.workloads.gpt import GPT
+    seen = []
+
+    def spy(x, *a, **kw):
+        seen.append(x.dtype)
+        return A.add_layer_norm(x, *a, **kw)
+    monkeypatch.setattr(blocks, "add_layer_norm", spy)
+    monkeypatch.setattr(gpt, "add_layer_norm", spy)
+    cfg = get_workload("gpt").config("smoke")
+    idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for bf16 in (False, True):
+        model = GPT(cfg, attention="sdpa", fused_ln=True, bf16_stream=bf16).init_weights(0)
+        seen.clear()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        assert len(seen) == 2 * cfg.n_layer and set(seen) == {torch.bfloat16 if bf16 else torch.float32}, seen
+        out[bf16] = (loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()})
+    assert abs(out[True][0] / out[False][0] - 1) < 1e-2
+    for n, g in out[False][1].items():
+        assert torch.isfinite(out[True][1][n]).all() and rel(out[True][1][n], g) < 0.1, (n, rel(out[True][1][n], g))
 
 
 TRITON_SM90 = r"""
@@ -311,10 +386,19 @@ for k, dtypes, consts in (
         (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": False, "PAD": 0}),
         (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": True, "PAD": 0}),
         (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": True, "PAD": 16}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": False, "PAD": 0}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True, "PAD": 0}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True, "PAD": 16}),
-        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"}, {"HAS_DS": False, "HAS_RB": False, "PAD": 0})):
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"},
+         {"HAS_DS": True, "HAS_RB": False, "WRITE_DR": True, "PAD": 0}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"},
+         {"HAS_DS": True, "HAS_RB": True, "WRITE_DR": True, "PAD": 0}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"},
+         {"HAS_DS": True, "HAS_RB": True, "WRITE_DR": True, "PAD": 16}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "dr_ptr": "*bf16"},
+         {"HAS_DS": False, "HAS_RB": False, "WRITE_DR": True, "PAD": 0}),
+        # step 27's bf16 stream: x, r, s, y in bf16; dy, ds, dx in bf16 and no dr written
+        (mod._add_ln_fwd_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "s_ptr": "*bf16", "y_ptr": "*bf16"},
+         {"HAS_RB": True, "PAD": 16}),
+        (mod._add_ln_bwd_kernel, {"dy_ptr": "*bf16", "ds_ptr": "*bf16", "s_ptr": "*bf16", "dx_ptr": "*bf16",
+                                  "dr_ptr": "*bf16"}, {"HAS_DS": True, "HAS_RB": True, "WRITE_DR": False, "PAD": 16})):
     consts = {**consts, "BLOCK_M": mod.DEFAULT_BLOCK_M if k is mod._add_ln_fwd_kernel else mod.BACKWARD_BLOCK_M,
               "BLOCK_D": 1024}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names)

@@ -42,6 +42,14 @@ and the dw/db reductions each read their inputs again. GPT-2 small (M = 16,384, 
 forward, 201 MB backward per call; 24 calls a step (two per block), 8.4 GB. FLOPs ~10 D a row: no
 compute limit anywhere near.
 
+With the stream in the branch's 16-bit dtype (``hwlib.ops.add_layernorm``'s bf16 stream), every stream
+term halves and dr is dx itself, not written:
+
+    forward   read x 2D + r 2D, write s 2D + y 2D, + 8                      =  8 D
+    backward  read dy 2D + s 2D + ds_in 2D, write dx 2D, + 8                =  8 D
+
+16 D a row for both, 4.8 GB a step for GPT-2 small.
+
 Each program owns BLOCK_M whole rows (BLOCK_D >= D, the row in registers: one read of every
 input). The backward programs are persistent (a grid of a few per SM, each striding over row
 blocks) so that dw and db are summed in registers over many rows and written once per program.
@@ -89,8 +97,11 @@ def _add_ln_fwd_kernel(x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_pt
     r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RB:   # the branch's own output bias, added here instead of in its matmul's epilogue
         r += tl.load(rb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s = x + r
-    tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=mask)
+    # The stream is stored in its own dtype and normalised as stored: with a 16-bit stream the backward,
+    # which recomputes s_hat from the stored s, then differentiates the very function the forward computed.
+    s = (x + r).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + offs, s, mask=mask)
+    s = s.to(tl.float32)
     mean = tl.sum(s, axis=1) / D
     sc = tl.where(mask, s - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(sc * sc, axis=1) / D + eps)
@@ -110,7 +121,7 @@ def _add_ln_fwd_kernel(x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_pt
 
 @triton.jit
 def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dr_ptr, part_ptr,
-                       M, D, HAS_DS: tl.constexpr, HAS_RB: tl.constexpr, PAD: tl.constexpr,
+                       M, D, HAS_DS: tl.constexpr, HAS_RB: tl.constexpr, WRITE_DR: tl.constexpr, PAD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -138,7 +149,8 @@ def _add_ln_bwd_kernel(dy_ptr, ds_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
         if HAS_DS:
             dx += tl.load(ds_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dr_ptr + offs, dx.to(dr_ptr.dtype.element_ty), mask=mask)
+        if WRITE_DR:   # r narrower than the stream; of the same dtype, dx is r's gradient as well
+            tl.store(dr_ptr + offs, dx.to(dr_ptr.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * s_hat, axis=0)
         db += tl.sum(dy, axis=0)
         if HAS_RB:   # the branch bias's gradient: the column sums of ds, already in registers
@@ -172,10 +184,10 @@ def add_ln_fwd(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 
 
 def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: torch.Tensor, mean: torch.Tensor,
-               rstd: torch.Tensor, dx: torch.Tensor, dr: torch.Tensor, programs: int,
+               rstd: torch.Tensor, dx: torch.Tensor, dr: torch.Tensor | None, programs: int,
                block_m: int | None = None, r_bias: bool = False) -> torch.Tensor:
-    """dx (and dr, the same values in r's dtype) into the given buffers (dy [M, D], or [M, D + PAD]
-    from a y written with the bias column); returns the float32 partial
+    """dx (and dr, the same values in r's dtype; ``dr`` None: not written, where r has dx's dtype) into
+    the given buffers (dy [M, D], or [M, D + PAD] from a y written with the bias column); returns the float32 partial
     sums of dw and db, [programs, 2, D], and with ``r_bias`` the branch bias's too, [programs, 3, D]
     (the caller sums them over the programs: one small reduction). ``block_m`` overrides
     ``launch_config``'s rows per program (tests: more programs than row blocks)."""
@@ -185,8 +197,9 @@ def add_ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w: to
         return part.zero_()
     bm, nw = launch_config(D, BACKWARD_BLOCK_M)
     bm = block_m or bm
-    _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dr, part, M, D,
-                                    HAS_DS=ds is not None, HAS_RB=r_bias, PAD=dy.shape[1] - D, BLOCK_M=bm,
+    _add_ln_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, w, mean, rstd, dx, dx if dr is None else dr,
+                                    part, M, D, HAS_DS=ds is not None, HAS_RB=r_bias, WRITE_DR=dr is not None,
+                                    PAD=dy.shape[1] - D, BLOCK_M=bm,
                                     BLOCK_D=_block_d(D),
                                     num_warps=nw)
     return part

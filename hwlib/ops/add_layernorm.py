@@ -13,6 +13,13 @@ fp32), and ``y`` is rounded once into the autocast dtype, as the next matmul's a
 the fp32 LayerNorm output. The backward is fp32; the stream's gradient stays fp32 and the branch's
 is rounded into ``r``'s dtype, as autograd rounds the gradient of a promoted add.
 
+A 16-bit stream (``x`` in r's dtype, as Megatron-LM keeps it unless ``fp32_residual_connection`` is
+set) is the same op with every stream term narrower: the sum is taken in fp32 and rounded once into
+the stream's dtype, and the LayerNorm normalises the rounded sum (so the backward, which recomputes
+s_hat from the stored s, differentiates the function the forward computed); the statistics and the
+backward stay fp32, and the stream's gradient is rounded into its dtype. Where r and the stream share
+a dtype the branch's gradient is the stream's, the same tensor: the kernel writes it once.
+
 Backends (chosen once per call from the device, never switched on failure), as ``hwlib.ops.linear_ce``:
 
 ===========  ===========================================================================
@@ -102,13 +109,21 @@ def _programs(M: int, D: int, device: torch.device) -> int:
     return min(blocks, sms * k.PROGRAMS_PER_SM)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch backend's statistics and gradients are taken in: the stream's, at least fp32
+    (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _fwd_torch(x, r, r_bias, w, b, eps, y_dtype, pad: int = 0):
-    rx = r.to(x.dtype)
-    s = x + (rx if r_bias is None else rx + r_bias.to(x.dtype))
-    mean = s.mean(-1)
-    sc = s - mean[:, None]
+    acc = _acc(x.dtype)
+    sa = x.to(acc) + (r.to(acc) if r_bias is None else r.to(acc) + r_bias.to(acc))
+    s = sa.to(x.dtype)          # rounded once into the stream's dtype, and normalised as rounded
+    sa = s.to(acc)
+    mean = sa.mean(-1)
+    sc = sa - mean[:, None]
     rstd = torch.rsqrt((sc * sc).mean(-1) + eps)
-    y = (sc * rstd[:, None] * w.to(s.dtype) + b.to(s.dtype)).to(y_dtype)
+    y = (sc * rstd[:, None] * w.to(acc) + b.to(acc)).to(y_dtype)
     return s, with_bias_column(y) if pad else y, mean.float(), rstd.float()
 
 
@@ -121,15 +136,21 @@ def with_bias_column(y: torch.Tensor) -> torch.Tensor:
 
 
 def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype, r_bias: bool):
-    acc = s.dtype
-    s_hat = (s - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
+    acc = _acc(s.dtype)
+    s_hat = (s.to(acc) - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
     dyf = dy[:, :s.shape[1]].to(acc)   # dy may carry the bias column's (unused) gradient after D
     g = dyf * w.to(acc)
     dx = (g - s_hat * (g * s_hat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True)) * rstd.to(acc)[:, None]
     if ds is not None:
         dx = dx + ds.to(acc)
     sums = [(dyf * s_hat).sum(0), dyf.sum(0)] + ([dx.sum(0)] if r_bias else [])
-    return dx, dx.to(r_dtype, copy=True), torch.stack(sums)
+    return dx.to(s.dtype), _dr(dx, s, r_dtype), torch.stack(sums)
+
+
+def _dr(dx: torch.Tensor, s: torch.Tensor, r_dtype: torch.dtype) -> torch.Tensor:
+    """The branch's gradient as the backward op returns it: dx in r's dtype, or nothing (0 elements) where r
+    has the stream's dtype and ``_backward`` hands on dx itself."""
+    return s.new_empty(0) if r_dtype == s.dtype else dx.to(r_dtype, copy=True)
 
 
 # --- the ops: one node each for torch.compile, fake impls, the autograd formula ---------------------
@@ -164,7 +185,8 @@ def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: 
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # (dx, dr, partial [dw; db] sums [programs, 2, D] (with r_bias [dw; db; dr_bias], [programs, 3, D],
     # dr_bias = the column sums of ds): float32 from the kernel, one partial in the
-    # stream's dtype from the torch backend, so fp64 stays fp64). The sum over the programs is left to
+    # stream's dtype, at least fp32, from the torch backend, so fp64 stays fp64; dr has 0 elements where r has
+    # the stream's dtype: _backward hands on dx for it). The sum over the programs is left to
     # the autograd formula, outside this op: compiled, inductor writes it as one of its reductions. Done
     # in here, it ran as an eager column reduction of GPT-2 small's 528 x 1536 partials (3 MB): 0.42 ms
     # a step over 24 calls in step 22's trace on an H100, about 17 us a call.
@@ -172,17 +194,18 @@ def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: 
         dx, dr, sums = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype, r_bias)
         return dx, dr, sums[None]
     k = _kernel()
-    dx, dr = torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device)
-    part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx, dr,
-                        _programs(*s.shape, s.device), r_bias=r_bias)
+    dx = torch.empty_like(s)
+    dr = s.new_empty(0) if r_dtype == s.dtype else torch.empty(s.shape, dtype=r_dtype, device=s.device)
+    part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx,
+                        None if r_dtype == s.dtype else dr, _programs(*s.shape, s.device), r_bias=r_bias)
     return dx, dr, part
 
 
 @_bwd_op.register_fake
 def _(dy, ds, s, weight, mean, rstd, r_dtype, r_bias, backend):
-    programs, acc = (1, s.dtype) if backend == "torch" else (_programs(*s.shape, s.device), torch.float32)
-    return (torch.empty_like(s), torch.empty(s.shape, dtype=r_dtype, device=s.device),
-            s.new_empty((programs, 3 if r_bias else 2, weight.shape[0]), dtype=acc))
+    programs, acc = (1, _acc(s.dtype)) if backend == "torch" else (_programs(*s.shape, s.device), torch.float32)
+    dr = s.new_empty(0) if r_dtype == s.dtype else torch.empty(s.shape, dtype=r_dtype, device=s.device)
+    return torch.empty_like(s), dr, s.new_empty((programs, 3 if r_bias else 2, weight.shape[0]), dtype=acc)
 
 
 def _setup_context(ctx, inputs, output):
@@ -200,7 +223,9 @@ def _backward(ctx, ds, dy, _dmean, _drstd):
                                                            ctx.backend)
     sums = part.sum(0).unbind(0)
     drb = sums[2].to(ctx.r_bias_dtype) if has_rb else None
-    # dx is s's dtype, x's
+    # dx is s's dtype, x's; where r's is the same, dx is r's gradient too (the op returned no copy)
+    if ctx.r_dtype == s.dtype:
+        dr = dx
     return dx, dr, drb, sums[0].to(weight.dtype), sums[1].to(ctx.bias_dtype), None, None, None, None
 
 
@@ -244,7 +269,9 @@ def add_layer_norm_reference(x: torch.Tensor, r: torch.Tensor, weight: torch.Ten
 
 
 def traffic_bytes(rows: int, width: int, stream_bytes: int = 4, branch_bytes: int = 2) -> dict:
-    """Bytes one call moves at its fewest passes (the kernel file's count): forward, backward."""
+    """Bytes one call moves at its fewest passes (the kernel file's count): forward, backward. A stream
+    as narrow as the branch is taken to share its dtype (GPT's bf16 stream): dr is dx, not written."""
     fwd = rows * width * (2 * stream_bytes + 2 * branch_bytes) + 8 * rows
-    bwd = rows * width * (3 * stream_bytes + 2 * branch_bytes) + 8 * rows
+    dr = 0 if stream_bytes == branch_bytes else branch_bytes
+    bwd = rows * width * (3 * stream_bytes + branch_bytes + dr) + 8 * rows
     return {"forward": float(fwd), "backward": float(bwd)}

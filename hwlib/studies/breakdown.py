@@ -196,6 +196,10 @@ def floor_caveats(step: str) -> list[str]:
         notes.append("its LM head's three matmuls run in FP8, above the 16-bit matmul ceiling the GEMM floor is "
                      "counted at: for this step that floor is an upper bound; its casts and the gradient pass that "
                      "writes the FP8 gradient count as LM head / cross-entropy")
+    if st.bf16_stream:
+        notes.append("its residual stream is bf16, where the LayerNorm / elementwise floor counts the recipe's "
+                     "fp32 stream (4 d bytes a token for each of its terms): that category can run further below "
+                     "its floor")
     if st.fused_mlp:
         notes.append("its MLP's bias + GELU and the GELU's derivative run in the matmuls' "
                      "epilogues (cuBLASLt): their time counts as GEMMs, while the LayerNorm / elementwise floor still "

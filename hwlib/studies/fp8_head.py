@@ -234,18 +234,19 @@ def band(curves: dict[str, list[float]]) -> float | None:
     return (max(ends) - min(ends)) / min(ends) if len(ends) >= 2 else None
 
 
-def long_figure(curves: dict[str, list[float]]):
-    """Each step's loss curve (a 10-step running mean), the check's 10 steps shaded."""
+def long_figure(curves: dict[str, list[float]], dashed: str = LONG_FP8,
+                title: str = "GPT-2 small from the same seed: bf16 steps and the FP8 head"):
+    """Each step's loss curve (a 10-step running mean), the check's 10 steps shaded; ``dashed``'s dashed."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for st, c in curves.items():
         k = 10
         smooth = [sum(c[max(0, i - k + 1): i + 1]) / len(c[max(0, i - k + 1): i + 1]) for i in range(len(c))]
-        ax.plot(range(1, len(c) + 1), smooth, label=st, lw=1.4, ls="--" if st == LONG_FP8 else "-")
+        ax.plot(range(1, len(c) + 1), smooth, label=st, lw=1.4, ls="--" if st == dashed else "-")
     ax.axvspan(1, 10, color="0.9", label="the 10-step check")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (10-step running mean)")
-    ax.set_title("GPT-2 small from the same seed: bf16 steps and the FP8 head", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -1,7 +1,7 @@
-"""Notebooks 21's and 23's study of the fused residual add + LayerNorm (``hwlib.ops.add_layernorm``):
+"""Notebooks 21's, 23's and 27's study of the fused residual add + LayerNorm (``hwlib.ops.add_layernorm``):
 the op against float64 at odd sizes, and its two kernels alone at GPT-2 small's shape against the bytes
 they must move; for 23, the same with the branch's output bias (``r_bias``) and the column sum that its
-gradient no longer needs.
+gradient no longer needs; for 27, the same with the residual stream in bf16 (``stream``).
 
 Kernel timing: each sample is ``LAUNCHES`` back-to-back launches (``bench.time_fn``'s group), over
 input sets that rotate (together larger than L2): one launch of a ~50 us kernel per sample would time
@@ -22,6 +22,11 @@ LAUNCHES = 20
 INPUT_SETS = 4          # 4 x (x, r, s, y, ds, dy ...) at 16,384 x 768: ~1.4 GB, far beyond a 50 MB L2
 ODD_SIZES = ((37, 71), (130, 96), (257, 200), (5, 768))
 FP32_TOL = 1e-5     # relative, against float64: fp32 sums over at most a few hundred terms
+# A bf16 stream, against float64 of the same bf16 inputs: s is rounded once into bf16 (at most 2^-9 of
+# each element), and so are y, dx and dr; the normalisation carries s's rounding into y scaled by
+# |s - mean| / std, a few units for these inputs. 2^-7, four times bf16's unit roundoff, in the relative
+# Frobenius norm the rows report (each rounding's contribution there is about 2^-9 / sqrt(3)).
+BF16_STREAM_TOL = 2.0 ** -7
 
 
 def _draw(m: int, d: int, gen: torch.Generator, device, dtype, r_dtype):
@@ -47,56 +52,74 @@ def _grads(fn, x, r, w, b, ds, dy, c=None, **kw):
     return out if cl is None else {**out, "dc": cl.grad}
 
 
-def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = False) -> list[dict]:
+def _stream_dtype(stream) -> torch.dtype:
+    if stream not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"stream must be torch.float32 or torch.bfloat16, got {stream!r}")
+    return stream
+
+
+def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = False,
+                  stream: torch.dtype = torch.float32) -> list[dict]:
     """The op (the backend ``auto`` picks on ``device``) in fp32 against float64 on fresh inputs of
     sizes that are multiples of nothing: the largest relative error of s, y and the four gradients (with
     ``branch_bias``, a branch bias c passed as ``r_bias`` and its gradient dc too), and whether it is
-    within fp32's bound."""
+    within fp32's bound. With ``stream=torch.bfloat16`` every tensor but the gain and the biases is bf16
+    (the stream, the branch, y and the gradients), held to ``BF16_STREAM_TOL`` against float64 of the
+    same bf16 inputs."""
     device = torch.device(device)
+    stream = _stream_dtype(stream)
     gen = torch.Generator().manual_seed(seed)
     backend = A.select_backend("auto", device)
+    tol = FP32_TOL if stream == torch.float32 else BF16_STREAM_TOL
     rows = []
     for m, d in sizes:
-        *ins, c = _draw(m, d, gen, device, torch.float32, torch.float32)
+        x, r, w, b, ds, dy, c = _draw(m, d, gen, device, torch.float32, torch.float32)
+        x, r, ds, dy = (t.to(stream) for t in (x, r, ds, dy))
+        ins = [x, r, w, b, ds, dy]
         c = c if branch_bias else None
         got = _grads(A.add_layer_norm, *ins, c, backend=backend)
         ref = _grads(A.add_layer_norm_reference, *(t.double().cpu() for t in ins),
                      None if c is None else c.double().cpu())
         err = {k: float((got[k].double().cpu() - ref[k]).norm() / ref[k].norm()) for k in ref}
         worst = max(err.values())
-        rows.append({"M": m, "D": d, "backend": backend, **{f"{k} rel err": v for k, v in err.items()},
-                     "worst": worst, "within tolerance": worst < FP32_TOL})
+        rows.append({"M": m, "D": d, "backend": backend, "stream": str(stream).removeprefix("torch."),
+                     **{f"{k} rel err": v for k, v in err.items()}, "worst": worst, "tolerance": tol,
+                     "within tolerance": worst < tol})
     return rows
 
 
 def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, seed: int = 0,
-                branch_bias: bool = False) -> list[dict]:
+                branch_bias: bool = False, stream: torch.dtype = torch.float32) -> list[dict]:
     """The forward and backward kernels alone at [m, d] with GPT's dtypes (fp32 stream, bf16 branch and
     output) at their default launch configuration: median ms per call (p20, p80), GB/s on the bytes
     each must move (``add_layernorm.traffic_bytes``) and that over the measured copy ceiling. With
-    ``branch_bias``, the kernels that add a branch bias and sum its gradient (the same bytes a row)."""
+    ``branch_bias``, the kernels that add a branch bias and sum its gradient (the same bytes a row); with
+    ``stream=torch.bfloat16``, the stream and its gradient in bf16 (dr not written: it is dx)."""
     device = torch.device(device)
+    stream = _stream_dtype(stream)
     if device.type != "cuda":
         raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
     k = A._kernel()
     gen = torch.Generator().manual_seed(seed)
+    same = stream == torch.bfloat16
     sets = []
     for _ in range(INPUT_SETS):
-        x, r, w, b, ds, dy, c = _draw(m, d, gen, device, torch.float32, torch.bfloat16)
+        x, r, w, b, ds, dy, c = _draw(m, d, gen, device, stream, torch.bfloat16)
+        w, b, c = (t.float() for t in (w, b, c))
         c = c if branch_bias else None
         s, y = torch.empty_like(x), torch.empty_like(r)
         mean, rstd = torch.empty(m, device=device), torch.empty(m, device=device)
         k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd, c)
         sets.append(dict(x=x, r=r, w=w, b=b, c=c, ds=ds, dy=dy.to(torch.bfloat16), s=s, y=y, mean=mean, rstd=rstd,
-                         dx=torch.empty_like(x), dr=torch.empty_like(r)))
+                         dx=torch.empty_like(x), dr=None if same else torch.empty_like(r)))
     programs = A._programs(m, d, device)
     fwd = lambda i, S=sets: k.add_ln_fwd(*(S[i % INPUT_SETS][n] for n in ("x", "r", "w", "b")), 1e-5,
                                            *(S[i % INPUT_SETS][n] for n in ("s", "y", "mean", "rstd", "c")))
     bwd = lambda i, S=sets: k.add_ln_bwd(*(S[i % INPUT_SETS][n] for n in ("dy", "ds", "s", "w", "mean", "rstd",
                                                                           "dx", "dr")), programs,
                                          r_bias=branch_bias)
-    nbytes = A.traffic_bytes(m, d)
-    return [timed_row(name + (" with the branch bias" if branch_bias else ""),
+    nbytes = A.traffic_bytes(m, d, stream_bytes=stream.itemsize)
+    return [timed_row(name + (" with the branch bias" if branch_bias else "") + (", bf16 stream" if same else ""),
                       bench.time_fn(fn, device, warmup=1, iters=iters, group=LAUNCHES), nbytes[name], ceilings,
                       M=m, D=d)
             for name, fn in (("forward", fwd), ("backward", bwd))]

@@ -125,7 +125,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
                  checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False,
                  fused_mlp: bool = False, branch_bias: bool = False, fused_qkv: bool = False,
-                 fc_bias_column: bool = False, fp8_head: bool = False):
+                 fc_bias_column: bool = False, fp8_head: bool = False, bf16_stream: bool = False):
         super().__init__()
         self.cfg = cfg
         # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
@@ -136,6 +136,8 @@ class GPT(nn.Module):
         self.fp8_head = fp8_head
         if fp8_head and not fused_head:
             raise ValueError("fp8_head runs the fused LM head's GEMMs in FP8: it needs fused_head")
+        # The residual stream in autocast's dtype from the embeddings on (fp32 otherwise, as in the recipe).
+        self.bf16_stream = bf16_stream
         # Checkpointed blocks keep only their input; their activations are recomputed in backward.
         self.checkpointed, self.checkpoint_head = parse_checkpointing(checkpointing, cfg.n_layer)
         if fused_ln and (self.checkpointed or self.checkpoint_head):
@@ -170,6 +172,8 @@ class GPT(nn.Module):
         if T > self.cfg.context:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        if self.bf16_stream:
+            x = x.to(compute_dtype(x))
         if self.fused_ln:
             return self._head(self._blocks_fused(x), targets)
         for i, block in enumerate(self.blocks):
@@ -231,7 +235,8 @@ class GPTWorkload(TokenLMWorkload):
                     checkpointing=settings.checkpointing, fused_head=settings.fused_head,
                     fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp,
                     branch_bias=settings.branch_bias, fused_qkv=settings.fused_qkv,
-                    fc_bias_column=settings.fc_bias_column, fp8_head=settings.fp8_head).init_weights(seed)
+                    fc_bias_column=settings.fc_bias_column, fp8_head=settings.fp8_head,
+                    bf16_stream=settings.bf16_stream).init_weights(seed)
         if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
             from ..ops.fp8 import swap_mlp_linears
             swap_mlp_linears(model)

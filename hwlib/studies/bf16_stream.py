@@ -1,0 +1,53 @@
+"""Notebook 27's study: GPT-2's residual stream in bf16 (``Settings.bf16_stream``).
+
+The fused residual LayerNorm (``hwlib.ops.add_layernorm``) is the same op with a narrower stream; its
+correctness and its kernels alone are ``hwlib.studies.layernorm``'s (``stream=torch.bfloat16``). What
+is this step's own: the forward kernel's source, where the sum is rounded into the stream's dtype and
+normalised as rounded, and the loss curves past the 10-step check, trained as notebook 26 trains the FP8
+head's (``hwlib.studies.fp8_head.long_curves``) and bounded the same way (``fp8_head.LONG_TOL``).
+"""
+
+from __future__ import annotations
+
+from ..ops import add_layernorm as A
+from ..ops.sources import read_kernel_source
+from . import fp8_head
+
+NOTEBOOK = STEP = "27_bf16_stream"
+PREV = "26_fp8_head"
+LONG_STEPS = fp8_head.LONG_STEPS
+LONG_TOL = fp8_head.LONG_TOL
+
+
+def kernel_source() -> str:
+    """The forward kernel (``_add_ln_fwd_kernel``), read from its file (no Triton import needed)."""
+    src = read_kernel_source(A.KERNEL_FILE)
+    start = src.index("@triton.jit")
+    return src[start: src.index("\n@triton.jit", start + 1)].rstrip()
+
+
+def recorded_band(records: list[dict], steps: int) -> float | None:
+    """The bf16 steps' spread at the end of ``steps``-step curves as notebook 26 recorded it
+    (``long_bf16_band``, the newest), or None where it recorded none."""
+    hits = [r for r in records if r.get("metric") == "long_bf16_band" and r.get("status") == "ok"
+            and (r.get("fields") or {}).get("steps") == steps and isinstance(r.get("value"), (int, float))]
+    return max(hits, key=lambda r: r.get("time", ""))["value"] if hits else None
+
+
+def long_prose(rows: list[dict], band: float | None) -> str:
+    """The long curves of ``PREV`` and ``STEP`` (``fp8_head.long_rows(curves, base=PREV)``) in words,
+    beside the bf16 steps' band from notebook 26 where there is one."""
+    if not rows:
+        return "The long curves run on a GPU with FP8 matmuls, in the full or mid profile."
+    end, key = "final loss (mean of last tenth)", f"vs {PREV.split('_', 1)[0]}"
+    by = {r["step"]: r for r in rows}
+    text = f"After {rows[0]['steps']} steps, " + ", ".join(f"{r['step']} ended at {r[end]:.3f}" for r in rows) + ". "
+    mine = by.get(STEP)
+    if mine is None:
+        return text + f"{STEP} did not run here (its row in the ladder says why)."
+    text += f"The bf16 stream ended {mine[key]:+.1%} from step {PREV.split('_', 1)[0]} (the bound: {LONG_TOL:.0%})"
+    if band is not None:
+        text += (f"; notebook 26's two bf16 steps, the same math with different roundings, ended {band:.1%} apart "
+                 f"over as many steps, and this move is " + ("within" if abs(mine[key]) <= band else "beyond")
+                 + " that spread")
+    return text + "."
