@@ -174,9 +174,11 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
     measured: dict[str, float] = {}   # step -> throughput, for "x vs prev" along each step's chain
     for st in LADDER:
         m = by_step.get(st.name)
-        if not m:
+        if not m or "ms_per_step" not in m:
+            # every ladder measurement records its step time (n/a and skipped ones too); a step with other
+            # records only (notebook 16's breakdown of a step the ladder has not run) is not a ladder row
             continue
-        ms = m.get("ms_per_step", {})
+        ms = m["ms_per_step"]
         if ms.get("measurement"):   # only metrics of the same measurement as the newest step time
             m = {k: v for k, v in m.items() if v.get("measurement") in (None, ms["measurement"])}
         status = ms.get("status", "ok")

@@ -93,6 +93,48 @@ def test_time_fn_on_a_gpu_queues_every_sample_before_one_sync(monkeypatch):
     assert t.samples_ms == [1.5, 1.5, 1.5]   # (end - start) / group: three ticks over two calls
 
 
+def test_time_fn_with_a_cuda_graph_captures_one_group_and_replays_it(monkeypatch):
+    """cuda_graph: after the warm-up one group of calls is captured, and each sample replays that graph
+    between its events (no call runs again from the host); on a CPU device it is refused by name."""
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            log.append("event")
+            self.t = len(log)
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t)
+
+    class FakeGraph:
+        def replay(self):
+            log.append("replay")
+
+    class FakeCapture:
+        def __init__(self, graph):
+            pass
+
+        def __enter__(self):
+            log.append("capture")
+
+        def __exit__(self, *exc):
+            log.append("captured")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    t = bench.time_fn(lambda i: log.append(i), torch.device("cuda"), warmup=1, iters=2, group=2, cuda_graph=True)
+    assert log == [0, 1, "sync", "capture", 2, 3, "captured", "sync",
+                   "event", "replay", "event", "event", "replay", "event", "sync"]
+    assert t.samples_ms == [1.0, 1.0]     # (end - start) / group: two ticks over two calls
+    with pytest.raises(ValueError, match="cuda_graph .* device must be a CUDA device"):
+        bench.time_fn(lambda i: None, torch.device("cpu"), cuda_graph=True)
+
+
 def test_wall_s_includes_the_call():
     s, out = bench.wall_s(lambda: time.sleep(0.03) or 7, torch.device("cpu"))
     assert s >= 0.029 and out == 7

@@ -42,6 +42,17 @@ def test_ladder_rows_derive_speedups(ladder):
     assert rows["04_sdpa_attention"]["status"] == "math changed"
 
 
+def test_a_step_with_only_a_studys_records_is_no_ladder_row(ladder):
+    """Notebook 16 profiles a step the ladder has not run in this run: its step_ms and sol_share records
+    (no fields) make no ladder row, which would read ok without a time."""
+    common = dict(notebook="16_where_time_goes", workload="gpt", step="05_fused_optimizer", profile="full")
+    results.append([results.make_record(metric="step_ms", value=3.9, unit="ms", **common),
+                    results.make_record(metric="sol_share", value=0.5, unit="fraction", **common)])
+    rows = query.ladder_rows(query.load(), "gpt")
+    assert "05_fused_optimizer" not in [r["step"] for r in rows]
+    assert all(r["ms_per_step"] for r in rows if r["status"] == "ok")
+
+
 def test_every_ladder_row_has_the_same_columns_when_the_first_step_did_not_run(isolated_run):
     """A baseline that ran out of memory: the rows after it still write as one CSV table."""
     put("01_baseline_fp32", status="skipped", reason="out of memory")
