@@ -31,7 +31,12 @@ tensor cores twice as fast. Buffers a chunk: 4 bytes a logit (z, P, P^T), so chu
 Chunks small enough for their logits to stay in the 50 MB L2 between the GEMM and the two passes
 over them are slower, not faster: at GPT-2's shape on an H100 the forward GEMM, the row pass and the
 gradient pass took 2.96 ms in one chunk, 3.12 in chunks of 4,096 rows, 3.46 of 1,024 and 4.09 of 512
-(smaller GEMMs and launches, and the passes did not speed up from L2).
+(smaller GEMMs and launches, and the passes did not speed up from L2). Nor does running the passes of one
+chunk beside the GEMMs of the next, on a second stream: on an H100 the whole head (forward and backward)
+took 4.98 ms in one chunk on one stream and 5.07-6.10 ms in 1-8 chunks on two, 5.20-5.44 with cuBLAS told
+to leave 8-32 SMs free (torch's SM carve-out). Its GEMMs are persistent kernels (cuBLAS's nvjet) that hold
+every SM, and the forward GEMM writes the bf16 logits at about 1.5 TB/s, so the passes, bound by the
+same memory, found neither SMs nor bandwidth to spare: each pass ran 20-40% slower beside a GEMM.
 
 Precision (measured on GPUs by notebook 26 against float64): e4m3 keeps 3 mantissa bits, so the
 logits move by a few percent of their size (``hwlib.studies.fp8``'s head matmuls: 3.8% relative
