@@ -67,35 +67,9 @@ def test_time_fn_groups_calls_into_one_sample_of_their_mean():
         bench.time_fn(nap, torch.device("cpu"), group=0)
 
 
-def test_time_fn_on_a_gpu_queues_every_sample_before_one_sync(monkeypatch):
-    """A sync between samples leaves the device idle when the next start event is recorded, so each
-    sample would also time its first launch: the samples must all be queued before the one sync."""
-    log = []
-
-    class FakeEvent:
-        def __init__(self, enable_timing=False):
-            self.t = None
-
-        def record(self):
-            log.append("event")
-            self.t = len(log)        # a device clock that ticks once per queued operation
-
-        def synchronize(self):
-            log.append("sync")
-
-        def elapsed_time(self, end):
-            return float(end.t - self.t)
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
-    t = bench.time_fn(lambda i: log.append(i), torch.device("cuda"), warmup=1, iters=3, group=2)
-    assert log == [0, 1, "sync", "event", 2, 3, "event", "event", 4, 5, "event", "event", 6, 7, "event", "sync"]
-    assert t.samples_ms == [1.5, 1.5, 1.5]   # (end - start) / group: three ticks over two calls
-
-
-def test_time_fn_with_a_cuda_graph_captures_one_group_and_replays_it(monkeypatch):
-    """cuda_graph: after the warm-up one group of calls is captured, and each sample replays that graph
-    between its events (no call runs again from the host); on a CPU device it is refused by name."""
+def _fake_device_clock(monkeypatch) -> list:
+    """CUDA events and synchronize replaced by a log: each queued operation is one tick of the device's
+    clock, so (end - start) counts what a sample queued. Returns the log."""
     log = []
 
     class FakeEvent:
@@ -108,6 +82,25 @@ def test_time_fn_with_a_cuda_graph_captures_one_group_and_replays_it(monkeypatch
 
         def elapsed_time(self, end):
             return float(end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    return log
+
+
+def test_time_fn_on_a_gpu_queues_every_sample_before_one_sync(monkeypatch):
+    """A sync between samples leaves the device idle when the next start event is recorded, so each
+    sample would also time its first launch: the samples must all be queued before the one sync."""
+    log = _fake_device_clock(monkeypatch)
+    t = bench.time_fn(lambda i: log.append(i), torch.device("cuda"), warmup=1, iters=3, group=2)
+    assert log == [0, 1, "sync", "event", 2, 3, "event", "event", 4, 5, "event", "event", 6, 7, "event", "sync"]
+    assert t.samples_ms == [1.5, 1.5, 1.5]   # (end - start) / group: three ticks over two calls
+
+
+def test_time_fn_with_a_cuda_graph_captures_one_group_and_replays_it(monkeypatch):
+    """cuda_graph: after the warm-up one group of calls is captured, and each sample replays that graph
+    between its events (no call runs again from the host); on a CPU device it is refused by name."""
+    log = _fake_device_clock(monkeypatch)
 
     class FakeGraph:
         def replay(self):
@@ -123,10 +116,8 @@ def test_time_fn_with_a_cuda_graph_captures_one_group_and_replays_it(monkeypatch
         def __exit__(self, *exc):
             log.append("captured")
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
     t = bench.time_fn(lambda i: log.append(i), torch.device("cuda"), warmup=1, iters=2, group=2, cuda_graph=True)
     assert log == [0, 1, "sync", "capture", 2, 3, "captured", "sync",
                    "event", "replay", "event", "event", "replay", "event", "sync"]
