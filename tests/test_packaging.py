@@ -95,6 +95,10 @@ def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
         out.append(f"its README row has no Colab badge pointing at notebooks/{name}")
     if any(c.get("outputs") or c.get("execution_count") for c in code):
         out.append("outputs committed: commit notebooks without outputs")
+    ids = [c.get("id") for c in cells]
+    if None in ids or len(set(ids)) != len(ids):
+        # nbformat 4.5 requires a unique id per cell (a missing one warns now, and will be an error)
+        out.append("a cell without an id, or two with the same one")
     if not (cells and cells[0]["cell_type"] == "markdown" and "".join(cells[0]["source"]).startswith(f"# {stem[:2]} ")):
         out.append(f"the first cell is not a Markdown title '# {stem[:2]} ...'")
     params = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
@@ -171,6 +175,8 @@ def _broken(how: str) -> tuple[dict, str]:
         cells[1]["source"] = ["".join(cells[1]["source"]).replace("-c /tmp/", "--no-deps -c /tmp/")]
     elif how == "typed number":
         cells[0]["source"].append("\nTF32 made this step 1.8x faster.")
+    elif how == "no cell id":
+        del cells[2]["id"]
     return nb, readme
 
 
@@ -178,6 +184,7 @@ def _broken(how: str) -> tuple[dict, str]:
     ("badge", "Colab badge"), ("outputs", "outputs committed"), ("two parameters", "cells tagged 'parameters'"),
     ("no setup", "no setup cell"), ("no assert", "asserts on what it measured"), ("typed number", "typed into prose"),
     ("cpu runtime", "no GPU metadata for Colab"), ("old install", "differs from hwlib.release.setup_cell"),
+    ("no cell id", "a cell without an id"),
 ])
 def test_each_skeleton_check_fails_on_a_notebook_broken_that_way(how, says):
     nb, readme = _broken(how)
