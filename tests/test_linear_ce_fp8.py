@@ -209,6 +209,9 @@ def test_non_contiguous_inputs_and_bad_backend():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     with pytest.raises(ValueError, match="backend"):
         L8.fused_linear_cross_entropy_fp8(h, w, t, backend="cuda")
+    with pytest.raises(ValueError, match="backend"):     # "auto" is resolved before the passes are chosen
+        L8.passes("auto")
+    assert L8.passes("torch").grad is L8._grad_torch
 
 
 def test_no_grad_computes_the_loss_only_and_backward_says_why():

@@ -143,7 +143,7 @@ def _add_target_terms(dh, dw, t, coef, w8, inv_w, h8, inv_h) -> None:
     dw.index_add_(0, rows, h8.to(torch.float32).mul_((coef * inv_h)[:, None]))
 
 
-class _Passes(NamedTuple):
+class Passes(NamedTuple):
     """A backend's four passes, each called as the Triton kernels' Python faces are."""
     rows: Callable          # loss and log-sum-exp of each row (linear_ce_triton.ce_rows_)
     grad: Callable          # the off-target probabilities in FP8 in both layouts (ce_grad_fp8_triton.ce_grad_fp8)
@@ -155,12 +155,16 @@ def _cast_both_torch(x, scale, dtype):
     return cast_scaled(x, scale, dtype), cast_scaled(x.t(), scale, dtype)
 
 
-def _passes(backend: str) -> _Passes:
+def passes(backend: str) -> Passes:
+    """The four passes the chunk loop runs outside its GEMMs, for ``backend`` ("triton" or "torch"): what the
+    op calls, and what a study times alone (``hwlib.studies.fp8_head``)."""
+    if backend not in ("triton", "torch"):
+        raise ChoiceError("backend", backend, ("triton", "torch"))
     if backend == "triton":
         rows = functools.partial(load_python_kernel(ROWS_KERNEL_FILE).ce_rows_, block_v=LSE_BLOCK_V, num_warps=LSE_WARPS)
-        return _Passes(rows, load_python_kernel(GRAD_KERNEL_FILE).ce_grad_fp8,
+        return Passes(rows, load_python_kernel(GRAD_KERNEL_FILE).ce_grad_fp8,
                        load_python_kernel(CAST_KERNEL_FILE).cast_both, load_python_kernel(TARGET_KERNEL_FILE).add_target_terms)
-    return _Passes(rows_torch, _grad_torch, _cast_both_torch, _add_target_terms)
+    return Passes(rows_torch, _grad_torch, _cast_both_torch, _add_target_terms)
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -189,8 +193,8 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
     # One scale per tensor, on the device: W's both layouts now, h's chunk by chunk.
     wp = _padded(w, Vp, Dp)
     s_w = scale_for(_amax(wp), E4M3)
-    passes = _passes(backend)
-    w8, wt8 = passes.cast_both(wp, s_w, E4M3)
+    ps = passes(backend)
+    w8, wt8 = ps.cast_both(wp, s_w, E4M3)
     s_h = scale_for(_amax(hp), E4M3)
     inv_w, inv_h = s_w.reciprocal(), s_h.reciprocal()
     inv_g = (mean_w / GRAD_QMAX).reshape(())
@@ -202,22 +206,22 @@ def _chunk_loop(h, w, t, vocab, ignore_index, chunk, backend, need_grad, cdt):
     for r0 in range(0, Np, rows):
         r1 = min(Np, r0 + rows)
         C, hc = r1 - r0, hp[r0:r1]
-        h8, ht8 = passes.cast_both(hc, s_h, E4M3)
+        h8, ht8 = ps.cast_both(hc, s_h, E4M3)
         z = scaled_mm(h8, inv_h, w8, inv_w, cdt, fast_accum=True)
-        passes.rows(z, tp[r0:r1], losses[r0:r1], unused_scale, vocab, ignore_index, write_grad=False,
-                 lse_out=lse[:C])
+        ps.rows(z, tp[r0:r1], losses[r0:r1], unused_scale, vocab, ignore_index, write_grad=False,
+                lse_out=lse[:C])
         if not need_grad:
             continue
         g = torch.empty(C, Vp, dtype=E5M2, device=h.device)
         gt = torch.empty(Vp, C, dtype=E5M2, device=h.device)
-        passes.grad(z, lse[:C], tp[r0:r1], g, gt, vocab, ignore_index)
+        ps.grad(z, lse[:C], tp[r0:r1], g, gt, vocab, ignore_index)
         del z
         gh = scaled_mm(g, inv_g, wt8, inv_w, h.dtype)
         dw = scaled_mm(gt, inv_g, ht8, inv_h, torch.float32)
         del g, gt
         # (p_t - 1) / #targets: 0 on an ignored row (its loss is 0), NaN on a bad one (its loss is NaN)
         coef = torch.expm1(-losses[r0:r1]) * mean_w
-        passes.targets(gh, dw, tp[r0:r1], coef, w8, inv_w, h8, inv_h)
+        ps.targets(gh, dw, tp[r0:r1], coef, w8, inv_w, h8, inv_h)
         ghs.append(gh)
         gw = dw if gw is None else gw.add_(dw)
     loss = losses[:N].sum() / n_valid           # NaN when every target is ignored, as F.cross_entropy

@@ -121,7 +121,7 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
         rows.append({"kernel": name, "M": M, "D": D, "V": rows_w, "ms": tm.median_ms, "p20": tm.p20_ms,
                      "p80": tm.p80_ms, "peak extra GiB": peak_extra_gib(lambda: step(0), device)})
     # The FP8 head's own passes, alone, on the step's tensors, launched as the op launches them.
-    ps = L8._passes("triton")
+    ps = L8.passes("triton")
     wd, h = w.detach(), hs[0].detach()
     s_w, s_h = scale_for(wd.abs().amax(), E4M3), scale_for(h.abs().amax(), E4M3)
     w8, _ = ps.cast_both(wd, s_w, E4M3)
