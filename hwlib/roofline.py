@@ -142,47 +142,7 @@ def _counted(workload: str, step: str, profile: str, ceilings: dict | None, elem
                           saved_ms=bytes_ms(nb, ceilings))
     if step == "11_sequence_packing" and workload == "encoder_nli":
         return _packing(cfg, ceilings, precision_of(step))
-    if step == "21_fused_layernorm" and workload == "gpt":
-        # One pass per op (studies.breakdown.gpt_floors' count): the add reads the fp32 stream and the branch
-        # and writes the sum (10 d bytes a token), the LayerNorm reads the sum again (4 d) and writes its output
-        # (2 d); fused, the sum is normalised where it is made: 4 d bytes fewer per LayerNorm with an add before
-        # it (2 L of them), forward, and backward counted as twice the forward.
-        nb = 3.0 * wl.items_per_step(cfg) * 2 * cfg.n_layer * 4 * cfg.d_model
-        return Prediction(workload, step, "estimate", "the LayerNorms' re-read of each residual sum at one pass per "
-                          "op; inductor already fuses the forward add into the LayerNorm, so less may be left",
-                          bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
-    if step == "22_gelu_epilogue" and workload == "gpt":
-        # hwlib/kernels/gelu_epilogue.cpp's count at one pass per op, per layer: the GELU's re-read of the
-        # pre-activation (forward), the input gradient's write and re-read (backward).
-        from .ops.gelu_mlp import bytes_removed
-        per = bytes_removed(wl.items_per_step(cfg), 4 * cfg.d_model)
-        nb = float(cfg.n_layer * (per["forward"] + per["backward"]))
-        return Prediction(workload, step, "estimate", "the MLP's GELU passes over its [tokens, 4 d] activations at "
-                          "one pass per op; an epilogue that writes two outputs can slow its matmul, so less may be "
-                          "left", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
-    if step == "23_branch_bias" and workload == "gpt":
-        # The output projections' bias gradients (two a layer) are each a column sum of a bf16 [tokens, d]
-        # gradient, one read of it; in the LayerNorm's backward kernel they are sums of values already in
-        # registers. The forward's bias add moves from the matmul's epilogue to the LayerNorm: no bytes.
-        nb = 2.0 * cfg.n_layer * wl.items_per_step(cfg) * cfg.d_model * 2
-        return Prediction(workload, step, "estimate", "the output projections' bias gradients' own passes over "
-                          "their [tokens, d] gradients", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
-    if step == "24_qkv_grad" and workload == "gpt":
-        # hwlib/kernels/qkv_grad_triton.py's count: the QKV bias gradient's reduction re-reads dq, dk, dv
-        # (3 d bf16 values a token) after the packing copy; packed and summed in one pass, once per layer.
-        from .ops.qkv_attention import traffic_bytes
-        per = traffic_bytes(wl.items_per_step(cfg), cfg.d_model)
-        nb = float(cfg.n_layer * (per["unfused"] - per["fused"]))
-        return Prediction(workload, step, "estimate", "the QKV bias gradient's own read of dq, dk and dv",
-                          bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
-    if step == "25_bias_column" and workload == "gpt":
-        # mlp_fc's bias gradient is a column sum of the bf16 [tokens, 4 d] dpre, one read of it a layer; through
-        # the bias column it is one more column of a matmul that reads dpre anyway (its 16 extra columns of
-        # output, 2% of that matmul's FLOPs, and the LayerNorm's 16 extra bf16 columns are not counted).
-        nb = 2.0 * cfg.n_layer * wl.items_per_step(cfg) * 4 * cfg.d_model
-        return Prediction(workload, step, "estimate", "mlp_fc's bias gradient's own read of its [tokens, 4 d] "
-                          "gradient", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
-    if step == "26_fp8_head" and workload == "gpt":
+    if workload == "gpt" and step == "26_fp8_head":
         # The head's three GEMMs (2 N d V_pad FLOPs each) on FP8 tensor cores, whose peak on Hopper and Ada is
         # twice the 16-bit one: at the measured bf16 ceiling doubled. Bytes a logit are the same either way
         # (hwlib/ops/linear_ce_fp8.py: 10), and the casts of h and W are small, so only FLOPs move.
@@ -192,18 +152,57 @@ def _counted(workload: str, step: str, profile: str, ceilings: dict | None, elem
         return Prediction(workload, step, "estimate", "the LM head's three matmuls at twice the measured bf16 "
                           "matmul ceiling (FP8 tensor cores' peak rate over 16-bit's); the same bytes a logit",
                           flops_removed=0.0, saved_ms=None if t is None else t / 2)
-    if step == "27_bf16_stream" and workload == "gpt":
+    if workload == "gpt" and (fused := _gpt_fusion_bytes(step, wl.items_per_step(cfg), cfg)):
+        basis, nb = fused
+        return Prediction(workload, step, "estimate", basis, bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
+    return None
+
+
+def _gpt_fusion_bytes(step: str, n: int, cfg) -> tuple[str, float] | None:
+    """(what is counted, bytes removed a step) for GPT's steps past the recipe that remove memory
+    traffic, at ``n`` tokens a step; None for the other steps."""
+    L, d = cfg.n_layer, cfg.d_model
+    if step == "21_fused_layernorm":
+        # One pass per op (studies.breakdown.gpt_floors' count): the add reads the fp32 stream and the branch
+        # and writes the sum (10 d bytes a token), the LayerNorm reads the sum again (4 d) and writes its output
+        # (2 d); fused, the sum is normalised where it is made: 4 d bytes fewer per LayerNorm with an add before
+        # it (2 L of them), forward, and backward counted as twice the forward.
+        return ("the LayerNorms' re-read of each residual sum at one pass per op; inductor already fuses the "
+                "forward add into the LayerNorm, so less may be left", 3.0 * n * 2 * L * 4 * d)
+    if step == "22_gelu_epilogue":
+        # hwlib/kernels/gelu_epilogue.cpp's count at one pass per op, per layer: the GELU's re-read of the
+        # pre-activation (forward), the input gradient's write and re-read (backward).
+        from .ops.gelu_mlp import bytes_removed
+        per = bytes_removed(n, 4 * d)
+        return ("the MLP's GELU passes over its [tokens, 4 d] activations at one pass per op; an epilogue that "
+                "writes two outputs can slow its matmul, so less may be left",
+                float(L * (per["forward"] + per["backward"])))
+    if step == "23_branch_bias":
+        # The output projections' bias gradients (two a layer) are each a column sum of a bf16 [tokens, d]
+        # gradient, one read of it; in the LayerNorm's backward kernel they are sums of values already in
+        # registers. The forward's bias add moves from the matmul's epilogue to the LayerNorm: no bytes.
+        return ("the output projections' bias gradients' own passes over their [tokens, d] gradients",
+                2.0 * L * n * d * 2)
+    if step == "24_qkv_grad":
+        # hwlib/kernels/qkv_grad_triton.py's count: the QKV bias gradient's reduction re-reads dq, dk, dv
+        # (3 d bf16 values a token) after the packing copy; packed and summed in one pass, once per layer.
+        from .ops.qkv_attention import traffic_bytes
+        per = traffic_bytes(n, d)
+        return "the QKV bias gradient's own read of dq, dk and dv", float(L * (per["unfused"] - per["fused"]))
+    if step == "25_bias_column":
+        # mlp_fc's bias gradient is a column sum of the bf16 [tokens, 4 d] dpre, one read of it a layer; through
+        # the bias column it is one more column of a matmul that reads dpre anyway (its 16 extra columns of
+        # output, 2% of that matmul's FLOPs, and the LayerNorm's 16 extra bf16 columns are not counted).
+        return "mlp_fc's bias gradient's own read of its [tokens, 4 d] gradient", 2.0 * L * n * 4 * d
+    if step == "27_bf16_stream":
         # The fused residual LayerNorms' bytes (hwlib/kernels/add_layernorm_triton.py's count) with a bf16
         # stream against an fp32 one, at each of the 2 L calls (one after every branch; block 0's first
         # LayerNorm has no add before it, the final one has): forward and backward once each. The embedding
         # sum's write and block 0's plain LayerNorm read, both narrower too, are not counted.
         from .ops.add_layernorm import traffic_bytes
-        n, d = wl.items_per_step(cfg), cfg.d_model
         f32, b16 = traffic_bytes(n, d, stream_bytes=4), traffic_bytes(n, d, stream_bytes=2)
-        nb = 2.0 * cfg.n_layer * sum(f32[k] - b16[k] for k in f32)
-        return Prediction(workload, step, "estimate", "the fused residual LayerNorms' stream terms at 2 bytes "
-                          "instead of 4, and the branch gradient's copy that a stream of the branch's dtype "
-                          "no longer needs", bytes_removed=nb, saved_ms=bytes_ms(nb, ceilings))
+        return ("the fused residual LayerNorms' stream terms at 2 bytes instead of 4, and the branch gradient's "
+                "copy that a stream of the branch's dtype no longer needs", 2.0 * L * sum(f32[k] - b16[k] for k in f32))
     return None
 
 
