@@ -1,5 +1,5 @@
 """Step 27, the residual stream in bf16: its settings and chain, the roofline's count, the breakdown's
-caveat, and notebook 27's study (the kernel it prints, the band it reads back, its words)."""
+caveat, notebook 27's study (the kernel it prints, its words) and the band it reads back (report.recipe)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from hwlib import roofline
 from hwlib.ops.add_layernorm import traffic_bytes
+from hwlib.report import recipe
 from hwlib.steps import get_step, previous, settings_for
 from hwlib.studies import bf16_stream as S
 from hwlib.studies import breakdown as bd
@@ -46,16 +47,17 @@ def test_the_printed_kernel_is_the_forward_one():
     assert "s = s.to(tl.float32)" in src      # normalised as rounded
 
 
-def _band(value, steps, time, status="ok"):
-    return {"metric": "long_bf16_band", "status": status, "value": value, "fields": {"steps": steps}, "time": time}
+def _band(value, steps, status="ok"):
+    return {"metric": "long_bf16_band", "status": status, "value": value, "workload": "gpt", "fields": {"steps": steps}}
 
 
 def test_the_band_is_notebook_26s_newest_for_the_same_run_length():
-    recs = [_band(0.05, 300, "2026-11-01"), _band(0.031, 300, "2026-11-20"), _band(0.2, 100, "2026-11-25"),
-            _band(0.9, 300, "2026-11-26", status="interrupted"), {"metric": "long_final_loss", "value": 2.4}]
-    assert S.recorded_band(recs, 300) == 0.031
-    assert S.recorded_band(recs, 100) == 0.2
-    assert S.recorded_band(recs, 50) is None
+    """The records in file order (``query.load`` keeps the newest per key): the last ok one of that length."""
+    recs = [_band(0.05, 300), _band(0.031, 300), _band(0.2, 100), _band(0.9, 300, status="interrupted"),
+            {**_band(0.7, 300), "workload": "vit_bdh"}, {"metric": "long_final_loss", "value": 2.4, "workload": "gpt"}]
+    assert recipe.recorded_band(recs, 300) == 0.031
+    assert recipe.recorded_band(recs, 100) == 0.2
+    assert recipe.recorded_band(recs, 50) is None
 
 
 def _rows(prev_end, end):

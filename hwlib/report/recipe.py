@@ -55,15 +55,10 @@ def long_move(records: list[dict], step: str) -> dict | None:
     of the bf16 steps' ends that notebook 26 recorded for the same run length (``long_bf16_band``;
     None where it recorded none): from ``records`` (a run's, ``query.load``, the newest of each).
     None where ``step`` or the step before it has no long run."""
-    long, bands = {}, {}
-    for r in records:
-        if r.get("status") != "ok" or r.get("workload") != WORKLOAD or not isinstance(r.get("value"), (int, float)):
-            continue
-        n = (r.get("fields") or {}).get("steps")
+    long = {}
+    for r in _usable(records):
         if r.get("metric") == "long_final_loss":
-            long[(r["step"], n)] = r["value"]
-        elif r.get("metric") == "long_bf16_band":
-            bands[n] = r["value"]
+            long[(r["step"], (r.get("fields") or {}).get("steps"))] = r["value"]
     prev = previous(step)
     mine = [n for (s, n) in long if s == step]
     if prev is None or not mine:
@@ -72,7 +67,21 @@ def long_move(records: list[dict], step: str) -> dict | None:
     if (prev.name, n) not in long:
         return None
     return {"step": step, "prev": prev.name, "steps": n, "vs_prev": long[(step, n)] / long[(prev.name, n)] - 1,
-            "band": bands.get(n)}
+            "band": recorded_band(records, n)}
+
+
+def _usable(records: list[dict]) -> list[dict]:
+    """This workload's ok records with a numeric value, in the order given (a later one is newer)."""
+    return [r for r in records if r.get("status") == "ok" and r.get("workload") == WORKLOAD
+            and isinstance(r.get("value"), (int, float))]
+
+
+def recorded_band(records: list[dict], steps: int) -> float | None:
+    """The spread of the bf16 steps' ends over ``steps``-step curves as notebook 26 recorded it
+    (``long_bf16_band``; the last of ``records`` that has one, the newest), or None where it recorded none."""
+    bands = [r["value"] for r in _usable(records)
+             if r.get("metric") == "long_bf16_band" and (r.get("fields") or {}).get("steps") == steps]
+    return bands[-1] if bands else None
 
 
 def sentence(rows: list[dict], records: list[dict] | None = None) -> str:

@@ -26,17 +26,9 @@ def kernel_source() -> str:
     return src[start: src.index("\n@triton.jit", start + 1)].rstrip()
 
 
-def recorded_band(records: list[dict], steps: int) -> float | None:
-    """The bf16 steps' spread at the end of ``steps``-step curves as notebook 26 recorded it
-    (``long_bf16_band``, the newest), or None where it recorded none."""
-    hits = [r for r in records if r.get("metric") == "long_bf16_band" and r.get("status") == "ok"
-            and (r.get("fields") or {}).get("steps") == steps and isinstance(r.get("value"), (int, float))]
-    return max(hits, key=lambda r: r.get("time", ""))["value"] if hits else None
-
-
 def long_prose(rows: list[dict], band: float | None) -> str:
     """The long curves of ``PREV`` and ``STEP`` (``fp8_head.long_rows(curves, base=PREV)``) in words,
-    beside the bf16 steps' band from notebook 26 where there is one."""
+    beside the bf16 steps' band from notebook 26 where there is one (``report.recipe.recorded_band``)."""
     if not rows:
         return "The long curves run on a GPU with FP8 matmuls, in the full or mid profile."
     end, key = "final loss (mean of last tenth)", f"vs {PREV.split('_', 1)[0]}"
