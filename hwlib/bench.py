@@ -132,7 +132,10 @@ def time_fn(fn: Callable[[int], object], device: torch.device, *, warmup: int = 
         for i in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay() if cuda_graph else run(warmup + i)
+            if cuda_graph:
+                graph.replay()
+            else:
+                run(warmup + i)
             end.record()
             events.append((start, end))
         synchronize(device)

@@ -144,13 +144,16 @@ def _bwd_torch(dy, ds, s, w, mean, rstd, r_dtype, r_bias: bool):
     if ds is not None:
         dx = dx + ds.to(acc)
     sums = [(dyf * s_hat).sum(0), dyf.sum(0)] + ([dx.sum(0)] if r_bias else [])
-    return dx.to(s.dtype), _dr(dx, s, r_dtype), torch.stack(sums)
+    dr = _dr_buffer(s, r_dtype)
+    if dr.numel():
+        dr.copy_(dx)
+    return dx.to(s.dtype), dr, torch.stack(sums)
 
 
-def _dr(dx: torch.Tensor, s: torch.Tensor, r_dtype: torch.dtype) -> torch.Tensor:
-    """The branch's gradient as the backward op returns it: dx in r's dtype, or nothing (0 elements) where r
-    has the stream's dtype and ``_backward`` hands on dx itself."""
-    return s.new_empty(0) if r_dtype == s.dtype else dx.to(r_dtype, copy=True)
+def _dr_buffer(s: torch.Tensor, r_dtype: torch.dtype) -> torch.Tensor:
+    """The branch's gradient as the backward op returns it: [M, D] in r's dtype, or nothing (0 elements)
+    where r has the stream's dtype and ``_backward`` hands on dx itself."""
+    return s.new_empty(0) if r_dtype == s.dtype else torch.empty(s.shape, dtype=r_dtype, device=s.device)
 
 
 # --- the ops: one node each for torch.compile, fake impls, the autograd formula ---------------------
@@ -194,18 +197,17 @@ def _bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: 
         dx, dr, sums = _bwd_torch(dy, ds, s, weight, mean, rstd, r_dtype, r_bias)
         return dx, dr, sums[None]
     k = _kernel()
-    dx = torch.empty_like(s)
-    dr = s.new_empty(0) if r_dtype == s.dtype else torch.empty(s.shape, dtype=r_dtype, device=s.device)
+    dx, dr = torch.empty_like(s), _dr_buffer(s, r_dtype)
     part = k.add_ln_bwd(dy.contiguous(), None if ds is None else ds.contiguous(), s, weight, mean, rstd, dx,
-                        None if r_dtype == s.dtype else dr, _programs(*s.shape, s.device), r_bias=r_bias)
+                        dr if dr.numel() else None, _programs(*s.shape, s.device), r_bias=r_bias)
     return dx, dr, part
 
 
 @_bwd_op.register_fake
 def _(dy, ds, s, weight, mean, rstd, r_dtype, r_bias, backend):
     programs, acc = (1, _acc(s.dtype)) if backend == "torch" else (_programs(*s.shape, s.device), torch.float32)
-    dr = s.new_empty(0) if r_dtype == s.dtype else torch.empty(s.shape, dtype=r_dtype, device=s.device)
-    return torch.empty_like(s), dr, s.new_empty((programs, 3 if r_bias else 2, weight.shape[0]), dtype=acc)
+    return (torch.empty_like(s), _dr_buffer(s, r_dtype),
+            s.new_empty((programs, 3 if r_bias else 2, weight.shape[0]), dtype=acc))
 
 
 def _setup_context(ctx, inputs, output):

@@ -106,9 +106,8 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
     same = stream == torch.bfloat16
     sets = []
     for _ in range(INPUT_SETS):
-        x, r, w, b, ds, dy, c = _draw(m, d, gen, device, stream, torch.bfloat16)
-        w, b, c = (t.float() for t in (w, b, c))
-        c = c if branch_bias else None
+        x, r, w, b, ds, dy, c = _draw(m, d, gen, device, torch.float32, torch.bfloat16)
+        x, ds, c = x.to(stream), ds.to(stream), c if branch_bias else None
         s, y = torch.empty_like(x), torch.empty_like(r)
         mean, rstd = torch.empty(m, device=device), torch.empty(m, device=device)
         k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd, c)
