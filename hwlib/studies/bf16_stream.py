@@ -15,7 +15,6 @@ from . import fp8_head
 
 NOTEBOOK = STEP = "27_bf16_stream"
 PREV = "26_fp8_head"
-LONG_STEPS = fp8_head.LONG_STEPS
 LONG_TOL = fp8_head.LONG_TOL
 
 
