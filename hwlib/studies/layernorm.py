@@ -54,10 +54,12 @@ def _grads(fn, x, r, w, b, ds, dy, c=None, **kw):
     return out if cl is None else {**out, "dc": cl.grad}
 
 
-def _stream_dtype(stream) -> torch.dtype:
-    if stream not in (torch.float32, torch.bfloat16):
+def _stream_tol(stream) -> float:
+    """The bound a stream of dtype ``stream`` is held to against float64; a ValueError for any other dtype."""
+    tols = {torch.float32: FP32_TOL, torch.bfloat16: BF16_STREAM_TOL}
+    if stream not in tols:
         raise ValueError(f"stream must be torch.float32 or torch.bfloat16, got {stream!r}")
-    return stream
+    return tols[stream]
 
 
 def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = False,
@@ -69,10 +71,9 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = Fa
     (the stream, the branch, y and the gradients), held to ``BF16_STREAM_TOL`` against float64 of the
     same bf16 inputs."""
     device = torch.device(device)
-    stream = _stream_dtype(stream)
+    tol = _stream_tol(stream)
     gen = torch.Generator().manual_seed(seed)
     backend = A.select_backend("auto", device)
-    tol = FP32_TOL if stream == torch.float32 else BF16_STREAM_TOL
     rows = []
     for m, d in sizes:
         x, r, w, b, ds, dy, c = _draw(m, d, gen, device, torch.float32, torch.float32)
@@ -98,7 +99,7 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
     ``branch_bias``, the kernels that add a branch bias and sum its gradient (the same bytes a row); with
     ``stream=torch.bfloat16``, the stream and its gradient in bf16 (dr not written: it is dx)."""
     device = torch.device(device)
-    stream = _stream_dtype(stream)
+    _stream_tol(stream)
     if device.type != "cuda":
         raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
     k = A._kernel()
