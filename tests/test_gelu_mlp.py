@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hwlib.blas import LT_WORKSPACE_BYTES
 from hwlib.device import ChoiceError, Unavailable
 from hwlib.ops import fallbacks
 from hwlib.ops import gelu_mlp as gm
@@ -303,7 +304,8 @@ def test_cublaslt_refuses_widths_it_cannot_take():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLASLt)")
-def test_the_epilogues_compute_the_tanh_gelu_and_its_derivative():
+@pytest.mark.parametrize("ws_bytes", [LT_WORKSPACE_BYTES, 0])
+def test_the_epilogues_compute_the_tanh_gelu_and_its_derivative(ws_bytes):
     """Exact operands (one nonzero product per output, so the fp32 accumulator holds pre exactly) over
     pre in [-4, 4]: the epilogues' GELU and GELU' must be the tanh form's, rounded once to bf16 (within
     two units in the last place), and must not be the erf form's, which differs by more at many of these
@@ -315,10 +317,10 @@ def test_the_epilogues_compute_the_tanh_gelu_and_its_derivative():
     w = torch.zeros(n, n, dtype=torch.bfloat16)
     w[:, 0] = 1                                      # every output column: pre = v
     m = gm.module()
-    a, pre = m.gelu_forward(x.cuda(), w.cuda(), torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
+    a, pre = m.gelu_forward(x.cuda(), w.cuda(), torch.zeros(n, dtype=torch.bfloat16, device="cuda"), ws_bytes)
     assert torch.equal(pre[:, 0].cpu(), v)
     dpre = m.gelu_backward(torch.ones(M, n, dtype=torch.bfloat16, device="cuda"),
-                           torch.eye(n, dtype=torch.bfloat16, device="cuda"), pre)   # dy W = 1: dpre = gelu'(pre)
+                           torch.eye(n, dtype=torch.bfloat16, device="cuda"), pre, ws_bytes)   # dy W = 1: dpre = gelu'(pre)
     v64 = v.double().requires_grad_()
     for got, form in ((a, "value"), (dpre, "derivative")):
         got = got[:, 0].double().cpu()

@@ -3,12 +3,13 @@ step needs, and what a checkpoint saves."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 
 import torch
 
-from .. import precision
+from .. import blas, precision
 from ..memory.accumulation import accumulate, batch_size, plan_micro_batches
 from ..memory.offload import OffloadedAdamW
 from ..ops import fallbacks
@@ -55,9 +56,12 @@ class Session:
             mode = "reduce-overhead" if settings.cuda_graphs and device.type == "cuda" else None
             self.fwd = compile_model(self.model, mode=mode)
 
+    @contextlib.contextmanager
     def precision(self):
-        """The fp32 math mode of these settings (TF32 or IEEE), for the whole session's work."""
-        return precision.tf32_mode(self.settings.tf32)
+        """The fp32 math mode of these settings (TF32 or IEEE) and the workspace cuBLAS's matmuls get
+        (``hwlib.blas``), for the whole session's work."""
+        with precision.tf32_mode(self.settings.tf32), blas.no_workspace(self.settings.gemm_workspace_free):
+            yield
 
     def autocast(self):
         return precision.autocast(self.settings.autocast, self.device)

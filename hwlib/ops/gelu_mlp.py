@@ -34,6 +34,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from hwlib.blas import lt_workspace_bytes
 from hwlib.device import ChoiceError, Unavailable, info, supports_bf16
 from hwlib.precision import compute_dtype
 
@@ -53,9 +54,12 @@ BINDING = r"""
 #include <vector>
 #include "gelu_epilogue.h"
 
-// cuBLAS's recommended workspace on Hopper; taken from torch's caching allocator on every call (a
-// CUDA graph's private pool while one is captured).
-static constexpr int64_t WS_BYTES = 32ll << 20;
+// The workspace each call gets (hwlib.blas.lt_workspace_bytes: 32 MiB, cuBLAS's recommendation on Hopper, or
+// none), taken from torch's caching allocator on every call (a CUDA graph's private pool while one is captured).
+static torch::Tensor workspace(const torch::Tensor& like, int64_t ws_bytes) {
+  TORCH_CHECK(ws_bytes >= 0, "gelu_epilogue: ws_bytes must be >= 0, got ", ws_bytes);
+  return torch::empty({ws_bytes}, like.options().dtype(torch::kUInt8));
+}
 
 static void check_mat(const torch::Tensor& t, const char* name, int64_t dims, bool row_strided = false) {
   TORCH_CHECK(t.is_cuda(), "gelu_epilogue: ", name, " must be a CUDA tensor");
@@ -71,7 +75,7 @@ static void check_mat(const torch::Tensor& t, const char* name, int64_t dims, bo
               " must be 16-byte aligned");
 }
 
-std::vector<torch::Tensor> gelu_forward(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
+std::vector<torch::Tensor> gelu_forward(torch::Tensor x, torch::Tensor w, torch::Tensor b, int64_t ws_bytes) {
   check_mat(x, "x", 2, true); check_mat(w, "weight", 2); check_mat(b, "bias", 1);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && b.size(0) == N, "gelu_epilogue: x [M, K], weight [N, K], bias [N]");
@@ -79,15 +83,15 @@ std::vector<torch::Tensor> gelu_forward(torch::Tensor x, torch::Tensor w, torch:
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = torch::empty({M, N}, x.options());
   auto pre = torch::empty({M, N}, x.options());
-  auto ws = torch::empty({WS_BYTES}, x.options().dtype(torch::kUInt8));
+  auto ws = workspace(x, ws_bytes);
   const int err = gelu_epilogue_forward(at::cuda::getCurrentCUDABlasLtHandle(), x.data_ptr(), x.stride(0),
                                         w.data_ptr(), b.data_ptr(), out.data_ptr(), pre.data_ptr(), M, N, K,
-                                        ws.data_ptr(), WS_BYTES, c10::cuda::getCurrentCUDAStream().stream());
+                                        ws.data_ptr(), ws_bytes, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "gelu_epilogue forward: ", gelu_epilogue_error_string(err));
   return {out, pre};
 }
 
-torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre) {
+torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre, int64_t ws_bytes) {
   check_mat(dy, "dy", 2); check_mat(w, "weight", 2); check_mat(pre, "pre", 2);
   const int64_t M = dy.size(0), C = dy.size(1), N = w.size(1);
   TORCH_CHECK(w.size(0) == C && pre.size(0) == M && pre.size(1) == N,
@@ -95,9 +99,9 @@ torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre
   TORCH_CHECK(C % 8 == 0 && N % 8 == 0, "gelu_epilogue: C and N must be multiples of 8, got ", C, " and ", N);
   const c10::cuda::CUDAGuard guard(dy.device());
   auto dpre = torch::empty({M, N}, dy.options());
-  auto ws = torch::empty({WS_BYTES}, dy.options().dtype(torch::kUInt8));
+  auto ws = workspace(dy, ws_bytes);
   const int err = gelu_epilogue_backward(at::cuda::getCurrentCUDABlasLtHandle(), dy.data_ptr(), w.data_ptr(),
-                                         pre.data_ptr(), dpre.data_ptr(), M, N, C, ws.data_ptr(), WS_BYTES,
+                                         pre.data_ptr(), dpre.data_ptr(), M, N, C, ws.data_ptr(), ws_bytes,
                                          c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "gelu_epilogue backward: ", gelu_epilogue_error_string(err));
   return dpre;
@@ -107,7 +111,7 @@ torch::Tensor gelu_backward(torch::Tensor dy, torch::Tensor w, torch::Tensor pre
 // kernel for it took about 8 us more than torch.mm's plain product (a probe on an H100, GPT-2's MLP shape);
 // torch's own call with an output leading dimension (at::cuda::blas::gemm<at::BFloat16>) did not link against
 // torch 2.11 (its bf16 specialization is not exported): tried and taken back.
-torch::Tensor input_grad_padded(torch::Tensor dpre, torch::Tensor w, int64_t width) {
+torch::Tensor input_grad_padded(torch::Tensor dpre, torch::Tensor w, int64_t width, int64_t ws_bytes) {
   check_mat(dpre, "dpre", 2); check_mat(w, "weight", 2);
   const int64_t M = dpre.size(0), N = dpre.size(1), K = w.size(1);
   TORCH_CHECK(w.size(0) == N, "gelu_epilogue: dpre [M, N], weight [N, K]");
@@ -116,9 +120,9 @@ torch::Tensor input_grad_padded(torch::Tensor dpre, torch::Tensor w, int64_t wid
   const c10::cuda::CUDAGuard guard(dpre.device());
   auto dx = torch::empty({M, width}, dpre.options());
   dx.narrow(1, K, width - K).zero_();
-  auto ws = torch::empty({WS_BYTES}, dpre.options().dtype(torch::kUInt8));
+  auto ws = workspace(dpre, ws_bytes);
   const int err = gelu_epilogue_input_grad(at::cuda::getCurrentCUDABlasLtHandle(), dpre.data_ptr(), w.data_ptr(),
-                                           dx.data_ptr(), width, M, N, K, ws.data_ptr(), WS_BYTES,
+                                           dx.data_ptr(), width, M, N, K, ws.data_ptr(), ws_bytes,
                                            c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "gelu_epilogue input gradient: ", gelu_epilogue_error_string(err));
   return dx;
@@ -243,13 +247,13 @@ def _dpre_torch(dy, w_proj, pre):
 def forward_epilogues(x, w_fc, b_fc, w_proj, b_proj):
     """(y, a, pre): bias + GELU in the first matmul's epilogue, which also keeps pre; the second
     matmul is torch's (its bias in cuBLAS's own epilogue)."""
-    a, pre = module().gelu_forward(x, w_fc, b_fc)
+    a, pre = module().gelu_forward(x, w_fc, b_fc, lt_workspace_bytes())
     return F.linear(a, w_proj, b_proj), a, pre
 
 
 def dpre_epilogue(dy, w_proj, pre):
     """dpre = (dy W_proj) * gelu'(pre): the GELU's derivative in the input-gradient matmul's epilogue."""
-    return module().gelu_backward(dy, w_proj, pre)
+    return module().gelu_backward(dy, w_proj, pre, lt_workspace_bytes())
 
 
 def aligned(*ts: torch.Tensor) -> bool:
@@ -305,7 +309,7 @@ def _dx_op(dpre: torch.Tensor, w_fc: torch.Tensor, width: int, backend: str) -> 
     # bias column. cuBLASLt writes the rows in place (its output's leading dimension); torch pads a copy.
     if backend == "torch" or not _epilogues_take(dpre, w_fc):
         return F.pad(dpre @ w_fc, (0, width - w_fc.shape[1]))
-    return module().input_grad_padded(dpre, w_fc, width)
+    return module().input_grad_padded(dpre, w_fc, width, lt_workspace_bytes())
 
 
 @_dx_op.register_fake

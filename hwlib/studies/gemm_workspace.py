@@ -1,0 +1,156 @@
+"""Notebook 28's study: the matmuls of one GPT-2 block, each captured in a CUDA graph with and without
+cuBLAS's workspace (``hwlib.blas``): the memset nodes a call brings into the graph, the kernel cuBLAS
+picked, and the time per call.
+
+Each case is ``CALLS`` back-to-back calls over input sets that rotate (together larger than L2),
+captured once into a CUDA graph after a warm-up; a sample replays the graph, and the time per call is
+the replay's over ``CALLS``. Timed in a graph, as the step runs them: a memset node's cost is the wait
+it puts between kernels on the device, which a host-launched timing would hide behind launches.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import bench, blas, results, trace
+from ..ops import gelu_mlp as G
+from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
+
+NOTEBOOK = "28_gemm_workspace"
+CALLS = 8
+INPUT_SETS = 3      # 3 x a block's operands at GPT-2 small's full profile: ~1 GB, far beyond a 50 MB L2
+WORKSPACES = ("32 MiB", "none")
+
+
+def _sets(M: int, d: int, device, seed: int) -> list[dict]:
+    gen = torch.Generator(device).manual_seed(seed)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    r = lambda *s: torch.randn(*s, generator=gen, **bf)
+    out = []
+    for _ in range(INPUT_SETS):
+        x = r(M, d)
+        out.append(dict(x=x, xc=with_bias_column(x), a=r(M, d), h=r(M, 4 * d), pre=r(M, 4 * d), dpre=r(M, 4 * d),
+                        dy=r(M, d), dqkv=r(M, 3 * d), w_qkv=r(3 * d, d) / d ** 0.5, b_qkv=r(3 * d),
+                        w_o=r(d, d) / d ** 0.5, w_fc=r(4 * d, d) / d ** 0.5, b_fc=r(4 * d),
+                        w_proj=r(d, 4 * d) / (4 * d) ** 0.5))
+    return out
+
+
+def block_matmuls(M: int, d: int, device, seed: int = 0) -> list[tuple[str, str, object]]:
+    """(name, library, fn(i)) for the matmuls of one block of step 25 at M tokens and width d, each as
+    the step calls it; ``fn(i)`` uses input set ``i`` mod ``INPUT_SETS``."""
+    sets, mod = _sets(M, d, device, seed), G.module()
+    S = lambda i: sets[i % INPUT_SETS]
+    ws = blas.lt_workspace_bytes   # read at each call: the setting in force while the graph is captured
+    return [
+        ("QKV forward, x W^T + b", "torch (cuBLASLt, bias epilogue)", lambda i: F.linear(S(i)["x"], S(i)["w_qkv"], S(i)["b_qkv"])),
+        ("attention output forward, a W^T", "torch (cuBLAS)", lambda i: S(i)["a"] @ S(i)["w_o"].t()),
+        ("mlp_fc forward, GELU epilogue", "hwlib (cuBLASLt)",
+         lambda i: mod.gelu_forward(S(i)["xc"][:, :d], S(i)["w_fc"], S(i)["b_fc"], ws())),
+        ("mlp_proj forward, h W^T", "torch (cuBLAS)", lambda i: S(i)["h"] @ S(i)["w_proj"].t()),
+        ("mlp_proj input gradient, DGELU epilogue", "hwlib (cuBLASLt)",
+         lambda i: mod.gelu_backward(S(i)["dy"], S(i)["w_proj"], S(i)["pre"], ws())),
+        (f"mlp_fc input gradient, {d} + {BIAS_COLUMNS} wide", "hwlib (cuBLASLt)",
+         lambda i: mod.input_grad_padded(S(i)["dpre"], S(i)["w_fc"], d + BIAS_COLUMNS, ws())),
+        ("QKV input gradient, dqkv W", "torch (cuBLAS)", lambda i: S(i)["dqkv"] @ S(i)["w_qkv"]),
+        ("QKV weight gradient, dqkv^T x", "torch (cuBLAS)", lambda i: S(i)["dqkv"].t() @ S(i)["x"]),
+    ]
+
+
+def _captured(fn, device, calls: int):
+    for i in range(2):   # cuBLAS's handles and heuristics, outside the capture
+        fn(i)
+    bench.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    bench.synchronize(device)
+    return graph
+
+
+def _device_work(graph, device) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        events, why = trace.record(graph.replay, device, Path(tmp) / "replay.json")
+    if events is None:
+        raise RuntimeError(f"the replay could not be profiled: {why}")
+    return sorted(trace.device_events(events), key=lambda e: e["ts"])
+
+
+def matmul_rows(M: int, d: int, device, iters: int = 20, seed: int = 0, calls: int = CALLS) -> list[dict]:
+    """Per matmul of ``block_matmuls`` and per workspace (``WORKSPACES``): the memsets a call brings into
+    the graph, the kernel that ran, and the median time per call (p20, p80) in microseconds."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"matmul_rows captures CUDA graphs; device is {device}")
+    if calls < 1 or iters < 1:
+        raise ValueError(f"calls and iters must be >= 1, got {calls} and {iters}")
+    rows = []
+    for name, lib, fn in block_matmuls(M, d, device, seed):
+        for ws in WORKSPACES:
+            with blas.no_workspace(ws == "none"):
+                graph = _captured(fn, device, calls)
+            t = bench.time_fn(lambda i: graph.replay(), device, warmup=2, iters=iters)
+            work = _device_work(graph, device)
+            memsets = [e for e in work if e.get("cat") == "gpu_memset"]
+            kernels = [e for e in work if e.get("cat") == "kernel"]
+            rows.append({"matmul": name, "library": lib, "workspace": ws, "M": M, "d": d,
+                         "memsets per call": len(memsets) / calls,
+                         "kernel": str(kernels[-1]["name"])[:72] if kernels else None,
+                         "us": t.median_ms * 1e3 / calls, "p20": t.p20_ms * 1e3 / calls, "p80": t.p80_ms * 1e3 / calls})
+            del graph
+    return rows
+
+
+def matmul_records(rows: list[dict], *, profile: str, device) -> list[dict]:
+    """A ``kernel_ms`` record (per call) and a ``memsets_per_call`` record per row; the matmul, its
+    workspace and the shape in the fields."""
+    recs = []
+    for r in rows:
+        f = {"study": "gemm_workspace", "kernel": r["matmul"], "workspace": r["workspace"], "M": r["M"], "d": r["d"]}
+        common = dict(notebook=NOTEBOOK, workload="gpt", step=None, profile=profile, device=device, fields=f)
+        recs.append(results.make_record(metric="kernel_ms", value=r["us"] / 1e3, p20=r["p20"] / 1e3,
+                                        p80=r["p80"] / 1e3, unit="ms", params={"cuda_kernel": r["kernel"]}, **common))
+        recs.append(results.make_record(metric="memsets_per_call", value=r["memsets per call"], unit="count", **common))
+    return recs
+
+
+def pairs(rows: list[dict]) -> list[dict]:
+    """One row per matmul: its time per call with and without the workspace, the difference, and whether
+    the difference is beyond the two timings' p20-p80 spreads."""
+    by = {(r["matmul"], r["workspace"]): r for r in rows}
+    out = []
+    for name in dict.fromkeys(r["matmul"] for r in rows):
+        a, b = by.get((name, WORKSPACES[0])), by.get((name, WORKSPACES[1]))
+        if a is None or b is None:
+            continue
+        beyond = b["p80"] < a["p20"] or b["p20"] > a["p80"]
+        out.append({"matmul": name, "library": a["library"], "memsets with": a["memsets per call"],
+                    "memsets without": b["memsets per call"], "us with": a["us"], "us without": b["us"],
+                    "saved us": a["us"] - b["us"], "beyond spread": beyond})
+    return out
+
+
+def prose(rows: list[dict], n_layer: int) -> str:
+    """The matmuls alone in words, built from ``rows`` (``matmul_rows``) and the model's ``n_layer``."""
+    if not rows:
+        return "The matmuls were not timed alone here (a GPU and the full or mid profile time them)."
+    ps = pairs(rows)
+    gone = [p for p in ps if p["memsets with"] > 0 and p["memsets without"] == 0]
+    kept = [p for p in ps if p["memsets without"] > 0]
+    saved = sum(p["saved us"] for p in ps)
+    text = (f"Captured in CUDA graphs of back-to-back calls at {rows[0]['M']:,} tokens, {len(ps)} matmuls of a block: "
+            f"{sum(p['memsets with'] > 0 for p in ps)} brought a memset per call with cuBLAS's workspace, and "
+            f"{len(gone)} of them none without it. ")
+    if kept:
+        text += "Still with a memset without the workspace: " + ", ".join(p["matmul"] for p in kept) + ". "
+    text += ("Per call, without the workspace against with it: " + "; ".join(
+        f"{p['matmul']} {p['us with']:.1f} -> {p['us without']:.1f} us"
+        f"{'' if p['beyond spread'] else ' (within the spread)'}" for p in ps) +
+        f". Together {saved:+.1f} us a block's matmuls, {saved * n_layer / 1e3:+.3f} ms over {n_layer} blocks "
+        f"(a block's matmuls alone, not the step: in the step a memset also waits on the kernel before it).")
+    return text
