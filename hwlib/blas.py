@@ -15,6 +15,13 @@ where it exists (torch 2.13 and later), else from ``CUBLAS_WORKSPACE_CONFIG`` (c
 cuBLAS's, from ``CUBLASLT_WORKSPACE_SIZE``). hwlib's cuBLASLt calls (``hwlib.ops.gelu_mlp``) take
 ``lt_workspace_bytes()``. A CUDA graph keeps the kernels it captured: the setting must hold while a
 graph is recorded, not while it replays.
+
+torch keeps one workspace per cuBLAS handle and stream, allocated at the size in force at its first
+use and handed to cuBLAS at the size in force at each call: one first made inside ``no_workspace``
+is empty, and cuBLAS would write past it once the size is back. So ``no_workspace`` drops torch's
+workspaces on entry and on exit (``torch._C._cuda_clearCublasWorkspaces``, as inductor's CUDA-graph
+trees do around every recording), and each is made again at the size of its next use. A CUDA graph
+captured before must not be replayed afterwards: the workspace it wrote to may have been reused.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ def _setters():
     return None
 
 
+def _drop_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_initialized():
+        clear()
+
+
 @contextlib.contextmanager
 def no_workspace(enabled: bool = True):
     """Run matmuls without a cuBLAS workspace inside the block (``enabled``), restoring the sizes after;
@@ -67,6 +80,7 @@ def no_workspace(enabled: bool = True):
             for s in setters:
                 s(0)
         _free = True
+        _drop_workspaces()
         yield
     finally:
         _free = saved_free
@@ -78,3 +92,4 @@ def no_workspace(enabled: bool = True):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _drop_workspaces()

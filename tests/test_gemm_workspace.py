@@ -99,3 +99,19 @@ def test_without_the_workspace_torch_matmuls_bring_no_memset():
         if r["workspace"] == "none" and r["library"].startswith("torch"):
             assert r["memsets per call"] == 0, r
     assert not blas.workspace_free()
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (cuBLAS)")
+def test_a_workspace_first_made_without_a_size_is_not_used_after():
+    """torch makes a stream's cuBLAS workspace at its first use: one first used inside no_workspace must not
+    be handed to cuBLAS at the full size afterwards (it was empty: cuBLAS failed writing past it)."""
+    a = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2304, 768, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2304, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with blas.no_workspace():
+            inside = torch.nn.functional.linear(a, w, b)
+        outside = torch.nn.functional.linear(a, w, b)
+    torch.cuda.synchronize()
+    assert torch.allclose(inside.float(), outside.float(), rtol=1e-2, atol=1e-1)
