@@ -12,8 +12,9 @@ kernel's name) and no memset. The products are computed in the same tiles and pr
 
 torch reads its cuBLAS workspace size on every call: through ``torch.backends.cuda.cublas_workspace_size``
 where it exists (torch 2.13 and later), else from ``CUBLAS_WORKSPACE_CONFIG`` (cuBLASLt's, capped at
-cuBLAS's, from ``CUBLASLT_WORKSPACE_SIZE``). hwlib's cuBLASLt calls (``hwlib.ops.gelu_mlp``) take
-``lt_workspace_bytes()``. A CUDA graph keeps the kernels it captured: the setting must hold while a
+cuBLAS's, from ``CUBLASLT_WORKSPACE_SIZE``). hwlib's plain cuBLASLt matmul (``hwlib.ops.gelu_mlp``'s
+input gradient) takes ``lt_workspace_bytes()``; its two GELU epilogue matmuls keep their workspace,
+without which cuBLASLt has no fused DGELU kernel (``gelu_mlp.workspace_bytes``). A CUDA graph keeps the kernels it captured: the setting must hold while a
 graph is recorded, not while it replays.
 
 torch keeps one workspace per cuBLAS handle and stream, allocated at the size in force at its first

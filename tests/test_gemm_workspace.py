@@ -115,3 +115,13 @@ def test_a_workspace_first_made_without_a_size_is_not_used_after():
         outside = torch.nn.functional.linear(a, w, b)
     torch.cuda.synchronize()
     assert torch.allclose(inside.float(), outside.float(), rtol=1e-2, atol=1e-1)
+
+
+def test_the_gelu_epilogues_keep_their_workspace_and_the_plain_matmul_follows_the_setting():
+    from hwlib.ops import gelu_mlp as G
+    for free in (False, True):
+        with blas.no_workspace(free):
+            assert G.workspace_bytes("forward") == G.workspace_bytes("backward") == blas.LT_WORKSPACE_BYTES
+            assert G.workspace_bytes("input_grad") == (0 if free else blas.LT_WORKSPACE_BYTES)
+    with pytest.raises(ValueError, match="call must be one of"):
+        G.workspace_bytes("dx")

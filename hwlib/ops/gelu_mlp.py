@@ -34,7 +34,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hwlib.blas import lt_workspace_bytes
+from hwlib.blas import LT_WORKSPACE_BYTES, lt_workspace_bytes
 from hwlib.device import ChoiceError, Unavailable, info, supports_bf16
 from hwlib.precision import compute_dtype
 
@@ -244,16 +244,30 @@ def _dpre_torch(dy, w_proj, pre):
 
 # --- the same through cuBLASLt's epilogues (bf16, widths multiples of 8) ---------------------------
 
+EPILOGUE_CALLS = ("forward", "backward", "input_grad")
+
+
+def workspace_bytes(call: str) -> int:
+    """The cuBLASLt workspace of one of ``EPILOGUE_CALLS``. The two epilogue matmuls keep theirs: without
+    one (``hwlib.blas.no_workspace``) cuBLASLt answered the DGELU matmul with a plain matmul and a separate
+    epilogue kernel, 472 us against 158 us a call, and the GELU forward with a kernel that took 160 us
+    against 158 (H100, GPT-2's MLP, captured in CUDA graphs: notebook 28). The plain input gradient
+    follows ``hwlib.blas``."""
+    if call not in EPILOGUE_CALLS:
+        raise ValueError(f"call must be one of {EPILOGUE_CALLS}, got {call!r}")
+    return lt_workspace_bytes() if call == "input_grad" else LT_WORKSPACE_BYTES
+
+
 def forward_epilogues(x, w_fc, b_fc, w_proj, b_proj):
     """(y, a, pre): bias + GELU in the first matmul's epilogue, which also keeps pre; the second
     matmul is torch's (its bias in cuBLAS's own epilogue)."""
-    a, pre = module().gelu_forward(x, w_fc, b_fc, lt_workspace_bytes())
+    a, pre = module().gelu_forward(x, w_fc, b_fc, workspace_bytes("forward"))
     return F.linear(a, w_proj, b_proj), a, pre
 
 
 def dpre_epilogue(dy, w_proj, pre):
     """dpre = (dy W_proj) * gelu'(pre): the GELU's derivative in the input-gradient matmul's epilogue."""
-    return module().gelu_backward(dy, w_proj, pre, lt_workspace_bytes())
+    return module().gelu_backward(dy, w_proj, pre, workspace_bytes("backward"))
 
 
 def aligned(*ts: torch.Tensor) -> bool:
@@ -309,7 +323,7 @@ def _dx_op(dpre: torch.Tensor, w_fc: torch.Tensor, width: int, backend: str) -> 
     # bias column. cuBLASLt writes the rows in place (its output's leading dimension); torch pads a copy.
     if backend == "torch" or not _epilogues_take(dpre, w_fc):
         return F.pad(dpre @ w_fc, (0, width - w_fc.shape[1]))
-    return module().input_grad_padded(dpre, w_fc, width, lt_workspace_bytes())
+    return module().input_grad_padded(dpre, w_fc, width, workspace_bytes("input_grad"))
 
 
 @_dx_op.register_fake

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .. import bench
-from ..blas import lt_workspace_bytes
 from ..ops import gelu_mlp as G
 from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
 from .kernel_records import kernel_records as records_of
@@ -92,7 +91,7 @@ def kernel_rows(M: int, K: int, N: int, device, iters: int = 20, seed: int = 0) 
              ("bias gradient's own column sum (inductor)", lambda i: colsum(S(i, "dpre"))),
              ("input gradient, dpre W_fc", lambda i: S(i, "dpre") @ S(i, "w")),
              (f"input gradient written {K} + {BIAS_COLUMNS} wide (cuBLASLt)",
-              lambda i: mod.input_grad_padded(S(i, "dpre"), S(i, "w"), K + BIAS_COLUMNS, lt_workspace_bytes())))
+              lambda i: mod.input_grad_padded(S(i, "dpre"), S(i, "w"), K + BIAS_COLUMNS, G.workspace_bytes("input_grad"))))
     rows = []
     for name, fn in cases:
         t = bench.time_fn(fn, device, warmup=2, iters=iters, group=LAUNCHES)

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import bench
-from ..blas import lt_workspace_bytes
 from ..ops import gelu_mlp as G
 from .kernel_records import kernel_records as records_of
 
@@ -82,16 +81,16 @@ def kernel_rows(M: int, K: int, N: int, C: int, device, iters: int = 20, seed: i
     sets = []
     for _ in range(INPUT_SETS):
         x, w_fc, b_fc, w_proj, _, dy = _draw(M, K, N, C, gen, device, torch.bfloat16)
-        a, pre = m.gelu_forward(x, w_fc, b_fc, lt_workspace_bytes())
+        a, pre = m.gelu_forward(x, w_fc, b_fc, G.workspace_bytes("forward"))
         sets.append(dict(x=x, w_fc=w_fc, b_fc=b_fc, w_proj=w_proj, dy=dy, a=a, pre=pre))
     gelu = torch.compile(lambda p: F.gelu(p, approximate="tanh"))
     dgelu = torch.compile(lambda d, p: torch.ops.aten.gelu_backward(d, p, approximate="tanh"))
     S = lambda i, n: sets[i % INPUT_SETS][n]
     pairs = (
         ("forward: x W_fc^T + b, GELU", "unfused", lambda i: gelu(F.linear(S(i, "x"), S(i, "w_fc"), S(i, "b_fc")))),
-        ("forward: x W_fc^T + b, GELU", "epilogue", lambda i: m.gelu_forward(S(i, "x"), S(i, "w_fc"), S(i, "b_fc"), lt_workspace_bytes())),
+        ("forward: x W_fc^T + b, GELU", "epilogue", lambda i: m.gelu_forward(S(i, "x"), S(i, "w_fc"), S(i, "b_fc"), G.workspace_bytes("forward"))),
         ("backward: dy W_proj, GELU'", "unfused", lambda i: dgelu(S(i, "dy") @ S(i, "w_proj"), S(i, "pre"))),
-        ("backward: dy W_proj, GELU'", "epilogue", lambda i: m.gelu_backward(S(i, "dy"), S(i, "w_proj"), S(i, "pre"), lt_workspace_bytes())),
+        ("backward: dy W_proj, GELU'", "epilogue", lambda i: m.gelu_backward(S(i, "dy"), S(i, "w_proj"), S(i, "pre"), G.workspace_bytes("backward"))),
     )
     rows = []
     for part, impl, fn in pairs:

@@ -45,17 +45,17 @@ def block_matmuls(M: int, d: int, device, seed: int = 0) -> list[tuple[str, str,
     the step calls it; ``fn(i)`` uses input set ``i`` mod ``INPUT_SETS``."""
     sets, mod = _sets(M, d, device, seed), G.module()
     S = lambda i: sets[i % INPUT_SETS]
-    ws = blas.lt_workspace_bytes   # read at each call: the setting in force while the graph is captured
+    ws = G.workspace_bytes   # read at each call, as the op does: the setting in force while the graph is captured
     return [
         ("QKV forward, x W^T + b", "torch (cuBLASLt, bias epilogue)", lambda i: F.linear(S(i)["x"], S(i)["w_qkv"], S(i)["b_qkv"])),
         ("attention output forward, a W^T", "torch (cuBLAS)", lambda i: S(i)["a"] @ S(i)["w_o"].t()),
         ("mlp_fc forward, GELU epilogue", "hwlib (cuBLASLt)",
-         lambda i: mod.gelu_forward(S(i)["xc"][:, :d], S(i)["w_fc"], S(i)["b_fc"], ws())),
+         lambda i: mod.gelu_forward(S(i)["xc"][:, :d], S(i)["w_fc"], S(i)["b_fc"], ws("forward"))),
         ("mlp_proj forward, h W^T", "torch (cuBLAS)", lambda i: S(i)["h"] @ S(i)["w_proj"].t()),
         ("mlp_proj input gradient, DGELU epilogue", "hwlib (cuBLASLt)",
-         lambda i: mod.gelu_backward(S(i)["dy"], S(i)["w_proj"], S(i)["pre"], ws())),
+         lambda i: mod.gelu_backward(S(i)["dy"], S(i)["w_proj"], S(i)["pre"], ws("backward"))),
         (f"mlp_fc input gradient, {d} + {BIAS_COLUMNS} wide", "hwlib (cuBLASLt)",
-         lambda i: mod.input_grad_padded(S(i)["dpre"], S(i)["w_fc"], d + BIAS_COLUMNS, ws())),
+         lambda i: mod.input_grad_padded(S(i)["dpre"], S(i)["w_fc"], d + BIAS_COLUMNS, ws("input_grad"))),
         ("QKV input gradient, dqkv W", "torch (cuBLAS)", lambda i: S(i)["dqkv"] @ S(i)["w_qkv"]),
         ("QKV weight gradient, dqkv^T x", "torch (cuBLAS)", lambda i: S(i)["dqkv"].t() @ S(i)["x"]),
     ]
