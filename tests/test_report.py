@@ -70,6 +70,18 @@ def test_every_ladder_row_has_the_same_columns_when_the_first_step_did_not_run(i
     assert Path(report.write_all()["gpt.csv"]).read_text().count("\n") == len(rows) + 1
 
 
+def test_a_branch_steps_prose_compares_it_with_the_step_it_builds_on(isolated_run):
+    """28 builds on 25: its words say how it did against 25, not against 27 listed just before it."""
+    put("25_bias_column", ms=4.0, tps=2500.0, check=1e-5)
+    put("26_fp8_head", ms=3.0, tps=3333.0, check=1e-3)
+    put("27_bf16_stream", ms=2.9, tps=3448.0, check=1e-4)
+    put("28_gemm_workspace", ms=3.96, tps=2525.0, check=1e-5)
+    rows = query.ladder_rows(query.load(), "gpt")
+    text = report.step_prose(rows, "gpt", "28_gemm_workspace")
+    assert "Against 25_bias_column (4.00 ms/step) that is 1.01x, within the p20-p80 spread" in text
+    assert "27_bf16_stream" not in text
+
+
 def test_markdown_table_and_prose_use_the_numbers(ladder):
     rows = query.ladder_rows(query.load(), "gpt")
     md = report.markdown_table(rows)

@@ -221,8 +221,8 @@ def step_prose(rows: list[dict], workload: str, step: str) -> str:
         return f"For {workload}, {step} is {row['status']}: {row['reason'] or 'see the check above'}."
     if not row["throughput"]:
         return f"For {workload}, {step} ran but recorded no time ({row['reason'] or row['status']})."
-    i = rows.index(row)
-    prev = next((r for r in reversed(rows[:i]) if r["throughput"]), None)
+    # the step it builds on (its chain's nearest measured step: a branch skips the steps listed between)
+    prev = next((r for r in rows if r["step"] == row.get("prev_step") and r["throughput"]), None)
     unit = row["unit"].replace("/s", "")
     parts = [f"On {row['device']} ({row['profile']} profile), {workload} at {step} ran "
              f"{row['ms_per_step']:.2f} ms/step ({row['throughput']:,.0f} {unit}/s)."]
