@@ -54,8 +54,9 @@ BINDING = r"""
 #include <vector>
 #include "gelu_epilogue.h"
 
-// The workspace each call gets (hwlib.blas.lt_workspace_bytes: 32 MiB, cuBLAS's recommendation on Hopper, or
-// none), taken from torch's caching allocator on every call (a CUDA graph's private pool while one is captured).
+// The workspace each call gets (gelu_mlp.workspace_bytes: 32 MiB, cuBLAS's recommendation on Hopper, or none
+// inside hwlib.blas.no_workspace), taken from torch's caching allocator on every call (a CUDA graph's private
+// pool while one is captured).
 static torch::Tensor workspace(const torch::Tensor& like, int64_t ws_bytes) {
   TORCH_CHECK(ws_bytes >= 0, "gelu_epilogue: ws_bytes must be >= 0, got ", ws_bytes);
   return torch::empty({ws_bytes}, like.options().dtype(torch::kUInt8));
