@@ -8,21 +8,26 @@ of GPT-2's step 25 on an H100, 130 memsets a step (one before most matmuls and t
 came with 0.56 ms of gaps around them and 0.10 ms of their own, in a 31.7 ms step. Without a
 workspace cuBLAS picks the same tiles with a scheduler that needs no counters (``ssched`` in the
 kernel's name) and no memset. The products are computed in the same tiles and precision; notebook
-28 measures what it changes (``hwlib.studies.gemm_workspace``).
+28 measures what it changes (``hwlib.studies.gemm_workspace``), and its table of memsets per call
+shows whether the setting took on the torch at hand.
 
-torch reads its cuBLAS workspace size on every call: through ``torch.backends.cuda.cublas_workspace_size``
-where it exists (torch 2.13 and later), else from ``CUBLAS_WORKSPACE_CONFIG`` (cuBLASLt's, capped at
-cuBLAS's, from ``CUBLASLT_WORKSPACE_SIZE``). hwlib's plain cuBLASLt matmul (``hwlib.ops.gelu_mlp``'s
-input gradient) takes ``lt_workspace_bytes()``; its two GELU epilogue matmuls keep their workspace,
-without which cuBLASLt has no fused DGELU kernel (``gelu_mlp.workspace_bytes``). A CUDA graph keeps the kernels it captured: the setting must hold while a
-graph is recorded, not while it replays.
+How the size is set. torch 2.13 and later: ``torch.backends.cuda.cublas_workspace_size`` and
+``cublaslt_workspace_size``, reset to torch's own choice on leaving. Before that, torch reads
+``CUBLAS_WORKSPACE_CONFIG`` (cuBLASLt's size capped at cuBLAS's) when it hands a handle its workspace:
+torch 2.11, on which this was measured, reads it on every call; older versions may read it once, and
+there the setting may not take (the notebook's table says so). hwlib's plain cuBLASLt matmul
+(``hwlib.ops.gelu_mlp``'s input gradient) takes ``lt_workspace_bytes()``; its two GELU epilogue matmuls
+keep their workspace, without which cuBLASLt has no fused DGELU kernel (``gelu_mlp.workspace_bytes``).
+A CUDA graph keeps the kernels it captured: the setting must hold while a graph is recorded, not
+while it replays.
 
-torch keeps one workspace per cuBLAS handle and stream, allocated at the size in force at its first
-use and handed to cuBLAS at the size in force at each call: one first made inside ``no_workspace``
-is empty, and cuBLAS would write past it once the size is back. So ``no_workspace`` drops torch's
-workspaces on entry and on exit (``torch._C._cuda_clearCublasWorkspaces``, as inductor's CUDA-graph
-trees do around every recording), and each is made again at the size of its next use. A CUDA graph
-captured before must not be replayed afterwards: the workspace it wrote to may have been reused.
+torch keeps one workspace per cuBLAS handle and stream. In torch 2.11 it is allocated at the size in
+force at its first use and handed to cuBLAS at the size in force at each call: one first made inside
+``no_workspace`` is empty, and cuBLAS failed writing past it once the size was back
+(``CUBLAS_STATUS_EXECUTION_FAILED``, notebook 28's first run on an H100). So ``no_workspace`` drops
+torch's workspaces on entry and on exit (``torch._C._cuda_clearCublasWorkspaces``, as inductor's
+CUDA-graph trees do around every recording), and each is made again at the size of its next use. A
+CUDA graph captured before must not be replayed afterwards: the workspace it wrote to may be reused.
 """
 
 from __future__ import annotations
@@ -43,16 +48,20 @@ def workspace_free() -> bool:
 
 
 def lt_workspace_bytes() -> int:
-    """The workspace hwlib's cuBLASLt calls get now: none inside ``no_workspace``, else 32 MiB."""
+    """The workspace hwlib's plain cuBLASLt matmul gets now: none inside ``no_workspace``, else 32 MiB."""
     return 0 if _free else LT_WORKSPACE_BYTES
 
 
-def _setters():
-    # torch 2.13's setters, where its CUDA bindings are built (a CPU build has the Python names only)
-    cb = torch.backends.cuda
-    if hasattr(cb, "cublaslt_workspace_size") and hasattr(torch._C, "_cuda_setCublasLtWorkspaceSize"):
-        return cb.cublas_workspace_size, cb.cublaslt_workspace_size
-    return None
+def _sizers():
+    """(set cuBLAS's size, set cuBLASLt's size, reset both to torch's own) where torch has them and a
+    GPU is there to ask (the getters read the device); None otherwise."""
+    c = torch._C
+    names = ("_cuda_setCublasWorkspaceSize", "_cuda_setCublasLtWorkspaceSize",
+             "_cuda_resetCublasWorkspaceSize", "_cuda_resetCublasLtWorkspaceSize")
+    if not all(hasattr(c, n) for n in names) or not torch.cuda.is_available():
+        return None
+    set_b, set_lt, reset_b, reset_lt = (getattr(c, n) for n in names)
+    return set_b, set_lt, lambda: (reset_b(), reset_lt())
 
 
 def _drop_workspaces() -> None:
@@ -63,31 +72,28 @@ def _drop_workspaces() -> None:
 
 @contextlib.contextmanager
 def no_workspace(enabled: bool = True):
-    """Run matmuls without a cuBLAS workspace inside the block (``enabled``), restoring the sizes after;
-    a no-op context when not ``enabled``."""
+    """Run matmuls without a cuBLAS workspace inside the block (``enabled``), restoring torch's own
+    sizes after; a no-op context when not ``enabled``, or when already inside one."""
     global _free
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    if not enabled:
+    if not enabled or _free:
         yield
         return
     saved_env = {k: os.environ.get(k) for k in _ENV}
-    setters = _setters()
-    saved_sizes = tuple(s() for s in setters) if setters else None
-    saved_free = _free
+    sizers = _sizers()
     try:
         os.environ.update(_ENV)
-        if setters:
-            for s in setters:
-                s(0)
+        if sizers:
+            sizers[0](0)
+            sizers[1](0)
         _free = True
         _drop_workspaces()
         yield
     finally:
-        _free = saved_free
-        if setters:
-            for s, size in zip(setters, saved_sizes):
-                s(size)
+        _free = False
+        if sizers:
+            sizers[2]()
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -42,7 +42,7 @@ class Settings:
     fc_bias_column: bool = False     # mlp_fc's bias gradient from its weight-gradient matmul, through a column of ones ln_2 writes
     fp8_head: bool = False           # the fused LM head's three GEMMs in FP8 (hwlib.ops.linear_ce_fp8); needs fused_head
     bf16_stream: bool = False        # the residual stream in autocast's 16-bit dtype instead of fp32 (hwlib.ops.add_layernorm)
-    gemm_workspace_free: bool = False  # cuBLAS's matmuls (torch's and hwlib's cuBLASLt calls) without a workspace: no memset before each (hwlib.blas)
+    gemm_workspace_free: bool = False  # torch's matmuls and hwlib's plain cuBLASLt one without cuBLAS's workspace: no memset before them (hwlib.blas)
     # Memory techniques (notebook 13), not ladder steps:
     checkpointing: str = "none"      # activation checkpointing: "none", "all" or block indices "0,2,4"
     offload_optimizer: bool = False  # AdamW moments in pinned CPU memory (hwlib.memory.offload)
@@ -224,7 +224,8 @@ LADDER: tuple[Step, ...] = (
                  **{w: "the fused residual LayerNorm this step builds on is built into GPT's blocks only"
                     for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}}),
     # Built on 25, the fastest bf16 step: the bf16 branch again, after the FP8 branch's two steps.
-    Step("28_gemm_workspace", "cuBLAS's matmuls without a workspace: no memset before each matmul in the CUDA graph",
+    Step("28_gemm_workspace", "torch's matmuls and hwlib's plain cuBLASLt matmul without cuBLAS's workspace: no memset "
+         "before them in the CUDA graph",
          {"gemm_workspace_free": True}, 1e-2, after="25_bias_column",
          why_tolerance="the same matmuls in bf16 with fp32 accumulation, in the same tiles; without a workspace "
                        "cuBLAS picks another tile scheduler, which can add a product's partial sums in another "

@@ -212,7 +212,7 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
 
 def step_prose(rows: list[dict], workload: str, step: str) -> str:
     """What this notebook's own step did for ``workload``, from the measured numbers: its time
-    against the step before (and whether the difference is inside the p20-p80 spread), its
+    against the step it builds on (and whether the difference is inside the p20-p80 spread), its
     same-math check, and why it did not run when it did not."""
     row = next((r for r in rows if r["step"] == step), None)
     if row is None:
