@@ -36,3 +36,9 @@ def test_a_table_in_words_and_none_timed():
     assert alone_words(rows, lambda r: f"{r['M']} rows") == \
         "Alone (median per call): k: 50.0 us per call at 4 rows (3,000 GB/s on the 150 MB it moves)."
     assert alone_words([], str).startswith("The kernels were not timed alone here")
+
+
+def test_the_not_timed_sentence_agrees_with_its_subject():
+    from hwlib.studies.kernel_records import not_timed_words
+    assert not_timed_words() == "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
+    assert not_timed_words("The head", "it") == "The head was not timed alone here (a GPU and the full or mid profile time it)."

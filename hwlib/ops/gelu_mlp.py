@@ -246,6 +246,7 @@ def _dpre_torch(dy, w_proj, pre):
 # --- the same through cuBLASLt's epilogues (bf16, widths multiples of 8) ---------------------------
 
 EPILOGUE_CALLS = ("forward", "backward", "input_grad")
+FOLLOW_BLAS = ("input_grad",)   # the calls whose workspace follows hwlib.blas (the others keep theirs)
 
 
 def workspace_bytes(call: str) -> int:
@@ -256,7 +257,7 @@ def workspace_bytes(call: str) -> int:
     before these two kept their workspace). The plain input gradient follows ``hwlib.blas``."""
     if call not in EPILOGUE_CALLS:
         raise ValueError(f"call must be one of {EPILOGUE_CALLS}, got {call!r}")
-    return lt_workspace_bytes() if call == "input_grad" else LT_WORKSPACE_BYTES
+    return lt_workspace_bytes() if call in FOLLOW_BLAS else LT_WORKSPACE_BYTES
 
 
 def forward_epilogues(x, w_fc, b_fc, w_proj, b_proj):

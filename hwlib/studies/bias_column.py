@@ -13,7 +13,7 @@ import torch
 from .. import bench
 from ..ops import gelu_mlp as G
 from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
-from .kernel_records import kernel_records as records_of
+from .kernel_records import kernel_records as records_of, not_timed_words
 
 NOTEBOOK = "25_bias_column"
 LAUNCHES = 20
@@ -108,7 +108,7 @@ def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
 def kernel_prose(rows: list[dict]) -> str:
     """What the column costs against what it removes, in words built from ``rows``."""
     if not rows:
-        return "The matmuls were not timed alone here (a GPU and the full or mid profile time them)."
+        return not_timed_words("The matmuls")
     ms = {i: r["ms"] * 1e3 for i, r in enumerate(rows)}
     return (f"Alone (median per call, {rows[0]['M']:,} rows): the weight gradient took {ms[0]:.1f} us plain and "
             f"{ms[1]:.1f} us with the bias column ({ms[1] - ms[0]:+.1f} us), against {ms[2]:.1f} us for the column "

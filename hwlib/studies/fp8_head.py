@@ -16,7 +16,7 @@ from ..ops import linear_ce_fp8 as L8
 from ..ops.fp8 import E4M3, scale_for, scaled_mm
 from ..ops.sources import read_kernel_source
 from .kernel_records import kernel_records as records_of
-from .kernel_records import timed_row
+from .kernel_records import not_timed_words, timed_row
 from .lm_head import peak_extra_gib
 
 NOTEBOOK = "26_fp8_head"
@@ -159,7 +159,7 @@ def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
 def kernel_prose(rows: list[dict]) -> str:
     """The two heads and the FP8 head's passes, in words built from ``rows``."""
     if not rows:
-        return "The head was not timed alone here (a GPU and the full or mid profile time it)."
+        return not_timed_words("The head", "it")
     bf, f8, *passes = rows
     text = (f"Alone, forward and backward at {bf['M']:,} x {bf['D']} against {bf['V']:,} classes: the bf16 head took "
             f"{bf['ms']:.2f} ms (p20-p80 {bf['p20']:.2f}-{bf['p80']:.2f}) and the FP8 head {f8['ms']:.2f} ms "

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import bench
 from ..ops import gelu_mlp as G
-from .kernel_records import kernel_records as records_of
+from .kernel_records import kernel_records as records_of, not_timed_words
 
 NOTEBOOK = "22_gelu_epilogue"
 LAUNCHES = 20
@@ -112,7 +112,7 @@ def kernel_records(rows: list[dict], *, profile: str, device) -> list[dict]:
 def kernel_prose(rows: list[dict]) -> str:
     """The matmuls alone, in words built from ``rows``."""
     if not rows:
-        return "The matmuls were not timed alone here (a GPU and the full or mid profile time them)."
+        return not_timed_words("The matmuls")
     ep = [r for r in rows if r["impl"] == "epilogue"]
     parts = [f"{r['part']}: {r['ms'] * 1e3:.1f} us with the epilogue, {r['saved us']:+.1f} us against the unfused "
              f"kernels" for r in ep]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .. import bench, blas, results, trace
 from ..ops import gelu_mlp as G
 from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
+from .kernel_records import kernel_records, not_timed_words
 
 NOTEBOOK = "28_gemm_workspace"
 CALLS = 8
@@ -40,25 +41,25 @@ def _sets(M: int, d: int, device, seed: int) -> list[dict]:
     return out
 
 
-def block_matmuls(M: int, d: int, device, seed: int = 0) -> list[tuple[str, str, bool, object]]:
-    """(name, library, follows the setting, fn(i)) for the matmuls of one block of step 25 at M tokens and
-    width d, each as the step calls it (the GELU epilogue matmuls keep their workspace either way:
-    ``gelu_mlp.workspace_bytes``); ``fn(i)`` uses input set ``i`` mod ``INPUT_SETS``."""
+def block_matmuls(M: int, d: int, device, seed: int = 0) -> list[tuple[str, str, str | None, object]]:
+    """(name, library, hwlib's call or None for torch's, fn(i)) for the matmuls of one block of step 25 at M
+    tokens and width d, each as the step calls it; ``fn(i)`` uses input set ``i`` mod ``INPUT_SETS``."""
     sets, mod = _sets(M, d, device, seed), G.module()
     S = lambda i: sets[i % INPUT_SETS]
     ws = G.workspace_bytes   # read at each call, as the op does: the setting in force while the graph is captured
     return [
-        ("QKV forward, x W^T + b", "torch (cuBLASLt, bias epilogue)", True, lambda i: F.linear(S(i)["x"], S(i)["w_qkv"], S(i)["b_qkv"])),
-        ("attention output forward, a W^T", "torch (cuBLAS)", True, lambda i: S(i)["a"] @ S(i)["w_o"].t()),
-        ("mlp_fc forward, GELU epilogue", "hwlib (cuBLASLt)", False,
+        ("QKV forward, x W^T + b", "torch (cuBLASLt, bias epilogue)", None,
+         lambda i: F.linear(S(i)["x"], S(i)["w_qkv"], S(i)["b_qkv"])),
+        ("attention output forward, a W^T", "torch (cuBLAS)", None, lambda i: S(i)["a"] @ S(i)["w_o"].t()),
+        ("mlp_fc forward, GELU epilogue", "hwlib (cuBLASLt)", "forward",
          lambda i: mod.gelu_forward(S(i)["xc"][:, :d], S(i)["w_fc"], S(i)["b_fc"], ws("forward"))),
-        ("mlp_proj forward, h W^T", "torch (cuBLAS)", True, lambda i: S(i)["h"] @ S(i)["w_proj"].t()),
-        ("mlp_proj input gradient, DGELU epilogue", "hwlib (cuBLASLt)", False,
+        ("mlp_proj forward, h W^T", "torch (cuBLAS)", None, lambda i: S(i)["h"] @ S(i)["w_proj"].t()),
+        ("mlp_proj input gradient, DGELU epilogue", "hwlib (cuBLASLt)", "backward",
          lambda i: mod.gelu_backward(S(i)["dy"], S(i)["w_proj"], S(i)["pre"], ws("backward"))),
-        (f"mlp_fc input gradient, {d} + {BIAS_COLUMNS} wide", "hwlib (cuBLASLt)", True,
+        (f"mlp_fc input gradient, {d} + {BIAS_COLUMNS} wide", "hwlib (cuBLASLt)", "input_grad",
          lambda i: mod.input_grad_padded(S(i)["dpre"], S(i)["w_fc"], d + BIAS_COLUMNS, ws("input_grad"))),
-        ("QKV input gradient, dqkv W", "torch (cuBLAS)", True, lambda i: S(i)["dqkv"] @ S(i)["w_qkv"]),
-        ("QKV weight gradient, dqkv^T x", "torch (cuBLAS)", True, lambda i: S(i)["dqkv"].t() @ S(i)["x"]),
+        ("QKV input gradient, dqkv W", "torch (cuBLAS)", None, lambda i: S(i)["dqkv"] @ S(i)["w_qkv"]),
+        ("QKV weight gradient, dqkv^T x", "torch (cuBLAS)", None, lambda i: S(i)["dqkv"].t() @ S(i)["x"]),
     ]
 
 
@@ -84,8 +85,9 @@ def _device_work(graph, device) -> list[dict]:
 
 
 def matmul_rows(M: int, d: int, device, iters: int = 20, seed: int = 0, calls: int = CALLS) -> list[dict]:
-    """Per matmul of ``block_matmuls`` and per workspace (``WORKSPACES``): the memsets a call brings into
-    the graph, the longest kernel that ran, and the median time per call (p20, p80) in microseconds."""
+    """Per matmul of ``block_matmuls`` (its name under "kernel", as other studies' rows) and per workspace
+    (``WORKSPACES``): the memsets a call brings into the graph, the longest CUDA kernel that ran, and the
+    median ms per call (p20, p80)."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"matmul_rows captures CUDA graphs; device is {device}")
@@ -95,7 +97,8 @@ def matmul_rows(M: int, d: int, device, iters: int = 20, seed: int = 0, calls: i
         raise RuntimeError("matmul_rows was called inside hwlib.blas.no_workspace: its rows with the workspace "
                            "would run without it")
     rows = []
-    for name, lib, follows, fn in block_matmuls(M, d, device, seed):
+    for name, lib, call, fn in block_matmuls(M, d, device, seed):
+        follows = call is None or call in G.FOLLOW_BLAS   # torch's matmuls all follow hwlib.blas
         for ws in WORKSPACES:
             with blas.no_workspace(ws == "none"):
                 graph = _captured(fn, device, calls)
@@ -104,41 +107,41 @@ def matmul_rows(M: int, d: int, device, iters: int = 20, seed: int = 0, calls: i
             memsets = [e for e in work if e.get("cat") == "gpu_memset"]
             kernels = [e for e in work if e.get("cat") == "kernel"]
             longest = max(kernels, key=lambda e: float(e.get("dur", 0.0)), default=None)
-            rows.append({"matmul": name, "library": lib, "follows the setting": follows, "workspace": ws, "M": M,
+            rows.append({"kernel": name, "library": lib, "follows the setting": follows, "workspace": ws, "M": M,
                          "d": d, "memsets per call": len(memsets) / calls,
-                         "kernel": str(longest["name"])[:72] if longest else None, "us": t.median_ms * 1e3 / calls,
-                         "us p20": t.p20_ms * 1e3 / calls, "us p80": t.p80_ms * 1e3 / calls})
+                         "cuda kernel": str(longest["name"])[:72] if longest else None, "ms": t.median_ms / calls,
+                         "p20": t.p20_ms / calls, "p80": t.p80_ms / calls})
             del graph
     return rows
 
 
 def matmul_records(rows: list[dict], *, profile: str, device) -> list[dict]:
-    """A ``kernel_ms`` record (per call) and a ``memsets_per_call`` record per row; the matmul, its
-    workspace and the shape in the fields."""
-    recs = []
+    """``kernel_records``' ``kernel_ms`` record per row (the CUDA kernel in its params), and a
+    ``memsets_per_call`` record beside it; the matmul, its workspace and the shape in the fields."""
+    keys = ("kernel", "workspace", "M", "d")
+    recs = kernel_records(rows, notebook=NOTEBOOK, study="gemm_workspace", keys=keys, profile=profile,
+                          device=device, params=("cuda kernel",))
     for r in rows:
-        f = {"study": "gemm_workspace", "kernel": r["matmul"], "workspace": r["workspace"], "M": r["M"], "d": r["d"]}
-        common = dict(notebook=NOTEBOOK, workload="gpt", step=None, profile=profile, device=device, fields=f)
-        recs.append(results.make_record(metric="kernel_ms", value=r["us"] / 1e3, p20=r["us p20"] / 1e3,
-                                        p80=r["us p80"] / 1e3, unit="ms", params={"cuda_kernel": r["kernel"]}, **common))
-        recs.append(results.make_record(metric="memsets_per_call", value=r["memsets per call"], unit="count", **common))
+        recs.append(results.make_record(notebook=NOTEBOOK, workload="gpt", step=None, metric="memsets_per_call",
+                                        value=r["memsets per call"], unit="count", profile=profile, device=device,
+                                        fields={"study": "gemm_workspace", **{k: r[k] for k in keys}}))
     return recs
 
 
 def pairs(rows: list[dict]) -> list[dict]:
     """One row per matmul: its time per call with and without the workspace, the difference, and whether
     the difference is beyond the two timings' p20-p80 spreads."""
-    by = {(r["matmul"], r["workspace"]): r for r in rows}
+    by = {(r["kernel"], r["workspace"]): r for r in rows}
     out = []
-    for name in dict.fromkeys(r["matmul"] for r in rows):
+    for name in dict.fromkeys(r["kernel"] for r in rows):
         a, b = by.get((name, WORKSPACES[0])), by.get((name, WORKSPACES[1]))
         if a is None or b is None:
             continue
-        beyond = b["us p80"] < a["us p20"] or b["us p20"] > a["us p80"]
+        beyond = b["p80"] < a["p20"] or b["p20"] > a["p80"]
         out.append({"matmul": name, "library": a["library"], "follows the setting": a["follows the setting"],
                     "memsets with": a["memsets per call"],
-                    "memsets without": b["memsets per call"], "us with": a["us"], "us without": b["us"],
-                    "saved us": a["us"] - b["us"], "beyond spread": beyond})
+                    "memsets without": b["memsets per call"], "us with": a["ms"] * 1e3, "us without": b["ms"] * 1e3,
+                    "saved us": (a["ms"] - b["ms"]) * 1e3, "beyond spread": beyond})
     return out
 
 
@@ -146,7 +149,7 @@ def prose(rows: list[dict], n_layer: int) -> str:
     """The matmuls alone in words, built from ``rows`` (``matmul_rows``) and the model's ``n_layer``; the
     total counts the matmuls the setting changes (the GELU epilogue matmuls keep their workspace)."""
     if not rows:
-        return "The matmuls were not timed alone here (a GPU and the full or mid profile time them)."
+        return not_timed_words("The matmuls")
     ps = pairs(rows)
     changed = [p for p in ps if p["follows the setting"]]
     gone = [p for p in changed if p["memsets with"] > 0 and p["memsets without"] == 0]

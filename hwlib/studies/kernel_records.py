@@ -25,25 +25,31 @@ def bandwidth_words(r: dict) -> str:
     return text + ")"
 
 
+def not_timed_words(what: str = "The kernels", them: str = "them") -> str:
+    """The sentence a study's words give where nothing was timed alone (a CPU, or the smoke profile)."""
+    return f"{what} {'was' if them == 'it' else 'were'} not timed alone here (a GPU and the full or mid profile time {them})."
+
+
 def alone_words(rows: list[dict], where) -> str:
     """A table of ``timed_row``s in words: each kernel's median per call at ``where(row)`` (its shape in
     words) and its bandwidth; a sentence saying so where nothing was timed."""
     if not rows:
-        return "The kernels were not timed alone here (a GPU and the full or mid profile time them)."
+        return not_timed_words()
     return "Alone (median per call): " + "; ".join(
         f"{r['kernel']}: {r['ms'] * 1e3:.1f} us per call at {where(r)} {bandwidth_words(r)}" for r in rows) + "."
 
 
 def kernel_records(rows: list[dict], *, notebook: str, study: str, keys: tuple[str, ...], profile: str,
-                   device) -> list[dict]:
+                   device, params: tuple[str, ...] = ()) -> list[dict]:
     """A ``kernel_ms`` record per row (median, p20, p80), and a ``kernel_gbps`` record beside it where the
-    row has a bandwidth ("GB/s"); ``study`` and the row's ``keys`` (its name and shape) in the fields."""
+    row has a bandwidth ("GB/s"); ``study`` and the row's ``keys`` (its name and shape) in the fields, the
+    row's ``params`` (what describes it without telling it apart) in the params."""
     recs = []
     for r in rows:
         f = {"study": study, **{k: r[k] for k in keys}}
         recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_ms",
                                         value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile,
-                                        device=device, fields=f))
+                                        device=device, fields=f, params={k: r[k] for k in params} or None))
         if r.get("GB/s") is not None:
             recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_gbps",
                                             value=r["GB/s"], unit="GB/s", profile=profile, device=device, fields=f))
