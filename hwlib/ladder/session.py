@@ -28,6 +28,13 @@ def make_optimizer(model: torch.nn.Module, cfg, settings: Settings):
     return torch.optim.AdamW(groups, **kw, **({"fused": True} if settings.fused_adamw else {}))
 
 
+def build_model(workload: str, step: str, cfg, seed: int = 0, settings: Settings | None = None) -> torch.nn.Module:
+    """The model of ``step`` for ``workload``, on the CPU, initialised from ``seed``: what a session of
+    that step trains (``settings`` replaces the step's cumulative settings)."""
+    from ..steps import settings_for
+    return get_workload(workload).build(cfg, settings if settings is not None else settings_for(step), seed)
+
+
 def compile_model(model: torch.nn.Module, mode: str | None = None):
     """``torch.compile(model, mode=mode)`` after hwlib's custom ops are declared to inductor
     (``hwlib.ops.fallbacks``: an undeclared op fed by a deep graph can keep inductor busy for minutes)."""
