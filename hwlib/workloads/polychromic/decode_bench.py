@@ -1,0 +1,142 @@
+"""The decode ladder past notebook 14's rung d, measured in one process (issue 47): for each model
+size, the Qwen3-shaped LM with LoRA (random weights), the P N = 12 rows of the bonus, and each rung
+of ``fused_decode.RUNGS`` checked (greedy tokens against Hugging Face's batched ``generate``, with
+notebook 14's rounding-tie rule) and timed; then the lab's earlier best, ``decode.OwnDecodeLoop``
+(rung 14d_static_own), timed the way notebook 14 times it. Writes rows (JSON) and records
+(``hwlib.results``) as it goes, so that a run cut short keeps what it measured.
+
+    python -m hwlib.workloads.polychromic.decode_bench --sizes qwen3_0.6b qwen3_8b --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ... import bench, ceilings
+from ...results import pack
+from ...studies import generation as G
+from . import build, decode, fused_decode as fd
+from .config import config
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int, check_tokens: int,
+             baseline: bool, variants: bool, out: Path, records: list, seed: int = 0) -> list[dict]:
+    cfg = config(model_size)
+    P, N, L, T = cfg.prompts, cfg.replies, cfg.prompt_len, cfg.new_tokens
+    B = P * N
+    t0 = time.perf_counter()
+    pm = build.add_lora(build.build_lm(cfg, dev, seed), cfg, seed)
+    torch.cuda.synchronize()
+    _log(f"{model_size}: built in {time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, cfg.tok_vocab, (P, L), generator=g).to(dev)
+    lg: list = []
+    ref = decode.generate_batched(pm, prompts, cfg, greedy=True, new_tokens=check_tokens, logits=lg).cpu()
+    ref_logits = torch.stack(lg)
+    params = {"config": cfg.params(), "model_size": model_size, "seed": seed, "copy_gbps": copy_gbps,
+              "reference": "14c_batched greedy (Hugging Face generate, eager)"}
+    rows, prev = [], None
+    plan = [(r, None) for r in fd.RUNGS]
+    if variants:     # the SDPA backends at the rung before the decode kernel
+        plan.insert(fd.RUNGS.index("rope_cache") + 1, ("rope_cache", "efficient"))
+        plan.insert(fd.RUNGS.index("rope_cache") + 2, ("rope_cache", "cudnn"))
+    for rung, backend in plan:
+        name = rung if backend is None else f"{rung}[{backend}]"
+        row = {"rung": name, "batch": B, "model_size": model_size, "change": fd.CHANGES[rung], "status": "ok"}
+        try:
+            dec = fd.FusedDecoder(pm, cfg, B, L + T, dev, rung=rung, sdpa_backend=backend)
+            chk, toks = G.decode_check(dec, prompts, ref, ref_logits, check_tokens, prev)
+            row.update(chk)
+            row.update(G.fused_rung_row(dec, prompts, T, reps, copy_gbps))
+            if backend is None:
+                prev = toks
+            del dec
+        except Exception as e:       # a rung that cannot run is a row with its reason
+            row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:400]}")
+        torch.cuda.empty_cache()
+        for k in ("agreement", "agreement_vs_prev", "divergences", "divergences_at_ties"):
+            row[f"greedy_{k}"] = row.get(k)
+        rows.append(row)
+        _log(f"{model_size} {name}: " + json.dumps({k: row.get(k) for k in (
+            "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "decode_floor_ms", "agreement",
+            "agreement_vs_prev", "divergences", "divergences_at_ties", "first_call_s", "reason")}))
+        records.extend(G.decode_records([row], model_size=model_size, device="cuda", params=params))
+        _flush(out, rows, records)
+    if baseline:
+        row = {"rung": "14d_static_own", "batch": B, "model_size": model_size, "status": "ok",
+               "change": G.RUNGS["14d_static_own"][1]}
+        try:
+            loop = decode.OwnDecodeLoop(pm, cfg, B, L + T, dev)
+            first, gb = bench.wall_s(lambda: loop(prompts, greedy=True, new_tokens=T), dev)
+            gb = gb[..., :check_tokens].cpu()
+            same = (gb == ref).long().cumprod(-1)
+            row.update(first_call_s=first, agreement=float(same.float().mean()),
+                       **G.divergence_ties(same[:, 0], None, ref_logits,
+                                           noise=max((r.get("logit_noise") or 0.0) for r in rows) or None))
+            full = G.time_decoder(lambda: loop(prompts, new_tokens=T), T, reps, dev)
+            one = G.time_decoder(lambda: loop(prompts, new_tokens=1), 1, reps, dev)
+            ms = 1e3 * (full["gen_s"] - one["gen_s"]) / (T - 1)
+            nbytes = fd.generation_step_bytes(cfg, B, L, T)
+            row.update(decode_ms_per_step=ms, gen_s=full["gen_s"], gen_tokens_per_s=B * T / full["gen_s"],
+                       bytes_per_step=nbytes["total"], bytes_parts=nbytes,
+                       **{f"decode_{k}": v for k, v in fd.bandwidth(nbytes["total"], ms, copy_gbps).items()},
+                       timing="(median generation of T tokens - median of 1 token) / (T - 1), wall clock")
+            del loop
+        except Exception as e:
+            row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:400]}")
+        for k in ("agreement", "divergences", "divergences_at_ties"):
+            row[f"greedy_{k}"] = row.get(k)
+        rows.append(row)
+        _log(f"{model_size} 14d_static_own: " + json.dumps({k: row.get(k) for k in (
+            "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "agreement", "divergences",
+            "divergences_at_ties", "first_call_s", "reason")}))
+        records.extend(G.decode_records([row], model_size=model_size, device="cuda", params=params))
+        _flush(out, rows, records)
+    del pm
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _flush(out: Path, rows: list, records: list) -> None:
+    size = rows[0]["model_size"].replace(".", "_")
+    (out / f"decode_rows_{size}.json").write_text(json.dumps(rows, indent=1, default=str))
+    (out / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in pack(records)))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=["qwen3_0.6b", "qwen3_8b"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--variants", action="store_true")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_bench times CUDA graphs: it needs a GPU")
+    dev = torch.device("cuda")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceil = ceilings.copy_gbps(dev)
+    copy = 2 * ceilings.SIZES["cuda"]["copy_bytes"] / (ceil.median_ms / 1e3) / 1e9
+    _log(f"{torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s (measured here, 2 GiB dst.copy_(src))")
+    (out / "copy.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": copy,
+                                               "timing": ceil.to_dict()}))
+    records: list = []
+    for size in a.sizes:
+        run_size(size, dev, copy, reps=a.reps, check_tokens=a.check_tokens, baseline=not a.no_baseline,
+                 variants=a.variants, out=out, records=records)
+    _log("done")
+
+
+if __name__ == "__main__":
+    main()
