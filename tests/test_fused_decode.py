@@ -61,7 +61,8 @@ def test_step_bytes_refuses_bad_sizes(kw, says):
 
 @pytest.fixture(scope="module")
 def lm():
-    cfg = config("smoke", prompts=1, replies=2, new_tokens=3)
+    # one layer: the interpreted Triton kernels cost about 50 ms a program on a CPU
+    cfg = config("smoke", layers=1, prompts=1, replies=2, new_tokens=3)
     pm = build.add_lora(build.build_lm(cfg, "cpu", 0), cfg, 0)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.tok_vocab, (cfg.prompts, cfg.prompt_len), generator=g)

@@ -583,7 +583,8 @@ def fused_rung_row(dec, prompts: torch.Tensor, T: int, reps: int, copy_gbps: flo
     for _ in range(reps):
         s, _ = bench.wall_s(lambda: dec(prompts, new_tokens=T), dev)
         walls.append(s)
-        ms.append(dec.last_decode_ms / (T - 1))
+        ev = dec.last_decode_ms       # None on a CPU: the whole call's time, prefill included
+        ms.append((ev if ev is not None else 1e3 * s) / (T - 1))
     nbytes = fd.generation_step_bytes(cfg, dec.batch, prompts.shape[1], T)
     med = statistics.median(ms)
     return {"first_call_s": first, "decode_ms_per_step": med, "ms_p20": bench.quantile(ms, 0.2),

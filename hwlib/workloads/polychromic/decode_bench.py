@@ -29,14 +29,16 @@ def _log(msg: str) -> None:
 
 
 def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int, check_tokens: int,
-             baseline: bool, variants: bool, out: Path, records: list, seed: int = 0) -> list[dict]:
-    cfg = config(model_size)
+             baseline: bool, variants: bool, out: Path, records: list, seed: int = 0,
+             overrides: dict | None = None) -> list[dict]:
+    cfg = config(model_size, **(overrides or {}))
     P, N, L, T = cfg.prompts, cfg.replies, cfg.prompt_len, cfg.new_tokens
     B = P * N
     t0 = time.perf_counter()
     pm = build.add_lora(build.build_lm(cfg, dev, seed), cfg, seed)
-    torch.cuda.synchronize()
-    _log(f"{model_size}: built in {time.perf_counter() - t0:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    bench.synchronize(dev)
+    mem = torch.cuda.memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+    _log(f"{model_size}: built in {time.perf_counter() - t0:.1f} s, {mem:.1f} GiB")
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, cfg.tok_vocab, (P, L), generator=g).to(dev)
     lg: list = []
@@ -62,14 +64,14 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
             del dec
         except Exception as e:       # a rung that cannot run is a row with its reason
             row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:400]}")
-        torch.cuda.empty_cache()
+        _free(dev)
         for k in ("agreement", "agreement_vs_prev", "divergences", "divergences_at_ties"):
             row[f"greedy_{k}"] = row.get(k)
         rows.append(row)
         _log(f"{model_size} {name}: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "decode_floor_ms", "agreement",
             "agreement_vs_prev", "divergences", "divergences_at_ties", "first_call_s", "reason")}))
-        records.extend(G.decode_records([row], model_size=model_size, device="cuda", params=params))
+        records.extend(G.decode_records([row], model_size=model_size, device=dev.type, params=params))
         _flush(out, rows, records)
     if baseline:
         row = {"rung": "14d_static_own", "batch": B, "model_size": model_size, "status": "ok",
@@ -99,11 +101,16 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
         _log(f"{model_size} 14d_static_own: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "agreement", "divergences",
             "divergences_at_ties", "first_call_s", "reason")}))
-        records.extend(G.decode_records([row], model_size=model_size, device="cuda", params=params))
+        records.extend(G.decode_records([row], model_size=model_size, device=dev.type, params=params))
         _flush(out, rows, records)
     del pm
-    torch.cuda.empty_cache()
+    _free(dev)
     return rows
+
+
+def _free(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _flush(out: Path, rows: list, records: list) -> None:
@@ -120,16 +127,19 @@ def main(argv=None) -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same code eagerly (a dry run: its "
+                                                        "times say nothing)")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_bench times CUDA graphs: it needs a GPU")
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("decode_bench: no CUDA GPU visible (pass --device cpu for a dry run)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ceil = ceilings.copy_gbps(dev)
-    copy = 2 * ceilings.SIZES["cuda"]["copy_bytes"] / (ceil.median_ms / 1e3) / 1e9
-    _log(f"{torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s (measured here, 2 GiB dst.copy_(src))")
-    (out / "copy.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": copy,
+    copy = 2 * ceilings.SIZES[dev.type]["copy_bytes"] / (ceil.median_ms / 1e3) / 1e9
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    _log(f"{name}: copy {copy:,.0f} GB/s (measured here, 2 GiB dst.copy_(src))")
+    (out / "copy.json").write_text(json.dumps({"device": name, "copy_gbps": copy,
                                                "timing": ceil.to_dict()}))
     records: list = []
     for size in a.sizes:
