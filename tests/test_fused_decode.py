@@ -156,3 +156,15 @@ def test_bad_rung_backend_and_sizes_are_refused(lm):
     dec = fd.FusedDecoder(pm, cfg, 2, cfg.prompt_len + 2, "cpu", rung="concat")
     with pytest.raises(ValueError, match="do not fit"):
         dec(prompts, new_tokens=3)
+
+
+def test_the_sorted_sampler_draws_what_the_reference_sampler_draws():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=g).to(torch.bfloat16)     # bf16: many tied logits
+    logits[0, 7] = logits[0, 3] = logits[0].max() + 1                  # a tie at the top: the first wins
+    for temp, top_p in ((0.9, 0.9), (1.0, 1.0), (0.5, 0.3)):
+        noise = torch.empty(6, 300).exponential_(generator=g)
+        assert torch.equal(fd.sample_top_p_sorted(logits, noise, temp, top_p), decode.sample_top_p(logits, noise, temp, top_p))
+    ones = torch.ones(6, 300)
+    got = fd.sample_top_p_sorted(logits, ones, 0.9, 0.9)
+    assert torch.equal(got, logits.float().argmax(-1)) and int(got[0]) == 3

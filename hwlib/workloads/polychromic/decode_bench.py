@@ -30,7 +30,8 @@ def _log(msg: str) -> None:
 
 def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int, check_tokens: int,
              baseline: bool, variants: bool, out: Path, records: list, seed: int = 0,
-             overrides: dict | None = None) -> list[dict]:
+             overrides: dict | None = None, profile: tuple = (),
+             rungs: tuple = fd.RUNGS) -> list[dict]:
     cfg = config(model_size, **(overrides or {}))
     P, N, L, T = cfg.prompts, cfg.replies, cfg.prompt_len, cfg.new_tokens
     B = P * N
@@ -47,10 +48,10 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
     params = {"config": cfg.params(), "model_size": model_size, "seed": seed, "copy_gbps": copy_gbps,
               "reference": "14c_batched greedy (Hugging Face generate, eager)"}
     rows, prev = [], None
-    plan = [(r, None) for r in fd.RUNGS]
-    if variants:     # the SDPA backends at the rung before the decode kernel
-        plan.insert(fd.RUNGS.index("rope_cache") + 1, ("rope_cache", "efficient"))
-        plan.insert(fd.RUNGS.index("rope_cache") + 2, ("rope_cache", "cudnn"))
+    plan = [(r, None) for r in rungs]
+    if variants and "rope_cache" in rungs:     # the SDPA backends at the rung before the decode kernel
+        i = plan.index(("rope_cache", None))
+        plan[i + 1:i + 1] = [("rope_cache", "cudnn"), ("rope_cache", "math")]
     for rung, backend in plan:
         name = rung if backend is None else f"{rung}[{backend}]"
         row = {"rung": name, "batch": B, "model_size": model_size, "change": fd.CHANGES[rung], "status": "ok"}
@@ -61,6 +62,10 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
             row.update(G.fused_rung_row(dec, prompts, T, reps, copy_gbps))
             if backend is None:
                 prev = toks
+            if profile and rung in profile:
+                row["kernels"] = kernel_table(dec, prompts, T)
+                _log(f"{model_size} {name} kernels per decode step:\n" + "\n".join(
+                    f"  {k['us_per_step']:8.1f} us  {k['calls_per_step']:6.1f}x  {k['name'][:110]}" for k in row["kernels"]))
             del dec
         except Exception as e:       # a rung that cannot run is a row with its reason
             row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:400]}")
@@ -108,6 +113,25 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
     return rows
 
 
+def kernel_table(dec, prompts: torch.Tensor, T: int, top: int = 25) -> list[dict]:
+    """The GPU kernels of one sampled generation's decode steps under torch.profiler, per decode step
+    (time and launches), longest first: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    dec(prompts, new_tokens=T)
+    step = dec._runner(True)
+    steps = T - 1
+    dec.pos.fill_(prompts.shape[1])      # the replays alone, over the last generation's positions again
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [{"name": e.key, "us_per_step": e.device_time_total / steps, "calls_per_step": e.count / steps}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 def _free(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -127,6 +151,8 @@ def main(argv=None) -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--rungs", nargs="+", default=list(fd.RUNGS), help="fused rungs to run (default: all)")
+    ap.add_argument("--profile", nargs="*", default=[], help="rungs whose kernels to list (torch.profiler)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same code eagerly (a dry run: its "
                                                         "times say nothing)")
     a = ap.parse_args(argv)
@@ -144,7 +170,7 @@ def main(argv=None) -> None:
     records: list = []
     for size in a.sizes:
         run_size(size, dev, copy, reps=a.reps, check_tokens=a.check_tokens, baseline=not a.no_baseline,
-                 variants=a.variants, out=out, records=records)
+                 variants=a.variants, out=out, records=records, rungs=tuple(a.rungs), profile=tuple(a.profile))
     _log("done")
 
 

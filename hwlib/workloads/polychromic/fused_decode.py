@@ -19,6 +19,9 @@ the current length. The rungs, each cumulative (``RUNGS``):
                  (``decode_kernels.qk_norm_rope_cache``)
 ``decode_attn``  attention by a Triton decode kernel that reads the cache only up to the current
                  length, each K/V element once per GQA group (``decode_kernels.decode_attention``)
+``sampler``      top-p by sorting the model-dtype logits (the probabilities' order; a bf16 key is
+                 half the radix passes of a float32 one) and the draw taken in sorted order
+                 (``sample_top_p_sorted``): the same token as ``decode.sample_top_p``
 ===============  ================================================================================
 
 The weights are the model's (a ``peft`` model's LoRA merged in: W + scaling B A, refreshed at every
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 from .config import PolyConfig, check_sampling
 from .decode import check_prompts, sample_top_p
 
-RUNGS = ("graph", "concat", "compile", "rope_cache", "decode_attn")
+RUNGS = ("graph", "concat", "compile", "rope_cache", "decode_attn", "sampler")
 CHANGES = {
     "graph": "the whole step (plain PyTorch ops, SDPA over the static cache, sampling) in one CUDA graph",
     "concat": "QKV as one matmul and gate/up as one matmul (concatenated weights built once)",
@@ -44,6 +47,8 @@ CHANGES = {
                "and the sampler",
     "rope_cache": "q/k RMSNorm, RoPE and the cache write in one Triton kernel",
     "decode_attn": "a Triton decode-attention kernel reading the cache only up to the current length",
+    "sampler": "top-p sorts the bf16 logits (half the radix passes of float32 probabilities) and draws "
+               "without scattering back to vocabulary order",
 }
 ELEM = {"bf16": 2, "fp32": 4}
 SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION",
@@ -133,6 +138,20 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, qn: torch.Tensor, kn: torch.Tens
               sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, D], k [B, HKV, D]: per-head RMSNorm, then RoPE at one position (cos, sin [D])."""
     return rope(rms(q, qn, eps), cos, sin), rope(rms(k, kn, eps), cos, sin)
+
+
+def sample_top_p_sorted(logits: torch.Tensor, noise: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """``decode.sample_top_p`` with the sort on the logits themselves (softmax keeps their order, and
+    a bf16 key sorts in half the passes of the float32 probabilities) and the exponential race run in
+    sorted order (the noise gathered to it) instead of scattering the kept mass back. A stable sort
+    keeps tied logits in vocabulary order, so the greedy draw (noise of ones) is the first maximum,
+    as argmax gives."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    _, idx = logits.sort(dim=-1, descending=True, stable=True)
+    sp = probs.gather(-1, idx)
+    drop = (sp.cumsum(-1) - sp) >= top_p          # the mass before a token already reached top_p
+    pick = (sp.masked_fill(drop, 0.0) / noise.gather(-1, idx)).argmax(dim=-1, keepdim=True)
+    return idx.gather(-1, pick)[:, 0]
 
 
 # --- weights --------------------------------------------------------------------------------------
@@ -249,7 +268,7 @@ class FusedDecoder:
     # the pieces this rung runs, compiled from the compile rung on (a GPU only)
     def _functions(self) -> dict:
         fns = {"add_rms": add_rms, "rms": rms, "silu_mul": silu_mul, "norm_rope": norm_rope,
-               "sample": sample_top_p}
+               "sample": sample_top_p_sorted if self.level >= RUNGS.index("sampler") else sample_top_p}
         if self.level >= RUNGS.index("compile") and self.use_graph:
             # emulate_precision_casts: a fused kernel rounds each intermediate the eager op would
             # store in bf16 (the residual before its norm), so fusion changes no value
