@@ -32,16 +32,34 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
              baseline: bool, variants: bool, out: Path, records: list, seed: int = 0,
              overrides: dict | None = None, profile: tuple = (),
              rungs: tuple = fd.RUNGS) -> list[dict]:
+    """The LM of ``model_size`` built (random weights, LoRA), its prompts drawn, then ``ladder``."""
     cfg = config(model_size, **(overrides or {}))
-    P, N, L, T = cfg.prompts, cfg.replies, cfg.prompt_len, cfg.new_tokens
-    B = P * N
     t0 = time.perf_counter()
     pm = build.add_lora(build.build_lm(cfg, dev, seed), cfg, seed)
     bench.synchronize(dev)
     mem = torch.cuda.memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     _log(f"{model_size}: built in {time.perf_counter() - t0:.1f} s, {mem:.1f} GiB")
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, cfg.tok_vocab, (P, L), generator=g).to(dev)
+    prompts = torch.randint(0, cfg.tok_vocab, (cfg.prompts, cfg.prompt_len), generator=g).to(dev)
+    rows = ladder(pm, cfg, prompts, dev, copy_gbps, model_size=model_size, reps=reps, check_tokens=check_tokens,
+                  baseline=baseline, variants=variants, out=out, records=records, seed=seed, profile=profile,
+                  rungs=rungs)
+    del pm
+    _free(dev)
+    return rows
+
+
+def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float | None, *, model_size: str,
+           reps: int, check_tokens: int, baseline: bool = True, variants: bool = False, out: Path | None = None,
+           records: list | None = None, seed: int = 0, profile: tuple = (), rungs: tuple = fd.RUNGS) -> list[dict]:
+    """Every fused rung in ``rungs`` (and, with ``variants``, rung rope_cache under other SDPA
+    backends; with ``baseline``, ``decode.OwnDecodeLoop``) for the LM ``pm`` and its P prompts: greedy
+    check against Hugging Face's batched greedy ``generate`` of ``check_tokens`` tokens, then the
+    timing (``generation.fused_rung_row``). Rows, one per rung; records appended to ``records`` and
+    both written under ``out`` after each rung (None: neither)."""
+    records = [] if records is None else records
+    P, N, L, T = cfg.prompts, cfg.replies, cfg.prompt_len, cfg.new_tokens
+    B = P * N
     lg: list = []
     ref = decode.generate_batched(pm, prompts, cfg, greedy=True, new_tokens=check_tokens, logits=lg).cpu()
     ref_logits = torch.stack(lg)
@@ -77,7 +95,8 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "decode_floor_ms", "agreement",
             "agreement_vs_prev", "divergences", "divergences_at_ties", "first_call_s", "reason")}))
         records.extend(G.decode_records([row], model_size=model_size, device=dev.type, params=params))
-        _flush(out, rows, records)
+        if out is not None:
+            _flush(out, rows, records)
     if baseline:
         row = {"rung": "14d_static_own", "batch": B, "model_size": model_size, "status": "ok",
                "change": G.RUNGS["14d_static_own"][1]}
@@ -107,9 +126,8 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "agreement", "divergences",
             "divergences_at_ties", "first_call_s", "reason")}))
         records.extend(G.decode_records([row], model_size=model_size, device=dev.type, params=params))
-        _flush(out, rows, records)
-    del pm
-    _free(dev)
+        if out is not None:
+            _flush(out, rows, records)
     return rows
 
 
