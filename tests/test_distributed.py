@@ -40,11 +40,17 @@ def one_process_curve(batch: int) -> list[float]:
 # --- across processes ---------------------------------------------------------------------------------
 
 def test_world_size_two_computes_what_one_process_computes_at_the_same_global_batch(isolated_run):
+    """Every strategy. The graphed ones run their step eagerly on a CPU (the capture is a GPU's): their
+    bucketed all-reduce from gradient hooks, and ZeRO-1's reduce-scatter, AdamW on shards and
+    all-gather, with buckets of ~2,600 floats that cut GPT's parameters across buckets and shards."""
     one = one_process_curve(TINY["batch"])
-    req = tiny_request(strategies=("ddp", "fsdp2", "ddp_zero1"), reference={"gpt": {TINY["batch"]: one}},
+    names = ("ddp", "fsdp2", "ddp_zero1", "graphed", "graphed_zero1")
+    req = tiny_request(strategies=names, reference={"gpt": {TINY["batch"]: one}},
+                       options=strategies.Options(graph_bucket_mb=0.01),
                        profile_steps=1, comm_sizes_mb=(0.25,), run=str(isolated_run))
     res = launch(req, 2, timeout_s=180, echo=False)
-    assert [r["strategy"] for r in res.rows] == ["ddp", "fsdp2", "ddp_zero1"]
+    assert [r["strategy"] for r in res.rows] == list(names)
+    assert all(any("buckets of about 0.01 MiB" in n for n in r["notes"]) for r in res.rows[3:])
     per_rank = one_process_curve(TINY["batch"] // 2)   # what each rank would train without the global batch
     tol, _ = train.tolerance(STEP)
     for r in res.rows:
@@ -58,8 +64,7 @@ def test_world_size_two_computes_what_one_process_computes_at_the_same_global_ba
         assert s["steps"] == 1 and s["comm_ms"] > 0 and 0 <= s["exposed_comm_ms"] <= s["comm_ms"] + 1e-9
     # Rank 0 recorded each measurement with its x-values as fields, and the bus bandwidth.
     rows = scaling.rows(query.load(isolated_run))
-    assert {(r["strategy"], r["world_size"], r["scaling"]) for r in rows} == {
-        (s, 2, "strong") for s in ("ddp", "fsdp2", "ddp_zero1")}
+    assert {(r["strategy"], r["world_size"], r["scaling"]) for r in rows} == {(s, 2, "strong") for s in names}
     assert all(r["throughput"] > 0 and r["same_math_max_rel"] is not None and r["status"] == "ok" for r in rows)
     bw = scaling.bandwidth_rows(query.load(isolated_run))
     assert len(bw) == 1 and bw[0]["world_size"] == 2 and bw[0]["busbw_gbps"] > 0
@@ -342,22 +347,6 @@ def test_a_global_batch_that_does_not_split_over_k_is_a_skipped_row_and_the_rest
 
 # --- the graphed strategies and bf16 reductions ----------------------------------------------------------
 
-def test_graphed_strategies_compute_what_one_process_computes(isolated_run):
-    """Bucketed all-reduce from gradient hooks, and ZeRO-1's reduce-scatter, AdamW on shards and
-    all-gather: on a CPU the same step runs eagerly (the capture is a GPU's), so its math is what
-    this checks. Buckets of ~2,600 floats cut GPT's parameters across buckets and shards."""
-    one = one_process_curve(TINY["batch"])
-    req = tiny_request(strategies=("graphed", "graphed_zero1"), reference={"gpt": {TINY["batch"]: one}},
-                       options=strategies.Options(graph_bucket_mb=0.01), run=str(isolated_run), record=False)
-    res = launch(req, 2, timeout_s=120, echo=False)
-    per_rank = one_process_curve(TINY["batch"] // 2)
-    for r in res.rows:
-        assert r["status"] == "ok" and r["same_math"]["ok"], r["strategy"]
-        assert r["same_math"]["max_rel"] <= train.REORDER_TOLERANCE and r["same_math"]["tolerance"] == train.REORDER_TOLERANCE
-        assert compare_curves(r["check_losses"], per_rank) > 10 * train.REORDER_TOLERANCE
-        assert any("buckets of about 0.01 MiB" in n for n in r["notes"]), r["notes"]
-
-
 def test_gradients_reduced_in_bf16_move_the_curve_within_bf16_s_tolerance(isolated_run):
     """DDP's bf16 comm hook and the graphed strategy's bf16 buckets: the same rounding (the mean cast
     to bf16), a curve further from one process's than an fp32 reduction's (so bf16 was used) and
@@ -410,3 +399,28 @@ def test_ddp_at_world_size_one_is_the_unwrapped_step():
     o = strategies.Options(bucket_cap_mb=200, static_graph=True, reduce_dtype="bf16")
     assert o.changed("graphed") == {"reduce_dtype": "bf16"} and o.changed("fsdp2") == {}
     assert o.changed("ddp") == {"bucket_cap_mb": 200, "static_graph": True, "reduce_dtype": "bf16"}
+
+
+def test_two_nodes_over_the_loopback_run_the_readme_s_multi_node_command(isolated_run):
+    """The README's multi-node command, run as two "nodes" on this host: two launchers, one process
+    each, meeting at one c10d rendezvous on 127.0.0.1. Node 0 holds global rank 0: the job's rows are
+    its, at world size 2, and they train what one process trains at the same global batch."""
+    import socket
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "hwlib.distributed.launch", "--nproc-per-node", "1", "--nnodes", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--profile", "smoke", "--workloads", "gpt",
+           "--strategies", "ddp", "--scalings", "strong", "--step", STEP, "--config", json.dumps(TINY),
+           "--plan", f"{PLAN.check},{PLAN.warmup},{PLAN.timed}", "--profile-steps", "0", "--no-record",
+           "--timeout-s", "120", "--collective-timeout-s", "60"]
+    nodes = [subprocess.Popen(cmd + ["--run-name", str(isolated_run.parent / f"node{i}")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    found = [sorted((isolated_run.parent / f"node{i}" / "distributed").glob("*/rows.jsonl")) for i in range(2)]
+    assert len(found[0]) + len(found[1]) == 1   # one node ran global rank 0 and wrote the job's row
+    row = json.loads((found[0] or found[1])[0].read_text())
+    assert row["status"] == "ok" and row["world_size"] == 2 and (row["per_gpu_batch"], row["global_batch"]) == (4, 8)
+    assert compare_curves(row["check_losses"], one_process_curve(TINY["batch"])) <= train.REORDER_TOLERANCE
