@@ -171,7 +171,8 @@ def test_every_process_started_has_multicast_off():
 def test_a_request_survives_the_command_line():
     req = tiny_request(strategies=("ddp", "ddp_zero1"), scalings=("weak", "strong"), per_gpu_batch={"gpt": 4},
                        options=strategies.Options(bucket_cap_mb=5, static_graph=True, gradient_as_bucket_view=False,
-                                                  graph_bucket_mb=3, reduce_dtype="bf16", cuda_graph=False),
+                                                  graph_bucket_mb=3, reduce_dtype="bf16", cuda_graph=False,
+                                                  overlap_gather=True),
                        fault=(1, 3), comm_sizes_mb=(1.0, 25.0), run="mine")
     back, _ = request.from_argv(request.to_argv(req))
     for f in ("workloads", "strategies", "scalings", "profile", "device", "step", "per_gpu_batch", "config", "plan",
@@ -348,17 +349,19 @@ def test_a_global_batch_that_does_not_split_over_k_is_a_skipped_row_and_the_rest
 # --- the graphed strategies and bf16 reductions ----------------------------------------------------------
 
 def test_gradients_reduced_in_bf16_move_the_curve_within_bf16_s_tolerance(isolated_run):
-    """DDP's bf16 comm hook and the graphed strategy's bf16 buckets: the same rounding (the mean cast
+    """DDP's bf16 comm hook and the graphed strategies' bf16 buckets: the same rounding (the mean cast
     to bf16), a curve further from one process's than an fp32 reduction's (so bf16 was used) and
     within the tolerance that says what it costs."""
     one = one_process_curve(TINY["batch"])
-    req = tiny_request(strategies=("graphed", "ddp"), reference={"gpt": {TINY["batch"]: one}},
-                       options=strategies.Options(reduce_dtype="bf16", graph_bucket_mb=0.01), run=str(isolated_run),
-                       record=False)
+    req = tiny_request(strategies=("graphed", "ddp", "graphed_zero1"), reference={"gpt": {TINY["batch"]: one}},
+                       options=strategies.Options(reduce_dtype="bf16", graph_bucket_mb=0.01, overlap_gather=True),
+                       run=str(isolated_run), record=False)
     res = launch(req, 2, timeout_s=120, echo=False)
     tol, why = train.tolerance(STEP, req.options, "graphed")
     assert tol == 3e-2 and "bf16" in why and train.tolerance(STEP, req.options, "fsdp2")[0] == train.REORDER_TOLERANCE
-    graphed, ddp = res.rows
+    graphed, ddp, zero1 = res.rows
+    # ZeRO-1 here all-gathers behind the next forward: each block waited for its own buckets
+    assert any("behind the next forward" in n for n in zero1["notes"]), zero1["notes"]
     for r in res.rows:
         assert r["status"] == "ok" and r["same_math"]["ok"] and r["same_math"]["tolerance"] == tol, r["strategy"]
         assert 1e-6 < r["same_math"]["max_rel"] < tol, r["same_math"]

@@ -16,7 +16,9 @@ replayed as one graph, whose launches cost the host nothing:
 - ``GraphedStep`` (strategy ``graphed``): each bucket all-reduced, then divided by the world size
   (the mean over ranks, as DDP), then AdamW on every parameter, as one process;
 - ``graphed_zero1``: each bucket reduce-scattered instead; each rank runs AdamW on its shard of every
-  bucket only (ZeRO stage 1: optimizer states 1/K per rank) and all-gathers the updated parameters;
+  bucket only (ZeRO stage 1: optimizer states 1/K per rank) and all-gathers the updated parameters,
+  at the end of the step or (``overlap_gather``) at the start of the next one, each block's forward
+  waiting only for its own buckets;
 - ``reduce_dtype='bf16'``: each bucket is reduced in bf16 (half the bytes) and turned back to fp32.
 
 The model is compiled unit by unit (each block of ``model.blocks``, and the loss head where the
@@ -111,7 +113,7 @@ class GraphedStep:
 
     def __init__(self, model: torch.nn.Module, make_adamw, device: torch.device, world: int, rank: int, *,
                  shard: bool = False, reduce_dtype: str = "fp32", bucket_mb: float = 25.0, cuda_graph: bool = True,
-                 group=None):
+                 overlap_gather: bool = False, group=None):
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}")
         self.device, self.world, self.rank, self.shard, self.group = device, world, rank, shard, group
@@ -142,6 +144,11 @@ class GraphedStep:
         self._launched: list[bool] = [False] * len(lay.members)
         for p in params:
             p.register_post_accumulate_grad_hook(self._ready)
+        self.overlap_gather = overlap_gather and shard and world > 1
+        self._pending: dict = {}
+        self._gather_due = False
+        if self.overlap_gather:
+            self._gate_blocks(model)
         self.cuda_graph = cuda_graph and device.type == "cuda"
         self.steps = 0
         self.graph = self.static_batch = self.static_loss = self.side = self.capture_error = None
@@ -217,20 +224,65 @@ class GraphedStep:
                 self.flat_g.copy_(self.wire)
             self.flat_g.div_(self.world)
 
-    def _gather(self) -> None:
+    def _launch_gathers(self) -> dict:
         """ZeRO-1: every rank's updated shards back into every rank's parameters (in place: the input
-        of each all-gather is this rank's shard inside its output)."""
+        of each all-gather is this rank's shard inside its output), launched asynchronously in the
+        order forward needs the buckets (the last bucket holds the first parameters); {bucket: work}."""
         import torch.distributed as dist
+        works = {}
         if self.world == 1:
-            return
-        works = []
-        for b in range(len(self.layout.members)):
+            return works
+        for b in reversed(range(len(self.layout.members))):
             start, length = self.layout.spans[b]
             s0, n = self.layout.shard(b, self.rank)
-            works.append(dist.all_gather_into_tensor(self.flat_p[start:start + length], self.flat_p[s0:s0 + n],
-                                                     group=self.group, async_op=True))
-        for w in works:
+            works[b] = dist.all_gather_into_tensor(self.flat_p[start:start + length], self.flat_p[s0:s0 + n],
+                                                   group=self.group, async_op=True)
+        return works
+
+    def _gather(self) -> None:
+        for w in self._launch_gathers().values():
             w.wait()
+
+    # --- ZeRO-1's all-gathers behind the next forward (overlap_gather) --------------------------------------
+
+    def _gate_blocks(self, model: torch.nn.Module) -> None:
+        """Let forward wait for each block's parameters just before it runs the block, instead of
+        waiting for every all-gather before the step starts. The model iterates its blocks in eager
+        Python (the blocks themselves are compiled: a wait inside one would break its graph), so the
+        wait goes into that iteration: ``model.blocks`` becomes a ModuleList whose iterator waits for
+        block i's buckets before it hands block i out. The parameters registered before the first
+        block (embeddings) are waited for when the step starts, those after the last block (final
+        norm, head) when the iteration ends."""
+        blocks = getattr(model, "blocks", None)
+        if not (isinstance(blocks, torch.nn.ModuleList) and len(blocks)):
+            raise ValueError("overlap_gather needs a model whose blocks are a ModuleList (model.blocks): its "
+                             "forward is where the all-gathers are waited for")
+        lay = self.layout
+        in_blocks = {p for b in blocks for p in b.parameters()}
+        first = next(i for i, p in enumerate(lay.params) if p in in_blocks)
+        self._need_before = {lay.where[p][0] for p in lay.params[:first]}
+        self._need_block = [{lay.where[p][0] for p in b.parameters() if p in lay.where} for b in blocks]
+        self._need_after = {lay.where[p][0] for p in lay.params if p not in in_blocks} - self._need_before
+        step = self
+
+        class GatedBlocks(type(blocks)):
+            def __iter__(self):
+                for i, b in enumerate(super().__iter__()):
+                    step._wait_gathers(step._need_block[i])
+                    yield b
+                step._wait_gathers(step._need_after)
+
+        blocks.__class__ = GatedBlocks
+
+    def _wait_gathers(self, buckets) -> None:
+        for b in sorted(buckets, reverse=True):
+            w = self._pending.pop(b, None)
+            if w is not None:
+                w.wait()
+
+    def _flush(self) -> None:
+        """Wait for every all-gather still pending (the parameters whole on every rank again)."""
+        self._wait_gathers(list(self._pending))
 
     # --- the step ---------------------------------------------------------------------------------------
 
@@ -238,12 +290,21 @@ class GraphedStep:
         self.flat_g.zero_()
         self._left = [len(m) for m in self.layout.members]
         self._launched = [False] * len(self.layout.members)
+        if self.overlap_gather and self._gather_due:
+            # The last step's updated shards, gathered while this forward runs (GatedBlocks waits).
+            self._pending = self._launch_gathers()
+            self._gather_due = False
+            self._wait_gathers(self._need_before)
         loss = loss_fn(batch)
         loss.backward()
+        self._flush()   # a bucket forward did not wait for (a parameter it did not use)
         self._finish()
         self.opt.step()
         if self.shard:
-            self._gather()
+            if self.overlap_gather:
+                self._gather_due = True
+            else:
+                self._gather()
         return loss.detach()
 
     def step(self, batch, loss_fn) -> torch.Tensor:
@@ -273,7 +334,7 @@ class GraphedStep:
         anywhere every rank keeps stepping eagerly, and ``capture_error`` says why."""
         self.static_batch = _tree(batch, lambda t: t.clone())
         torch.cuda.synchronize(self.device)
-        graph, err = torch.cuda.CUDAGraph(), None
+        graph, err, due = torch.cuda.CUDAGraph(), None, self._gather_due
         try:
             # thread_local: NCCL's watchdog thread may query its events while this thread captures.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -281,6 +342,8 @@ class GraphedStep:
         except Exception as e:   # noqa: BLE001 - agreed on below, then reported in the notes
             err = f"{type(e).__name__}: {e}"
             self._works.clear()
+            self._pending.clear()
+            self._gather_due = due   # nothing captured ran: the last step's gathers are still due
         ok = torch.tensor([0.0 if err else 1.0], device=self.device)
         if self.world > 1:
             import torch.distributed as dist

@@ -201,6 +201,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-bucket-mb", type=float, default=Options.graph_bucket_mb)
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default=Options.reduce_dtype)
     p.add_argument("--no-cuda-graph", action="store_true", help="graphed strategies: run the step eagerly")
+    p.add_argument("--overlap-gather", action="store_true",
+                   help="graphed_zero1: all-gather the parameters behind the next forward")
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps for the communication split")
     p.add_argument("--comm-sizes-mb", type=lambda t: tuple(float(x) for x in _csv(t)), default=(),
                    help="all-reduce sizes (MiB) of the bus-bandwidth sweep")
@@ -228,7 +230,7 @@ def from_argv(argv: list[str] | None) -> tuple[Request, argparse.Namespace]:
                   options=Options(bucket_cap_mb=ns.bucket_cap_mb, gradient_as_bucket_view=not ns.no_gradient_as_bucket_view,
                                   static_graph=ns.static_graph, reshard_after_forward=raf,
                                   graph_bucket_mb=ns.graph_bucket_mb, reduce_dtype=ns.reduce_dtype,
-                                  cuda_graph=not ns.no_cuda_graph),
+                                  cuda_graph=not ns.no_cuda_graph, overlap_gather=ns.overlap_gather),
                   profile_steps=ns.profile_steps, comm_sizes_mb=ns.comm_sizes_mb,
                   reference={w: {int(g): v for g, v in d.items()} for w, d in (inputs.get("reference") or {}).items()},
                   ceilings=inputs.get("ceilings"), run=ns.run, notebook=ns.notebook,
@@ -262,6 +264,8 @@ def to_argv(req: Request, *, out: str | None = None, inputs: str | None = None) 
     a += ["--graph-bucket-mb", f"{o.graph_bucket_mb:g}", "--reduce-dtype", o.reduce_dtype]
     if not o.cuda_graph:
         a.append("--no-cuda-graph")
+    if o.overlap_gather:
+        a.append("--overlap-gather")
     if req.profile_steps is not None:
         a += ["--profile-steps", str(req.profile_steps)]
     if req.comm_sizes_mb:

@@ -59,7 +59,7 @@ DESCRIPTIONS = {
 OPTIONS_READ = {"single": (), "ddp": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "reduce_dtype"),
                 "ddp_zero1": ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph"),
                 "fsdp2": ("reshard_after_forward",), "graphed": ("graph_bucket_mb", "reduce_dtype", "cuda_graph"),
-                "graphed_zero1": ("graph_bucket_mb", "reduce_dtype", "cuda_graph")}
+                "graphed_zero1": ("graph_bucket_mb", "reduce_dtype", "cuda_graph", "overlap_gather")}
 
 # Settings a multi-process step cannot take as they are, and why; the base step leaves them off.
 NOT_DISTRIBUTED = {
@@ -102,6 +102,9 @@ class Options:
     graph_bucket_mb: float = 25.0
     reduce_dtype: str = "fp32"
     cuda_graph: bool = True
+    # graphed_zero1: the all-gathers of the updated parameters run behind the next step's forward
+    # (each block waits for its own buckets) instead of ending the step.
+    overlap_gather: bool = False
 
     def __post_init__(self):
         for f in ("bucket_cap_mb", "graph_bucket_mb"):
@@ -110,7 +113,7 @@ class Options:
                 raise ValueError(f"{f} must be a finite number > 0 (MiB), got {v!r}")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ValueError(f"reduce_dtype must be 'fp32' or 'bf16', got {self.reduce_dtype!r}")
-        for f in ("gradient_as_bucket_view", "static_graph", "cuda_graph"):
+        for f in ("gradient_as_bucket_view", "static_graph", "cuda_graph", "overlap_gather"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         if self.reshard_after_forward not in (None, True, False):
@@ -331,10 +334,13 @@ def apply_graphed(model, cfg, settings: Settings, device: torch.device, world: i
 
     rank = dist.get_rank() if world > 1 else 0
     step = GraphedStep(model, make_adamw, device, world, rank, shard=shard, reduce_dtype=options.reduce_dtype,
-                       bucket_mb=options.graph_bucket_mb, cuda_graph=options.cuda_graph)
+                       bucket_mb=options.graph_bucket_mb, cuda_graph=options.cuda_graph,
+                       overlap_gather=options.overlap_gather)
     lay = step.layout
     notes.append(f"{len(lay.spans)} buckets of about {options.graph_bucket_mb:g} MiB, each "
-                 + ("reduce-scattered (AdamW on this rank's shards, parameters all-gathered)" if shard else "all-reduced")
+                 + (("reduce-scattered (AdamW on this rank's shards, parameters all-gathered "
+                     + ("behind the next forward)" if options.overlap_gather else "at the step's end)"))
+                    if shard else "all-reduced")
                  + (" in bf16" if options.reduce_dtype == "bf16" else "") + " as soon as backward has its gradients; "
                  + (f"the step captured as one CUDA graph after {EAGER_STEPS} eager steps" if capture
                     else "the step runs eagerly"))
