@@ -92,7 +92,7 @@ def test_every_rung_decodes_the_models_own_greedy_tokens_and_follows_lora(lm, tr
     cfg, pm, prompts = lm
     _lora_b(pm, 1)
     B = cfg.prompts * cfg.replies
-    decs = {r: fd.FusedDecoder(pm, cfg, B, cfg.prompt_len + cfg.new_tokens, "cpu", rung=r) for r in fd.RUNGS}
+    decs = {r: fd.FusedDecoder(pm, cfg, B, cfg.prompt_len + cfg.new_tokens, "cpu", rung=r) for r in fd.ALL_RUNGS}
     _lora_b(pm, 2)                      # after the decoders copied their weights: each call must merge again
     ref = decode.generate_batched(pm, prompts, cfg, greedy=True)
     for r, dec in decs.items():

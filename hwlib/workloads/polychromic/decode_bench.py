@@ -169,7 +169,8 @@ def main(argv=None) -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--variants", action="store_true")
-    ap.add_argument("--rungs", nargs="+", default=list(fd.RUNGS), help="fused rungs to run (default: all)")
+    ap.add_argument("--rungs", nargs="+", default=list(fd.RUNGS), help="fused rungs to run, in order (default: the measured ones; "
+                                                                   "fused_decode.ALL_RUNGS lists every rung)")
     ap.add_argument("--profile", nargs="*", default=[], help="rungs whose kernels to list (torch.profiler)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same code eagerly (a dry run: its "
                                                         "times say nothing)")
