@@ -243,3 +243,11 @@ def test_a_check_becomes_a_record_and_a_failure_an_assertion(monkeypatch):
     base = G.same_gradients("gpt", "01_baseline_fp32").record_fields()
     assert base["status"] == "n/a" and base["value"] is None and "nothing to compare" in base["reason"]
     results.make_record(notebook="01", workload="gpt", step="01_baseline_fp32", device={"name": "cpu"}, **base)
+
+
+def test_the_check_leaves_the_callers_random_state_alone():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    G.same_gradients("gpt", "04_sdpa_attention")
+    assert torch.equal(torch.rand(3), expected)

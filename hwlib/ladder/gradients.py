@@ -446,7 +446,8 @@ def same_gradients(workload: str, step: str, *, profile: str = "smoke", device="
     prev = against(wl.name, st.name, di)
     if prev is None:
         return GradCheck(against=None, status="baseline", detail="the first step: nothing to compare with", **base)
-    with _cpu_threads(dev):
+    # The global generators are the caller's (a notebook times its step after this): drawn from inside only.
+    with _cpu_threads(dev), torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
         a = Stepper(wl.name, st.name, cfg, dev, seed, mode, bool(tf32))
         b = Stepper(wl.name, prev, cfg, dev, seed, mode, bool(tf32))
         (loss_a, grads_a), (loss_b, grads_b) = a.backward(), b.backward()
