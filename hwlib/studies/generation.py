@@ -14,10 +14,12 @@ trainer losses of every rung must equal the first rung's: the ladder changes how
 generated, never the training (the step after the bonus is where a rung that disturbed the model
 would show).
 
-Decode bandwidth: bytes one decode step must read (every weight once, the input embedding only for
-its rows; plus the KV cache of all rows at the mean length L + T/2 where a cache is used) over the
-time of one decode step (generation time / forward calls). The seed's way recomputes the whole
-sequence per token: its bytes are counted the same way, as what a step must read at minimum.
+Decode bandwidth: bytes one decode step must move (``fused_decode.step_bytes``: every weight once,
+the input embedding only for its rows, the KV cache of all rows at each step's length where a cache
+is used, the residual stream and the logits), averaged over the generation, over the time of one
+decode step (generation time / forward calls), with the floor those bytes take at the copy
+ceiling. The seed's way recomputes the whole sequence per token: its bytes are counted as what a
+step must move at minimum (no cache).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..ops import diversity as dv
 from ..precision import tf32_mode
 from ..results import make_record
 from ..workloads import polychromic as pc
-from ..workloads.polychromic.build import weight_bytes
+from ..workloads.polychromic import fused_decode
 
 NOTEBOOK = "14_generation_diversity"
 WORKLOAD = "polychromic"
@@ -116,10 +118,14 @@ def warm_up(tr: pc.Trainer, way: str) -> float:
     return s
 
 
-def kv_bytes_per_step(cfg: pc.PolyConfig, rows: int) -> float:
-    """KV cache bytes a decode step reads, at the mean length L + T/2, for ``rows`` rows."""
-    elem = 2 if cfg.dtype == "bf16" else 4
-    return rows * cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * elem * (cfg.prompt_len + cfg.new_tokens / 2)
+def decode_step_bytes(cfg: pc.PolyConfig, way: str) -> float:
+    """Bytes a decode step of ``way`` must move, averaged over the bonus's generation
+    (``fused_decode.generation_step_bytes``): one row per forward call for the per-reply ways, all
+    P N rows for the batched ones; the seed's way recomputes the whole sequence per token, and is
+    counted as what a step must read at minimum: the weights and activations, no cache."""
+    rows = 1 if way in PER_PROMPT else cfg.prompts * cfg.replies
+    b = fused_decode.generation_step_bytes(cfg, rows, cfg.prompt_len, max(cfg.new_tokens, 2))
+    return b["total"] if way != "seed" else b["weights"] + b["activations"]
 
 
 def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = None,
@@ -178,10 +184,10 @@ def rung_row(tr: pc.Trainer, row: dict, runs: list[dict], warmup_s: float, *, co
     calls = n_tok if way in PER_PROMPT else cfg.new_tokens   # forward calls, one row each or all rows at once
     rows_per_call = 1 if way in PER_PROMPT else cfg.prompts * cfg.replies
     step_s = gen / calls
-    nbytes = weight_bytes(tr.lm) + (kv_bytes_per_step(cfg, rows_per_call) if way != "seed" else 0.0)
-    row.update({"decode_ms_per_step": 1e3 * step_s, "decode_bytes_per_step": nbytes,
-                "decode_gbps": nbytes / step_s / 1e9,
-                "decode_share_of_copy": nbytes / step_s / 1e9 / copy_gbps if copy_gbps else None})
+    nbytes = decode_step_bytes(cfg, way)
+    bw = fused_decode.bandwidth(nbytes, 1e3 * step_s, copy_gbps)
+    row.update({"decode_ms_per_step": 1e3 * step_s, "decode_bytes_per_step": nbytes, "decode_gbps": bw["gbps"],
+                "decode_share_of_copy": bw["share_of_copy"], "decode_floor_ms": bw["floor_ms"]})
     ref = base_losses if base_losses is not None else runs[0]["losses"]
     row["quality_loss_max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for r in runs
                                            for a, b in zip(r["losses"], ref))
@@ -443,7 +449,7 @@ RUNG_METRICS = {"ms_per_cycle": "ms", "ms_per_trainer_step": "ms", "gen_tokens_p
                 "share_training": "share", "share_generation": "share", "share_round_trip": "share",
                 "share_encoding": "share", "share_score": "share", "share_generation_of_overhead": "share",
                 "share_diversity_of_overhead": "share", "decode_ms_per_step": "ms", "decode_gbps": "GB/s",
-                "decode_share_of_copy": "share", "quality_loss_max_rel_diff": "relative", "warmup_s": "s"}
+                "decode_share_of_copy": "share", "decode_floor_ms": "ms", "quality_loss_max_rel_diff": "relative", "warmup_s": "s"}
 
 
 def rung_records(rows: list[dict], *, profile: str, device: str, params: dict, fields: dict | None = None) -> list[dict]:
