@@ -26,11 +26,15 @@ def _alive(p: subprocess.Popen) -> bool:
 
 # --- processes: a token in the environment, never a file ---------------------------------------------
 
-def test_a_hand_written_pid_file_gets_nothing_killed(tmp_path, outputs, capsys):
+def test_a_hand_written_pid_file_gets_nothing_killed(tmp_path, monkeypatch, capsys):
+    """Also: a relative HWLIB_OUTPUTS reaches the notebooks (their kernel starts in the notebooks'
+    folder), and the executed copy keeps no absolute path of the measuring machine."""
     nbs = series(tmp_path, **{"00_first": WRITE.format(name="00")})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HWLIB_OUTPUTS", "rel-out")
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
-        run = outputs / "r"
+        run = tmp_path / "rel-out" / "r"
         run.mkdir(parents=True)
         start = runs._stat(victim.pid)[3]
         (run / runs.PIDS_FILE).write_text(json.dumps({"host": runs.HOST, "notebook": "00_first",
@@ -39,6 +43,8 @@ def test_a_hand_written_pid_file_gets_nothing_killed(tmp_path, outputs, capsys):
         assert _alive(victim), "a process named only by .notebook.pids was killed"
         assert "ended processes" not in capsys.readouterr().err
         assert not (run / runs.PIDS_FILE).exists() and (run / "00.txt").read_text() == "smoke\n"
+        meta = json.loads((run / "executed" / "00_first.ipynb").read_text())["metadata"]["papermill"]
+        assert not any(os.path.isabs(meta[k]) for k in ("input_path", "output_path")), meta
     finally:
         victim.kill()
         victim.wait()
@@ -115,17 +121,6 @@ def test_run_folders_are_resolved_before_they_are_checked_or_made(tmp_path, outp
     assert cli.main(args(nbs)) == 2
     assert "HWLIB_OUTPUTS" in capsys.readouterr().err
     assert sorted(p.name for p in outputs.iterdir()) == ["afile", "alias", "out", "reference"]
-
-
-def test_a_relative_outputs_folder_reaches_the_notebooks_and_executed_copies_keep_no_machine_paths(
-        tmp_path, monkeypatch, capsys):
-    nbs = series(tmp_path, **{"00_first": WRITE.format(name="00")})
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HWLIB_OUTPUTS", "rel-out")               # the kernel starts in the notebooks' folder
-    assert cli.main(args(nbs)) == 0
-    assert (tmp_path / "rel-out" / "r" / "00.txt").read_text() == "smoke\n"
-    meta = json.loads((tmp_path / "rel-out" / "r" / "executed" / "00_first.ipynb").read_text())["metadata"]["papermill"]
-    assert not any(os.path.isabs(meta[k]) for k in ("input_path", "output_path")), meta
 
 
 def test_readme_through_a_link_keeps_the_link(tmp_path, outputs):
