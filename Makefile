@@ -76,7 +76,7 @@ first-look: setup
 # notebook suites, the subprocess-heavy ones (UNIT_PROCS) when the waiting ones end, the runner's and BK-Core's
 # tests (UNIT_B) after the next suite.
 UNIT_B := tests/test_cli.py tests/test_bk_core.py
-UNIT_PROCS := tests/test_integrity_cli.py tests/test_bk_core_prebuild.py tests/test_colab.py
+UNIT_PROCS := tests/test_integrity_cli.py tests/test_integrity_runs.py tests/test_bk_core_prebuild.py tests/test_colab.py
 # Tests that mostly wait for a notebook's time limit: beside the CPU-bound suites, not after them.
 UNIT_WAITS := tests/test_stack_dumps.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
