@@ -151,11 +151,11 @@ test-notebooks-studies: setup
 	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
 	    --nbval-lax --nbval-current-env $$nbs
 
-# Kernel sources (hwlib/kernels, shipped inside the package) are plain CUDA: they compile with nvcc
+# Kernel sources (kernels/, shipped inside the package as hwlib/kernels) are plain CUDA: they compile with nvcc
 # alone, with their own headers, no torch headers, no GPU needed.
-KERNELS_CU := $(wildcard hwlib/kernels/*.cu)
+KERNELS_CU := $(wildcard kernels/*.cu)
 test-kernels:
-	@test -n "$(KERNELS_CU)" || { echo "test-kernels: no hwlib/kernels/*.cu found"; exit 1; }
+	@test -n "$(KERNELS_CU)" || { echo "test-kernels: no kernels/*.cu found"; exit 1; }
 	@if command -v nvcc >/dev/null 2>&1; then \
 	    out=$$(mktemp -d); \
 	    for f in $(KERNELS_CU); do echo "nvcc -arch=sm_90 -c $$f"; \

@@ -16,7 +16,7 @@ import os
 import time
 import warnings
 
-from . import ceilings, query, results, roofline, runs
+from . import ceilings, query, results, roofline, runs, steps
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
@@ -250,7 +250,7 @@ def predict(step: str, workloads: list[str], profile: str, run=None) -> dict[str
     out = {}
     for w in workloads:
         prev = _before(query.ladder_rows(recs, w), step)
-        out[w] = roofline.predict(w, step, profile, ceil, prev_ms=prev["ms_per_step"] if prev else None)
+        out[w] = steps.predict(w, step, profile, ceil, prev_ms=prev["ms_per_step"] if prev else None)
     if ceil is None:
         markdown("_No ceilings in this run: the predicted times need notebook 00's ceilings "
                  "(the counts below stand without them)._")

@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "hwlib"
 
 # The first path component under hwlib/ decides the layer (DESIGN.md, Layout).
 LAYERS = {
-    "base": {"__init__", "paths", "device", "precision", "blas", "bench", "results", "profiles", "telemetry", "trace", "noise", "source"},
+    "base": {"__init__", "paths", "device", "precision", "blas", "bench", "results", "profiles", "telemetry", "trace", "noise", "source", "settings"},
     "core": {"ops", "kernels", "workloads", "steps", "data", "ceilings", "shapes", "roofline"},
     "runners": {"ladder", "studies", "memory", "distributed"},
     "edge": {"query", "report", "seeds", "dashboard", "notebook", "cli", "runs", "release", "series"},
