@@ -42,3 +42,4 @@ class Step:
     # What notebook 16's floors (studies.breakdown.gpt_floors) do not count for a chain with this step.
     floor_caveat: str = ""
     folder: str | None = None       # the step's folder under hwlib/steps (past the recipe)
+    kernels: tuple[str, ...] = ()   # the kernel files (under kernels/) its change lives in

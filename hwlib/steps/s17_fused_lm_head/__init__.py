@@ -11,4 +11,4 @@ STEP = Step("17_fused_lm_head", "LM head + cross-entropy fused, logits never mat
     why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the fused head is measured on GPT-2",
             **{w: "its head has no large vocabulary: the logits are a few classes wide"
                for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}},
-    apply=_apply.apply, predict=_predict.predict, folder="s17_fused_lm_head")
+    apply=_apply.apply, predict=_predict.predict, folder="s17_fused_lm_head", kernels=("17_linear_ce_triton.py", "17_ce_rows.cu"))

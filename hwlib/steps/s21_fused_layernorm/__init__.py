@@ -14,4 +14,4 @@ STEP = Step("21_fused_layernorm", "residual add + LayerNorm fused, one Triton ke
                            "pre-LayerNorm blocks",
             **{w: "the fused residual LayerNorm is built into GPT's blocks only"
                for w in ("vit_bdh", "vit_bdh_linear")}},
-    apply=_apply.apply, predict=_predict.predict, folder="s21_fused_layernorm")
+    apply=_apply.apply, predict=_predict.predict, folder="s21_fused_layernorm", kernels=("21_add_layernorm_triton.py",))

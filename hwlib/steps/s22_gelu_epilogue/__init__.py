@@ -11,7 +11,7 @@ STEP = Step("22_gelu_epilogue", "the MLP's bias + GELU and the GELU's derivative
     why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the GELU epilogue is measured on GPT-2",
             "encoder_nli": "its MLP uses the erf GELU, which cuBLASLt's tanh-form epilogue does not compute",
             **{w: "the GELU epilogue is built into GPT's blocks only" for w in ("vit_bdh", "vit_bdh_linear")}},
-    apply=_apply.apply, predict=_predict.predict, folder="s22_gelu_epilogue",
+    apply=_apply.apply, predict=_predict.predict, folder="s22_gelu_epilogue", kernels=("22_gelu_epilogue.cpp",),
     floor_caveat=("its MLP's bias + GELU and the GELU's derivative run in the matmuls' "
                  "epilogues (cuBLASLt): their time counts as GEMMs, while the LayerNorm / elementwise floor still "
                  "counts their passes (one pass per op), so that category can run below its floor"))

@@ -11,4 +11,4 @@ STEP = Step("24_qkv_grad", "the QKV projection and the attention as one op: dq, 
     why_na={"resnet_bk": "no attention: its token mixing is the BK-Core",
             "encoder_nli": "its attention is masked per sequence (packed, step 11): the op runs causal attention",
             **{w: "the op is built into GPT's causal attention only" for w in ("vit_bdh", "vit_bdh_linear")}},
-    apply=_apply.apply, predict=_predict.predict, folder="s24_qkv_grad")
+    apply=_apply.apply, predict=_predict.predict, folder="s24_qkv_grad", kernels=("24_qkv_grad_triton.py",))

@@ -13,4 +13,4 @@ STEP = Step("25_bias_column", "the MLP's first bias gradient out of its weight-g
             "encoder_nli": "its MLP uses the erf GELU, which the fused MLP this step builds on does not compute",
             **{w: "the fused MLP this step builds on is built into GPT's blocks only"
                for w in ("vit_bdh", "vit_bdh_linear")}},
-    apply=_apply.apply, predict=_predict.predict, folder="s25_bias_column")
+    apply=_apply.apply, predict=_predict.predict, folder="s25_bias_column", kernels=("22_gelu_epilogue.cpp",))

@@ -21,7 +21,7 @@ STEP = Step("26_fp8_head", "the fused LM head's three matmuls in FP8 (e4m3 forwa
     why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the FP8 head is built on GPT-2's fused head",
             **{w: "its head has no large vocabulary: the logits are a few classes wide"
                for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}},
-    apply=_apply.apply, predict=_predict.predict, folder="s26_fp8_head", fp8=True,
+    apply=_apply.apply, predict=_predict.predict, folder="s26_fp8_head", kernels=("26_ce_grad_fp8_triton.py", "26_ce_target_fp8_triton.py", "26_fp8_cast_triton.py"), fp8=True,
     floor_caveat=("its LM head's three matmuls run in FP8, above the 16-bit matmul ceiling the GEMM floor is "
                  "counted at: for this step that floor is an upper bound; its casts and the gradient pass that "
                  "writes the FP8 gradient count as LM head / cross-entropy"))
