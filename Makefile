@@ -35,7 +35,7 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup pin-notebooks constraints reproduce first-look test test-unit test-unit-b test-unit-procs test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
+.PHONY: setup pin-notebooks constraints reproduce first-look test test-gpu test-unit test-unit-b test-unit-procs test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
 
 setup: $(SETUP_STAMP)
 
@@ -105,6 +105,18 @@ test-unit-waits: setup
 
 test-unit-procs: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_PROCS)
+
+# On a GPU machine: every test that needs a GPU or behaves differently with one (the `gpu` marker, put on
+# them by tests/conftest.py), in under 5 minutes on one GPU. CI has no GPU and skips most of them: run
+# this whenever a change touches GPU code, and say on which machines it passed. It uses the running
+# Python where that has torch and pytest (a GPU image without registry access: put the Jupyter wheels
+# on PYTHONPATH first, see pitfalls.md), else .venv's; it refuses to pass where no GPU is visible.
+GPU_PY := $(if $(shell $(PYTHON) -c "import torch, pytest" >/dev/null 2>&1 && echo yes),$(PYTHON),$(VENV)/bin/python)
+test-gpu:
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	    'make test-gpu: torch sees no CUDA GPU here; these tests need one (make test runs the rest)')"
+	PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu \
+	    -rs --durations=15 tests --ignore=tests/test_browser.py
 
 # The dashboards in a real browser: JupyterLab, notebook 98 run through Debian's Chromium (Playwright
 # cannot download its own browser here). Screenshots land in outputs/browser/dashboard/screenshots/.

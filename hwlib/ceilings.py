@@ -14,6 +14,8 @@ numbers only prove that the code runs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import bench, results
@@ -81,6 +83,33 @@ def save(ceilings: dict, run=None):
 
 def share(value: float | None, ceiling: float | None) -> float | None:
     """value / ceiling, or None when either is missing."""
-    if value is None or not ceiling:
+    if value is None or not usable(ceiling):
         return None
     return value / ceiling
+
+
+def usable(v) -> bool:
+    """Whether ``v`` can be a ceiling: a positive, finite number (not a bool, not a string)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def check(ceilings: dict) -> tuple[dict, list[str]]:
+    """(``ceilings`` without the entries that cannot be ceilings, what was left out and why): the copy
+    bandwidth and every matmul ceiling must be positive and finite (a negative, NaN, infinite or
+    textual one gives a negative or absurd MFU and floor)."""
+    out, dropped = dict(ceilings), []
+    if out.get("copy_gbps") is not None and not usable(out["copy_gbps"]):
+        dropped.append(f"copy_gbps={out['copy_gbps']!r} is not a positive, finite number")
+        out["copy_gbps"] = None
+    mm = out.get("matmul_tflops")
+    if mm is not None and not isinstance(mm, dict):
+        dropped.append(f"matmul_tflops={mm!r} is not an object of dtype -> TFLOP/s")
+        mm = {}
+    keep = {}
+    for k, v in (mm or {}).items():
+        if usable(v):
+            keep[k] = v
+        else:
+            dropped.append(f"matmul_tflops[{k!r}]={v!r} is not a positive, finite number")
+    out["matmul_tflops"] = keep
+    return out, dropped

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from . import query, results, runs, series
-from .paths import REPO_ROOT, RunNameError, compile_cache_env, is_reference, run_dir, run_name
+from .paths import REPO_ROOT, RunNameError, compile_cache_env, is_reference, outputs_root, run_dir, run_name
 from .series import NOTEBOOKS_DIR
 
 
@@ -137,33 +137,134 @@ def select(nbs: list[Path], only: str | None) -> list[Path]:
 OWN_PARAMETERS = ("profile", "device", "run", "workloads")
 
 
-def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
-    """``--set NN.name=value`` options as {notebook stem: {name: value}}: the value read as YAML
-    (numbers, lists, strings), the notebook one of those selected, the name one of its parameters."""
-    import papermill
+MAX_PARAMETER_BYTES = 16 * 1024   # a setting, not data: a larger value belongs in a file the notebook reads
+
+
+def _strict_loader():
+    """A YAML reader that takes plain scalars as a reader of this command line would: integers in
+    decimal without leading zeros, floats with or without a dot (``1e-08``), ``.nan``/``.inf``,
+    ``true``/``false``, ``null``; everything else (``010``, ``12:30:00``, ``yes``, dates) a string."""
+    import re
     import yaml
+
+    class Strict(yaml.SafeLoader):
+        pass
+    Strict.yaml_implicit_resolvers = {}
+    for tag, pattern, first in (
+            ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+            ("int", r"^[-+]?(?:0|[1-9][0-9]*)$", "-+0123456789"),
+            ("float", r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+                      r"|\.(?:nan|NaN|NAN))$", "-+0123456789."),
+            ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""])):
+        Strict.add_implicit_resolver(f"tag:yaml.org,2002:{tag}", re.compile(pattern), list(first))
+    return Strict
+
+
+def _same(a, b) -> bool:
+    """Equal values of equal types (True is not 1, 1 is not 1.0)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _ambiguous(strict, yaml11) -> bool:
+    """Whether YAML 1.1 reads a scalar of a ``--set`` value as another value than ``_strict_loader`` does,
+    other than text where the strict reading is a number (``1e-08``: a float, as meant)."""
+    if isinstance(strict, list) and isinstance(yaml11, list) and len(strict) == len(yaml11):
+        return any(_ambiguous(a, b) for a, b in zip(strict, yaml11))
+    if isinstance(strict, dict) and isinstance(yaml11, dict) and list(strict) == list(yaml11):
+        return any(_ambiguous(strict[k], yaml11[k]) for k in strict)
+    if isinstance(strict, float) and isinstance(yaml11, float) and math.isnan(strict) and math.isnan(yaml11):
+        return False
+    if isinstance(strict, (int, float)) and not isinstance(strict, bool) and isinstance(yaml11, str):
+        return False
+    return not _same(strict, yaml11)
+
+
+def _problem(v) -> str | None:
+    """Why a parsed ``--set`` value cannot be passed and recorded exactly, else None."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return (f"{v!r} is not a finite number: state.json records parameters as JSON, which holds no NaN or "
+                f"infinity; give a finite number")
+    if isinstance(v, dict):
+        bad = next((k for k in v if not isinstance(k, str)), None)
+        if bad is not None:
+            return f"the key {bad!r} is not a string; quote it"
+        return next((p for p in map(_problem, v.values()) if p), None)
+    if isinstance(v, list):
+        return next((p for p in map(_problem, v) if p), None)
+    if v is None or isinstance(v, (str, bool, int, float)):
+        return None
+    return f"a {type(v).__name__} is not a notebook parameter; quote it to pass it as text"
+
+
+def parse_value(item: str, raw: str):
+    """The value of ``--set NN.name=<raw>``, read as YAML with plain scalars read strictly
+    (``_strict_loader``). A value that YAML 1.1 (papermill's reader) would read otherwise (``010`` as
+    8, ``12:30:00`` as 45000, ``yes`` as true, a date) is refused with the two readings, so that the
+    notebook gets exactly what state.json records; so are values JSON cannot record and values over
+    ``MAX_PARAMETER_BYTES``."""
+    import yaml
+    if len(raw.encode()) > MAX_PARAMETER_BYTES:
+        raise CliError(f"--set {item[:60]!r}...: the value is {len(raw.encode())} bytes, over "
+                       f"{MAX_PARAMETER_BYTES}: a parameter is a setting; put data in a file and pass its path")
+    try:
+        value = yaml.load(raw, Loader=_strict_loader())
+    except yaml.YAMLError as e:
+        raise CliError(f"--set {item!r}: the value is not YAML ({e.__class__.__name__})") from None
+    try:
+        yaml11 = yaml.safe_load(raw)
+    except (yaml.YAMLError, ValueError):
+        yaml11 = None
+    if _ambiguous(value, yaml11):
+        raise CliError(f"--set {item!r}: the value is ambiguous: read as {value!r} here but as {yaml11!r} by "
+                       f"YAML 1.1; quote it for the text (e.g. --set '{item.partition('=')[0]}=\"{raw}\"') "
+                       f"or write the number plainly (10, not 010)")
+    why = _problem(value)
+    if why:
+        raise CliError(f"--set {item!r}: {why}")
+    return value
+
+
+def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
+    """``--set NN.name=value`` options as {notebook stem: {name: value}}: the value read by
+    ``parse_value``, the notebook one of those selected, the name one of its parameters."""
+    import papermill
     out: dict[str, dict] = {}
     for item in items or []:
         key, eq, raw = item.partition("=")
         nb_id, dot, name = key.strip().partition(".")
         if not (eq and dot and nb_id and name):
-            raise CliError(f"--set {item!r}: give NOTEBOOK.PARAMETER=VALUE, e.g. --set 19.noise_budget_s=100")
+            raise CliError(f"--set {item[:200]!r}: give NOTEBOOK.PARAMETER=VALUE, e.g. --set 19.noise_budget_s=100")
         hit = [p for p in nbs if p.stem == nb_id or p.stem.split("_", 1)[0] == nb_id.zfill(2)]
         if not hit:
-            raise CliError(f"--set {item!r}: notebook {nb_id!r} is not among those this command runs "
+            raise CliError(f"--set {item[:200]!r}: notebook {nb_id!r} is not among those this command runs "
                            f"({', '.join(p.stem for p in nbs)})")
         if name in OWN_PARAMETERS:
-            raise CliError(f"--set {item!r}: reproduce sets {name!r} itself; use --{name}")
+            raise CliError(f"--set {item[:200]!r}: reproduce sets {name!r} itself; use --{name}")
         names = papermill.inspect_notebook(str(hit[0]))   # its parameters cell's names
         if name not in names:
-            raise CliError(f"--set {item!r}: {hit[0].stem} has no parameter {name!r}; its parameters: "
+            raise CliError(f"--set {item[:200]!r}: {hit[0].stem} has no parameter {name!r}; its parameters: "
                            f"{', '.join(sorted(names)) or 'none'}")
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise CliError(f"--set {item!r}: the value is not YAML ({e.__class__.__name__})") from None
-        out.setdefault(hit[0].stem, {})[name] = value
+        out.setdefault(hit[0].stem, {})[name] = parse_value(item, raw)
     return out
+
+
+def parameters_file(path: Path, params: dict) -> Path:
+    """Write ``params`` as the YAML file papermill reads (``-f``): YAML 1.1 as papermill reads it, checked
+    to read back as exactly ``params`` (a float as a float, a string as a string), so that the
+    notebook gets what state.json records. A file, not the command line: no length limit there."""
+    import yaml
+    text = yaml.safe_dump(params, default_flow_style=False, allow_unicode=True, sort_keys=True)
+    back = yaml.safe_load(text)
+    if not _same(back, params):
+        raise CliError(f"parameters {params!r} would reach the notebook as {back!r}; quote the values")
+    results.write_atomic(path, text)
+    return path
 
 
 def run_arg(args, default: str = "latest") -> str:
@@ -234,6 +335,7 @@ def _written(path: Path) -> bool:
 def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
              workloads: list[str] | None = None, params: dict | None = None) -> tuple[str, str]:
     executed = run / "executed"
+    executed.mkdir(exist_ok=True)   # again for each notebook: deleting it mid-run costs one notebook at most
     log = executed / f"{nb.stem}.log"
     stacks = executed / f"{nb.stem}.stacks"
     stacks.unlink(missing_ok=True)   # an earlier attempt's dump is not this one's
@@ -241,13 +343,14 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
     cmd = [sys.executable, "-m", "papermill", str(nb), str(executed / nb.name), "-k", "python3",
            "--cwd", str(nb.parent), "-p", "profile", profile, "-p", "device", device,
            "--execution-timeout", str(math.ceil(args.cell_timeout)), "--no-progress-bar", "--log-output"]
-    if workloads:
-        cmd += ["-y", json.dumps({"workloads": workloads})]   # JSON is YAML: a list parameter
-    if params:
-        cmd += ["-y", json.dumps(params)]
+    passed = {**({"workloads": workloads} if workloads else {}), **(params or {})}
+    if passed:
+        cmd += ["-f", str(parameters_file(executed / f"{nb.stem}.parameters.yaml", passed))]
+    mark = runs.run_env(run)   # what marks this notebook's processes as this run's (runs.marked)
+    env = {**env, **mark}
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        watch = runs.TreeWatch(run, nb.stem, proc.pid)
+        watch = runs.TreeWatch(run, nb.stem, proc.pid, mark[runs.TOKEN_VAR])
         deadline = time.monotonic() + args.timeout
         try:
             while True:
@@ -267,10 +370,34 @@ def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
                 proc.wait()
             if stacks.exists() and (not _written(stacks) or proc.returncode == 0):
                 stacks.unlink()   # armed, never dumped, or dumped by a cell that then finished in time
+    _relative_paths(executed / nb.name)
     if rc == 0:
         return "ok", ""
-    tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+    try:
+        tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+    except OSError as e:   # its log deleted or unreadable: the failure stands, without its last lines
+        tail = [f"exit status {rc}; its log {log} cannot be read ({e.strerror})"]
     return "failed", " | ".join(t.strip() for t in tail)[-400:] + _stacks_note(stacks)
+
+
+def _relative_paths(executed: Path) -> None:
+    """papermill writes the absolute input and output paths of the measuring machine into the executed
+    notebook's metadata: made relative to the checkout (or to the name alone) before it is kept."""
+    try:
+        nb = json.loads(executed.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return   # not written (the kernel died first) or damaged: nothing to rewrite
+    meta = nb.get("metadata", {}).get("papermill") if isinstance(nb, dict) else None
+    if not isinstance(meta, dict):
+        return
+    for k in ("input_path", "output_path"):
+        if isinstance(meta.get(k), str) and os.path.isabs(meta[k]):
+            p = Path(meta[k])
+            meta[k] = os.path.relpath(p, REPO_ROOT) if REPO_ROOT in p.resolve().parents else p.name
+    try:
+        results.write_atomic(executed, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    except OSError:
+        pass   # the notebook's outcome stands; its copy keeps the paths
 
 
 def check_folder(run: Path, name: str, profile: str, device_name: str, args) -> None:
@@ -309,11 +436,15 @@ def reproduce(args) -> int:
                 check_folder(run, name, profile, device_name, args)
                 left = runs.end_leftover(run)
                 if left:
-                    if left[1]:
-                        print(f"hwlib reproduce: ended processes {left[1]} left running by a killed run of "
-                              f"{left[0]} in {run}", file=sys.stderr)
-                    # Even one that was done before: the killed rerun may have replaced some of its records.
-                    runs.update_state(run, **{left[0]: _entry("interrupted", 0.0, "its run was killed")})
+                    nb, ended = left
+                    if ended:
+                        print(f"hwlib reproduce: ended processes {ended} left running by a killed run of "
+                              f"{nb or 'a notebook'} in {run}", file=sys.stderr)
+                    if nb:   # even one that was done before: the killed rerun may have replaced some of its records
+                        runs.update_state(run, **{nb: _entry("interrupted", 0.0, "its run was killed")})
+                others = _orphans_note(run)
+                if others:
+                    raise CliError(others)
                 runs.update_state(run, _profile=profile, _profile_reason=why, _device=device_name)
                 print(f"hwlib reproduce: {len(nbs)} notebooks, profile={profile} ({why}), device={dev.type}, "
                       f"run={run}", flush=True)
@@ -322,6 +453,18 @@ def reproduce(args) -> int:
             print(f"hwlib reproduce: stopped by {e}; the running notebook's processes were ended and it "
                   f"is recorded as interrupted; run the same command again to resume", file=sys.stderr)
             return 128 + e.signum
+
+
+def _orphans_note(run: Path) -> str | None:
+    """Why nothing may be timed now: notebook processes of a killed ``hwlib reproduce`` of another run
+    still live on this machine (``runs.orphans``), else None."""
+    found = runs.orphans(exclude=run)
+    if not found:
+        return None
+    what = "; ".join(f"pids {pids} of a run in {folder}" for folder, pids in found.items())
+    return (f"processes of a killed `hwlib reproduce` still run on this machine ({what}): timed beside them, "
+            f"this run's numbers would be wrong; end them (kill -9 <pids>), or run `hwlib reproduce` on that "
+            f"run again, which ends them first")
 
 
 def _entry(status: str, seconds: float, reason: str, params: dict | None = None) -> dict:
@@ -333,34 +476,44 @@ def _entry(status: str, seconds: float, reason: str, params: dict | None = None)
 
 
 def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloads, params: dict) -> int:
-    """Run the notebooks in order (under the run lock), then rebuild the run's tables."""
+    """Run the notebooks in order (under the run lock), then rebuild the run's tables. One notebook's
+    fault (its folder gone or read-only, a full disk, a leftover of another run beside it) is that
+    notebook's ``failed`` row with the reason, and the series goes on."""
     from tqdm.auto import tqdm
-    (run / "executed").mkdir(exist_ok=True)
-    env = dict(os.environ, HWLIB_RUN=str(run), HWLIB_PROFILE=profile, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HWLIB_RUN=str(run), HWLIB_PROFILE=profile, PYTHONUNBUFFERED="1",
+               HWLIB_OUTPUTS=str(outputs_root()))   # absolute: the kernel starts in notebooks/
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions"))
     for k, v in compile_cache_env(run, results.code_digest()).items():   # one compile cache for the run's notebooks
         env.setdefault(k, v)
     t_all = time.perf_counter()
+    outcome: dict[str, str] = {}   # what each notebook came to, also where state.json could not say it
     bar = tqdm(nbs, unit="nb", dynamic_ncols=True, disable=args.quiet)
     for nb in bar:
-        before = query.state(run).get(nb.stem)
-        if before and before["status"] == "ok" and not args.force and not nb.stem.startswith("99"):
-            bar.write(f"  {nb.stem:<24} done earlier ({before['seconds']:.0f} s), skipped; --force reruns")
-            continue
-        bar.set_postfix_str(nb.stem)
         # the state says what the notebook ran with where it was not its own: --set, and --workloads
         # (fewer workloads take less time; the time table must not read that as the notebook's own)
         ran_with = {**(params.get(nb.stem) or {}), **({"workloads": workloads} if workloads else {})}
+        before = query.state(run).get(nb.stem)
+        if before and before["status"] == "ok" and not args.force and not nb.stem.startswith("99"):
+            if not params.get(nb.stem) or (before.get("parameters") or {}) == ran_with:
+                bar.write(f"  {nb.stem:<24} done earlier ({before['seconds']:.0f} s), skipped; --force reruns")
+                outcome[nb.stem] = "ok"
+                continue
+            bar.write(f"  {nb.stem:<24} done earlier with other parameters; run again with --set's")
+        bar.set_postfix_str(nb.stem)
         t0 = time.perf_counter()
         try:
-            status, why = _run_one(nb, run, env, args, profile, device, workloads, params.get(nb.stem))
+            busy = _orphans_note(run)
+            status, why = ("failed", busy) if busy else _run_one(nb, run, env, args, profile, device, workloads,
+                                                                 params.get(nb.stem))
+        except OSError as e:   # the run folder gone, read-only or full: this notebook's fault, not the series'
+            status, why = "failed", f"{type(e).__name__}: {e}"
         except BaseException as e:   # the tree is ended by now; the notebook must not read as done
-            runs.update_state(run, **{nb.stem: _entry("interrupted", time.perf_counter() - t0,
-                                                      f"{type(e).__name__}: {e}", ran_with)})
+            _record(run, nb.stem, _entry("interrupted", time.perf_counter() - t0, f"{type(e).__name__}: {e}", ran_with))
             raise
         secs = time.perf_counter() - t0
-        runs.update_state(run, **{nb.stem: _entry(status, secs, why, ran_with)})
+        outcome[nb.stem] = status
+        _record(run, nb.stem, _entry(status, secs, why, ran_with))
         bar.write(f"  {nb.stem:<24} {status:<8} {secs:7.1f} s" + (f"  {why}" if why else ""))
     bar.close()
     from .report.tables import write_all
@@ -371,14 +524,24 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
         print(f"hwlib reproduce: rebuilding tables failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     total = time.perf_counter() - t_all
-    state = runs.update_state(run, _last_seconds=round(total, 1))
-    failed = [nb.stem for nb in nbs if state.get(nb.stem, {}).get("status") != "ok"]
+    _record(run, "_last_seconds", round(total, 1))
+    failed = [nb.stem for nb in nbs if outcome.get(nb.stem) != "ok"]
     print(f"hwlib reproduce: {total:.0f} s in all")
     if failed:
         print(f"hwlib reproduce: {len(failed)} notebook(s) failed: {', '.join(failed)} "
               f"(logs in {run / 'executed'}/<name>.log)", file=sys.stderr)
         return 1
     return 0
+
+
+def _record(run: Path, key: str, value) -> None:
+    """Set one ``state.json`` entry; a folder that cannot take it (read-only, full, gone) is said on
+    stderr and the series goes on (the outcome is still reported at the end)."""
+    try:
+        runs.update_state(run, **{key: value})
+    except OSError as e:
+        print(f"hwlib reproduce: cannot record {key} in {run / 'state.json'} ({e.strerror or e}); "
+              f"it will run again next time", file=sys.stderr)
 
 
 def env_cmd(args) -> int:
@@ -417,7 +580,7 @@ def table_cmd(args) -> int:
 def readme_cmd(args) -> int:
     from .report.tables import README_END, README_START, render_readme
     name, run = existing_run(args, "reference/h100")
-    readme = Path(args.readme)
+    readme = Path(args.readme).resolve()   # a link to the README stays a link: its target is rewritten
     try:
         text = readme.read_text(encoding="utf-8")
     except OSError as e:
@@ -485,14 +648,19 @@ def _warn(message, category, filename, lineno, file=None, line=None):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .device import ChoiceError, Unavailable
+    from .device import ChoiceError, SettingError, Unavailable
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         warnings.showwarning = _warn   # a damaged file is one line naming it, not a traceback-like dump
         try:
             return args.fn(args)
-        except (CliError, ChoiceError, Unavailable, RunNameError, runs.RunBusy) as e:
+        except (CliError, ChoiceError, SettingError, Unavailable, RunNameError, runs.RunBusy) as e:
             print(f"hwlib {args.cmd}: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:   # before any notebook ran: the run folder cannot be made, locked or written
+            where = f" ({e.filename})" if e.filename else ""
+            print(f"hwlib {args.cmd}: error: {e.strerror or e}{where}: check that the folder exists, is writable "
+                  f"and has space, or name another run with --run", file=sys.stderr)
             return 2
 
 

@@ -27,6 +27,10 @@ class ChoiceError(ValueError):
         super().__init__(f"unknown {argument} {value!r}; choose one of: {', '.join(map(str, self.choices))}")
 
 
+class SettingError(ValueError):
+    """An environment variable hwlib reads holds a value it cannot use; the message names both."""
+
+
 class Unavailable(RuntimeError):
     """A step, dtype or device that this machine cannot run, with the reason."""
 
@@ -38,8 +42,10 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     else:
         name = str(device).strip().lower()
     base = name.split(":")[0]
-    if base not in DEVICE_CHOICES:
+    if base not in DEVICE_CHOICES or (base != "cuda" and name not in (base, f"{base}:0")):
+        # cpu:7 names no device (torch has one CPU device); auto takes no index
         raise ChoiceError("device", device, DEVICE_CHOICES + ("cuda:N",))
+    memory_cap_gib()   # a bad cap is an error on every device, not only where a GPU applies it
     if base == "auto":
         return apply_memory_cap(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if base == "cuda":
@@ -70,7 +76,8 @@ def memory_cap_gib() -> float | None:
     except ValueError:
         v = float("nan")
     if not (v > 0 and v != float("inf")):
-        raise ValueError(f"{MEMORY_CAP_ENV} must be a positive number of GiB, got {raw!r}")
+        raise SettingError(f"{MEMORY_CAP_ENV} must be a positive, finite number of GiB, got {raw!r}: "
+                           f"set it to e.g. 16, or unset it for the GPU's whole memory")
     return v
 
 

@@ -77,8 +77,12 @@ def _windows(name: str, windows) -> list[list[float]]:
 
 
 def quantile(xs: list[float], q: float) -> float:
-    """Linear-interpolated quantile of ``xs`` (numpy's default)."""
+    """Linear-interpolated quantile of ``xs`` (numpy's default); ``q`` in [0, 1], ``xs`` not empty."""
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 1:
+        raise ValueError(f"q must be a number in [0, 1] (0.5: the median), got {q!r}")
     s = sorted(xs)
+    if not s:
+        raise ValueError("xs is empty: a quantile needs at least one value")
     pos = (len(s) - 1) * q
     lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)

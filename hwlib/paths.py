@@ -26,7 +26,15 @@ class RunNameError(ValueError):
 
 
 def outputs_root() -> Path:
-    return Path(os.environ.get("HWLIB_OUTPUTS") or REPO_ROOT / "outputs").resolve()
+    """``$HWLIB_OUTPUTS`` (a relative one taken from the working folder, once: ``hwlib reproduce``
+    hands its notebooks the absolute folder), else the checkout's ``outputs/``. A file there is an
+    error naming the variable."""
+    env = os.environ.get("HWLIB_OUTPUTS")
+    root = Path(env or REPO_ROOT / "outputs").resolve()
+    if root.exists() and not root.is_dir():
+        raise RunNameError(f"{'HWLIB_OUTPUTS=' + repr(env) if env else str(root)} is a file, not a folder: "
+                           f"point HWLIB_OUTPUTS at a folder (or unset it for {REPO_ROOT / 'outputs'})")
+    return root
 
 
 def run_name(run: str | os.PathLike | None = None, *, source: str = "run") -> str:
@@ -60,15 +68,39 @@ def run_name(run: str | os.PathLike | None = None, *, source: str = "run") -> st
     name = rel.as_posix().strip("/")
     if name in ("", "."):
         raise RunNameError(f"{source}={text!r} names outputs/ itself; name a run inside it, e.g. 'latest'")
+    long = next((part for part in name.split("/") if len(part.encode()) > NAME_MAX), None)
+    if long is not None:
+        raise RunNameError(f"{source}: the run name's part {long[:40]!r}... is {len(long.encode())} bytes long; "
+                           f"file systems take at most {NAME_MAX}: give a shorter name")
     return name
+
+
+NAME_MAX = 255   # bytes in one path component on the usual file systems
+
+
+def _inside(p: Path, root: Path, source: str, text: str) -> Path:
+    """``p`` with every link resolved, refused unless it stays inside ``root`` and is a folder (or
+    nothing yet): checked before anything is created there."""
+    real = p.resolve()
+    if real != root and root not in real.parents:
+        raise RunNameError(f"{source}={text!r}: {p} leads to {real} (a symbolic link), outside {root}: runs live "
+                           f"under outputs/; remove the link or name another run")
+    if real.exists() and not real.is_dir():
+        raise RunNameError(f"{source}={text!r}: {real} is a file, not a run folder; name another run "
+                           f"(e.g. --run latest) or move the file")
+    return real
 
 
 def run_dir(run: str | os.PathLike | None = None, *, create: bool = True) -> Path:
     """The folder of a run under ``outputs/`` (``latest`` -> ``outputs/latest``, ``reference/h100``
     -> ``outputs/reference/h100``); created unless ``create`` is False. See ``run_name``."""
-    p = outputs_root() / run_name(run)
+    root = outputs_root()
+    name = run_name(run)
+    source, text = ("HWLIB_RUN", os.environ.get("HWLIB_RUN", "")) if run is None else ("run", os.fspath(run))
+    p = _inside(root / name, root, source, text)   # resolved and checked before anything is made
     if create:
         p.mkdir(parents=True, exist_ok=True)
+        _inside(p, root, source, text)   # a link put in place meanwhile is still refused
     return p
 
 
@@ -123,5 +155,10 @@ def read_dir(run: str | os.PathLike | None = None) -> Path:
 
 
 def is_reference(run: str | os.PathLike | None) -> bool:
-    """Whether ``run`` is a committed reference run (``outputs/reference/...``)."""
-    return run_name(run).split("/")[0] == "reference"
+    """Whether ``run`` is a committed reference run (``outputs/reference/...``): by its name, or by the
+    folder it resolves to (a link in outputs/ that points into ``reference/`` is one too)."""
+    if run_name(run).split("/")[0] == "reference":
+        return True
+    root = outputs_root()
+    real = (root / run_name(run)).resolve()
+    return real == root / "reference" or (root / "reference") in real.parents

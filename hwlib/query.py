@@ -14,11 +14,12 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
 from .paths import REPO_ROOT, read_dir
-from .results import STAMP_FIELDS, record_key
+from .results import STAMP_FIELDS, record_key, stamp_id
 from .steps import LADDER, STEP_NAMES, chain
 
 RESULTS_FILE = "results.jsonl"
@@ -31,15 +32,86 @@ def reference_runs() -> list[str]:
         if base.is_dir() else []
 
 
+# Names that become parts of file names (``<workload>_ladder.md``, ``curves/<workload>/<step>.json``,
+# ``executed/<notebook>.log``): a letter or digit first, then letters, digits, ``_ . + -``; no ``/``,
+# no ``..`` of their own, short enough for any file system.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
+NAME_KEYS = ("notebook", "workload", "step")
+TEXT_KEYS = ("unit", "status", "reason", "profile", "time", "git_commit", "code_digest", "measurement", "against")
+DICT_KEYS = ("params", "telemetry", "device", "versions", "code_source")
+BIG = 2.0 ** 1000   # beyond this an int is no measurement (and float() of a 401-digit int overflows)
+
+
+def safe_name(v) -> bool:
+    """Whether ``v`` may become part of a file name (``NAME_RE``)."""
+    return isinstance(v, str) and NAME_RE.fullmatch(v) is not None
+
+
+def _finite(v) -> bool:
+    """A JSON number a reader can do arithmetic on: not a bool, not NaN/inf, not absurdly large."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return -BIG < v < BIG if isinstance(v, int) else math.isfinite(v) and abs(v) < BIG
+
+
+def _scalar(v) -> bool:
+    return v is None or isinstance(v, (str, bool)) or _finite(v)
+
+
 def _valid(rec) -> str | None:
-    """Why a parsed line is not a record, else None."""
+    """Why a parsed line is not a record, else None: the one schema of a record, checked wherever
+    records are read (``read_records``)."""
     if not isinstance(rec, dict):
         return f"a JSON {type(rec).__name__}, not an object"
     if not isinstance(rec.get("metric"), str) or not rec["metric"]:
         return "no 'metric'"
     v = rec.get("value")
-    if v is not None and not isinstance(v, (int, float, str)) or isinstance(v, bool):
-        return f"value {v!r} is not a number, a string or null"
+    if not (v is None or isinstance(v, str) or _finite(v)):
+        return f"value {_short(v)} is not a number, a string or null" + (
+            " (not finite, or too large)" if isinstance(v, (int, float)) and not isinstance(v, bool) else "")
+    for k in ("p20", "p80"):
+        if not (rec.get(k) is None or isinstance(rec[k], str) or _finite(rec[k])):
+            return f"{k} {_short(rec[k])} is not a finite number, a string or null"
+    for k in NAME_KEYS:
+        if rec.get(k) is not None and not safe_name(rec[k]):
+            return f"{k} {_short(rec[k])} is not a name (letters, digits, _ . + -; it becomes a file name)"
+    for k in TEXT_KEYS:
+        if rec.get(k) is not None and not isinstance(rec[k], str):
+            return f"{k} {_short(rec[k])} is not a string"
+    for k in DICT_KEYS:
+        if rec.get(k) is not None and not isinstance(rec[k], dict):
+            return f"{k} {_short(rec[k])} is not an object"
+    dev = rec.get("device")
+    if isinstance(dev, dict) and not (dev.get("name") is None or isinstance(dev["name"], str)):
+        return f"device name {_short(dev['name'])} is not a string"
+    f = rec.get("fields")
+    if f is not None:
+        if not isinstance(f, dict):
+            return f"fields {_short(f)} is not an object"
+        for k, x in f.items():
+            if not (_scalar(x) or isinstance(x, list) and all(_scalar(y) for y in x)):
+                return f"field {k!r} = {_short(x)} is not a finite number, a string, a bool or null"
+    if "stamp" in rec and not isinstance(rec["stamp"], str):
+        return f"stamp {_short(rec['stamp'])} is not a stamp id"
+    return None
+
+
+def _short(v) -> str:
+    t = repr(v)
+    return t if len(t) <= 40 else t[:37] + "..."
+
+
+def _stamp_problem(rec: dict) -> str | None:
+    """Why a stamp line cannot stand for the records that name it, else None: its fields must be
+    objects and its id the hash of their content (``results.stamp_id``), so that a duplicated or
+    edited stamp line cannot relabel the records after it."""
+    if not isinstance(rec["stamp"], str) or not all(isinstance(rec.get(k), dict) for k in STAMP_FIELDS):
+        return "a stamp line without its fields"
+    dev = rec["device"]
+    if not (dev.get("name") is None or isinstance(dev["name"], str)):
+        return f"a stamp line whose device name {_short(dev['name'])} is not a string"
+    if stamp_id({k: rec[k] for k in STAMP_FIELDS}) != rec["stamp"]:
+        return f"a stamp line whose id {_short(rec['stamp'])} is not the hash of its content (edited or forged)"
     return None
 
 
@@ -50,8 +122,12 @@ def read_records(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     recs, bad, kept, stamps = [], [], [], {}
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:   # a directory, a file without read permission
+        warnings.warn(f"{path}: cannot be read ({e.strerror or type(e).__name__}); no records read", stacklevel=3)
+        return []
     lines = raw.split(b"\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -61,15 +137,19 @@ def read_records(path: str | Path) -> list[dict]:
         except UnicodeDecodeError:
             bad.append((n, "not UTF-8"))
             continue
+        except RecursionError:
+            bad.append((n, "nested too deeply"))
+            continue
         except json.JSONDecodeError:
             # Only the last line of a file can be torn by a killed writer (appends are single writes).
             bad.append((n, "torn (no newline: a writer was interrupted)" if n == len(lines) else "not JSON"))
             continue
         if isinstance(rec, dict) and "stamp" in rec and "metric" not in rec:   # a stamp line (results.pack)
-            if isinstance(rec["stamp"], str) and all(isinstance(rec.get(k), dict) for k in STAMP_FIELDS):
-                stamps[rec["stamp"]] = {k: rec[k] for k in STAMP_FIELDS}
+            why = _stamp_problem(rec)
+            if why:
+                bad.append((n, why))
             else:
-                bad.append((n, "a stamp line without its fields"))
+                stamps[rec["stamp"]] = {k: rec[k] for k in STAMP_FIELDS}
             continue
         why = _valid(rec)
         if why:
@@ -117,18 +197,29 @@ def read_json(path: str | Path, default=None):
         return default
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         warnings.warn(f"{path}: damaged ({type(e).__name__}: {e}); treated as absent", stacklevel=2)
+        return default
+    except OSError as e:   # a directory, a file without read permission
+        warnings.warn(f"{path}: cannot be read ({e.strerror or type(e).__name__}); treated as absent", stacklevel=2)
         return default
 
 
 def ceilings(run=None) -> dict | None:
-    """This run's measured ceilings (``ceilings.json``), or None when not measured or damaged."""
-    c = read_json(read_dir(run) / "ceilings.json")
-    if c is not None and not (isinstance(c, dict) and isinstance(c.get("matmul_tflops"), dict)):
-        warnings.warn(f"{read_dir(run) / 'ceilings.json'}: not a ceilings object; treated as absent",
-                      stacklevel=2)
+    """This run's measured ceilings (``ceilings.json``), or None when not measured or damaged. A
+    ceiling that is not a positive, finite number (``hwlib.ceilings.check``) is left out with a
+    warning naming it: an MFU or floor taken against it would be nonsense."""
+    from .ceilings import check
+    path = read_dir(run) / "ceilings.json"
+    c = read_json(path)
+    if c is None:
         return None
+    if not (isinstance(c, dict) and isinstance(c.get("matmul_tflops"), dict)):
+        warnings.warn(f"{path}: not a ceilings object; treated as absent", stacklevel=2)
+        return None
+    c, dropped = check(c)
+    if dropped:
+        warnings.warn(f"{path}: {'; '.join(dropped)}; left out (measure them again: notebook 00)", stacklevel=2)
     return c
 
 
@@ -220,9 +311,38 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
     return rows
 
 
+STATE_TEXT = ("_device", "_profile", "_profile_reason")   # the run's own entries and their types
+STATE_NUMBERS = ("_last_seconds",)
+
+
+def _state_problem(k, v) -> str | None:
+    """Why a ``state.json`` entry cannot be used, else None: the one schema of a run's state."""
+    if k in STATE_TEXT:
+        return None if isinstance(v, str) else f"{_short(v)} is not a string"
+    if k in STATE_NUMBERS:
+        return None if _finite(v) and v >= 0 else f"{_short(v)} is not a number of seconds"
+    if k.startswith("_"):
+        return None if _scalar(v) else f"{_short(v)} is not a plain value"
+    if not safe_name(k):
+        return "is not a notebook name"
+    if not isinstance(v, dict):
+        return "is not an object"
+    if not isinstance(v.get("status"), str):
+        return "lacks a status"
+    if not (_finite(v.get("seconds")) and v["seconds"] >= 0):
+        return "lacks a status or numeric seconds"
+    for key in ("reason", "finished"):
+        if v.get(key) is not None and not isinstance(v[key], str):
+            return f"has a {key} {_short(v[key])} that is not a string"
+    if v.get("parameters") is not None and not isinstance(v["parameters"], dict):
+        return f"has parameters {_short(v['parameters'])} that are not an object"
+    return None
+
+
 def state(run=None) -> dict:
-    """The run's ``state.json`` (notebook -> status and seconds), entries without a numeric
-    ``seconds`` or a status left out; {} when missing or damaged."""
+    """The run's ``state.json`` (notebook -> status and seconds; ``_device``, ``_profile``...), each
+    entry checked against the state's schema (``_state_problem``); entries that fail are left out with
+    a warning naming them; {} when missing or damaged."""
     path = read_dir(run) / "state.json"
     s = read_json(path, {})
     if not isinstance(s, dict):
@@ -230,10 +350,9 @@ def state(run=None) -> dict:
         return {}
     out = {}
     for k, v in s.items():
-        if k.startswith("_"):
-            out[k] = v
-        elif isinstance(v, dict) and isinstance(v.get("status"), str) and _num(v.get("seconds")) is not None:
-            out[k] = v
+        why = _state_problem(k, v)
+        if why:
+            warnings.warn(f"{path}: entry {_short(k)} {why}; left out", stacklevel=2)
         else:
-            warnings.warn(f"{path}: entry {k!r} lacks a status or numeric seconds; left out", stacklevel=2)
+            out[k] = v
     return out

@@ -279,9 +279,32 @@ def pack(records: list[dict], seen: set | None = None) -> list[dict]:
     return out
 
 
+def _write_all(fd: int, payload: bytes, path: Path) -> None:
+    """Write all of ``payload`` or raise: ``os.write`` may write less than asked (a full disk, a quota,
+    a signal), and a caller must never believe records are on disk that are not. What a short write
+    left is cut off again, so that the file ends where it ended before (no torn line, no half record)."""
+    start = os.fstat(fd).st_size
+    done, lines = 0, payload.count(b"\n")
+    try:
+        while done < len(payload):
+            n = os.write(fd, payload[done:])
+            if n <= 0:
+                raise OSError(f"{path}: wrote {done} of {len(payload)} bytes, then the file system took no more")
+            done += n
+    except OSError as e:
+        try:
+            os.ftruncate(fd, start)   # under the lock: no other writer's bytes come after ours
+        except OSError:
+            pass
+        raise OSError(e.errno, f"{path}: the records could not be written ({e.strerror or e}); "
+                               f"none of this call's {lines} line(s) is kept: "
+                               f"free space (or fix the folder's permissions) and measure again") from e
+
+
 def append(records: list[dict] | dict, run: str | os.PathLike | None = None) -> Path:
-    """Append records to ``<run>/results.jsonl`` atomically (one write per call), their stamp
-    written once per call (``pack``)."""
+    """Append records to ``<run>/results.jsonl`` atomically (one write per call, repeated until every
+    byte is written), their stamp written once per call (``pack``). Either every record of the call is
+    on disk when it returns, or it raises ``OSError`` and none is (a short write is cut off again)."""
     if isinstance(records, dict):
         records = [records]
     path = run_dir(run) / "results.jsonl"
@@ -298,7 +321,7 @@ def append(records: list[dict] | dict, run: str | os.PathLike | None = None) -> 
                 f.seek(size - 1)
                 if f.read(1) != b"\n":
                     payload = b"\n" + payload
-        os.write(fd, payload)
+        _write_all(fd, payload, path)
         os.fsync(fd)
     finally:
         if fcntl:

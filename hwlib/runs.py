@@ -9,9 +9,14 @@ and the notebook's process tree.
 - papermill runs in its own session and starts the kernel in yet another one, so neither a
   process group nor Ctrl-C on the terminal reaches the whole tree. The tree is found by walking
   ``/proc`` from papermill down, written to ``.notebook.pids`` as it grows, and ended as a whole
-  (frozen first, so that no child escapes by being re-parented, then killed). A run that finds
-  that file from a killed run ends what is still alive of it before it measures anything:
-  a leftover beside a measurement makes its timings wrong.
+  (frozen first, so that no child escapes by being re-parented, then killed).
+- Which processes are the lab's own is never taken from a file: every process of a notebook
+  carries, in its environment, the run folder (``HWLIB_RUN``), a token made for that notebook's
+  run (``HWLIB_RUN_TOKEN``) and the CLI that started it (``HWLIB_RUN_CLI``, pid and start time).
+  A run ends only processes whose environment names its own folder and a CLI that is gone
+  (``end_leftover``): a hand-written or copied ``.notebook.pids`` names nothing that gets killed.
+  Before each notebook it looks for such orphans of any run on the machine (``orphans``): a
+  leftover beside a measurement makes its timings wrong.
 - The notebook's kernel dumps its stacks shortly before its time runs out (``stacks_env``).
 """
 
@@ -32,6 +37,7 @@ try:
 except ImportError:  # no flock (Windows): runs are not locked there
     fcntl = None
 
+TOKEN_VAR, CLI_VAR, RUN_VAR = "HWLIB_RUN_TOKEN", "HWLIB_RUN_CLI", "HWLIB_RUN"
 LOCK_FILE = ".lock"
 PIDS_FILE = ".notebook.pids"
 HOST = socket.gethostname()
@@ -196,8 +202,8 @@ def stacks_env(path: Path, timeout_s: float, cell_timeout_s: float) -> dict[str,
 class TreeWatch:
     """Keeps ``<folder>/.notebook.pids`` up to date with the tree under a notebook's papermill."""
 
-    def __init__(self, folder: Path, notebook: str, root: int):
-        self.path, self.notebook, self.root = Path(folder) / PIDS_FILE, notebook, root
+    def __init__(self, folder: Path, notebook: str, root: int, token: str | None = None):
+        self.path, self.notebook, self.root, self.token = Path(folder) / PIDS_FILE, notebook, root, token
         self.procs: dict[int, int] = {}   # pid -> start time: a pid reused later is not ours
 
     def _collect(self) -> bool:
@@ -207,44 +213,112 @@ class TreeWatch:
 
     def poll(self) -> None:
         if self._collect():
-            results.write_json(self.path, {"host": HOST, "cli_pid": os.getpid(), "notebook": self.notebook,
-                                           "procs": [[p, t] for p, t in self.procs.items()]})
+            try:   # a record for the person reading the folder; what is ended never comes from it
+                results.write_json(self.path, {"host": HOST, "cli_pid": os.getpid(), "notebook": self.notebook,
+                                               "procs": [[p, t] for p, t in self.procs.items()]})
+            except OSError:   # a full disk or a read-only folder must not stop the watch
+                pass
 
     def end(self) -> list[int]:
         """End the whole tree: what was seen of it and what is under papermill now. Writes
         nothing before it kills: ending the tree must not depend on the disk."""
         self._collect()
-        ended = end_tree(alive(list(self.procs.items())))
+        # and whatever carries this notebook run's token: a child that left the tree (re-parented
+        # to init) before the watch saw it
+        tokened = [p for p, _ in marked(self.token)] if self.token else []
+        ended = end_tree(alive(list(self.procs.items())) + tokened)
         self.clear()
         return ended
 
     def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
-def end_leftover(folder: Path) -> tuple[str, list[int]] | None:
+def run_env(folder: Path) -> dict[str, str]:
+    """The environment that marks a notebook's processes as this run's (``HWLIB_RUN``, a fresh
+    ``HWLIB_RUN_TOKEN``, ``HWLIB_RUN_CLI``: this process's pid and start time)."""
+    import uuid
+    me = _stat(os.getpid())
+    return {RUN_VAR: str(Path(folder).resolve()), TOKEN_VAR: uuid.uuid4().hex,
+            CLI_VAR: f"{os.getpid()}:{me[3] if me else 0}"}
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    """The hwlib run variables of a process's environment (None: unreadable, gone, or another user's)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    out = {}
+    for item in raw.split(b"\0"):
+        k, _, v = item.partition(b"=")
+        if k in (b"HWLIB_RUN", b"HWLIB_RUN_TOKEN", b"HWLIB_RUN_CLI"):
+            out[k.decode()] = v.decode("utf-8", "replace")
+    return out
+
+
+def _cli_alive(value: str) -> bool:
+    pid, _, start = value.partition(":")
+    try:
+        st = _stat(int(pid))
+        return st is not None and st[3] == int(start)
+    except ValueError:
+        return False
+
+
+def marked(token: str | None = None) -> list[tuple[int, dict]]:
+    """(pid, run variables) of every live process on this machine that a ``hwlib reproduce`` started
+    (its environment holds ``HWLIB_RUN_TOKEN``); with ``token``, only that notebook run's."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        env = _environ(int(d.name))
+        if env and TOKEN_VAR in env and (token is None or env[TOKEN_VAR] == token) and _stat(int(d.name)):
+            out.append((int(d.name), env))
+    return out
+
+
+def orphans(exclude: Path | None = None) -> dict[str, list[int]]:
+    """{run folder: pids} of notebook processes on this machine whose ``hwlib reproduce`` is gone
+    (killed outright): they may still run on the GPU. ``exclude``: a folder left out."""
+    skip = str(Path(exclude).resolve()) if exclude is not None else None
+    out: dict[str, list[int]] = {}
+    for pid, env in marked():
+        if env.get(RUN_VAR) != skip and not _cli_alive(env.get(CLI_VAR, "")):
+            out.setdefault(env.get(RUN_VAR, "?"), []).append(pid)
+    return out
+
+
+def end_leftover(folder: Path) -> tuple[str | None, list[int]] | None:
     """End what still runs of a notebook tree left by a killed ``reproduce`` of this folder (the
-    caller holds the run lock, so its owner is gone). Returns (notebook, pids ended) or None.
-    A leftover on another host cannot be ended from here: ``RunBusy`` names it."""
+    caller holds the run lock, so its owner is gone). Returns (the notebook ``.notebook.pids`` names,
+    if any, pids ended), or None when there was neither file nor process.
+
+    What is ended is found by environment (``marked``: processes whose ``HWLIB_RUN`` is this very
+    folder and whose CLI is gone), never by the pids the file lists: a hand-written file, or one
+    copied along with a folder in use (``cp -r outputs/a outputs/b``), gets nothing killed. A
+    leftover on another host cannot be ended from here: ``RunBusy`` names it."""
+    from .query import safe_name
     path = Path(folder) / PIDS_FILE
-    info = query.read_json(path)
-    if info is None:
-        path.unlink(missing_ok=True)   # damaged: read_json warned
-        return None
-    procs = info.get("procs") if isinstance(info, dict) else None
-    if not isinstance(procs, list) or not all(isinstance(p, list) and len(p) == 2 and
-                                              all(isinstance(x, int) for x in p) for p in procs):
-        import warnings
+    info = query.read_json(path) if path.exists() else None
+    if path.exists() and not isinstance(info, dict):
         warnings.warn(f"{path}: not a process list; removed", stacklevel=2)
-        path.unlink()
-        return None
-    if info.get("host") != HOST:
-        raise RunBusy(f"{path} lists notebook processes {[p for p, _ in procs]} of a run on host "
-                      f"{info.get('host')!r}: end them there (kill -9 <pid>), then delete {path}")
-    live = alive([tuple(p) for p in procs])
+        info = None
+    if isinstance(info, dict) and isinstance(info.get("host"), str) and info["host"] != HOST:
+        raise RunBusy(f"{path} names notebook processes of a run on host {info['host']!r}: end them there "
+                      f"(kill -9 <pid>), then delete {path}")
+    live = orphans().get(str(Path(folder).resolve()), [])
     ended = end_tree(live) if live else []
-    path.unlink()
-    return str(info.get("notebook") or "?"), ended
+    existed = path.exists()
+    path.unlink(missing_ok=True)
+    if not existed and not ended:
+        return None
+    nb = info.get("notebook") if isinstance(info, dict) else None
+    return (nb if safe_name(nb) else None), ended
 
 
 def compact_results(folder: Path) -> tuple[int, int]:

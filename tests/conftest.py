@@ -116,3 +116,38 @@ def gpt_grads_match():
         return g1
 
     return check
+
+
+# --- `make test-gpu`: the tests a GPU changes -------------------------------------------------------
+#
+# CI has no GPU, so the tests that need one skip there and nobody would run them. The marker ``gpu``
+# names every test that needs a GPU or behaves differently with one: `make test-gpu` runs exactly
+# those (`pytest -m gpu`) on a GPU machine. It is put on a test here, from what the test says of
+# itself, so that a new GPU test cannot be forgotten: a ``skipif`` whose reason names a GPU or CUDA,
+# a test that takes the ``triton_device`` fixture (real Triton compiles on a GPU, the interpreter
+# without one) or ``cpu_only``, or an explicit ``@pytest.mark.gpu``.
+GPU_WORDS = ("gpu", "cuda", "cublas", "cudnn")
+GPU_FIXTURES = ("triton_device", "cpu_only", "compile_for_sm90")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU or behaves differently with one (make test-gpu runs "
+                                       "these on a GPU machine)")
+
+
+def _gpu_test(item) -> bool:
+    if item.get_closest_marker("gpu"):
+        return True
+    if any(f in getattr(item, "fixturenames", ()) for f in GPU_FIXTURES):
+        return True
+    for m in item.iter_markers("skipif"):
+        reason = str(m.kwargs.get("reason", "")).lower()
+        if any(w in reason for w in GPU_WORDS):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _gpu_test(item):
+            item.add_marker(pytest.mark.gpu)

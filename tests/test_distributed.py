@@ -40,11 +40,17 @@ def one_process_curve(batch: int) -> list[float]:
 # --- across processes ---------------------------------------------------------------------------------
 
 def test_world_size_two_computes_what_one_process_computes_at_the_same_global_batch(isolated_run):
+    """Every strategy. The graphed ones run their step eagerly on a CPU (the capture is a GPU's): their
+    bucketed all-reduce from gradient hooks, and ZeRO-1's reduce-scatter, AdamW on shards and
+    all-gather, with buckets of ~2,600 floats that cut GPT's parameters across buckets and shards."""
     one = one_process_curve(TINY["batch"])
-    req = tiny_request(strategies=("ddp", "fsdp2", "ddp_zero1"), reference={"gpt": {TINY["batch"]: one}},
+    names = ("ddp", "fsdp2", "ddp_zero1", "graphed", "graphed_zero1")
+    req = tiny_request(strategies=names, reference={"gpt": {TINY["batch"]: one}},
+                       options=strategies.Options(graph_bucket_mb=0.01),
                        profile_steps=1, comm_sizes_mb=(0.25,), run=str(isolated_run))
     res = launch(req, 2, timeout_s=180, echo=False)
-    assert [r["strategy"] for r in res.rows] == ["ddp", "fsdp2", "ddp_zero1"]
+    assert [r["strategy"] for r in res.rows] == list(names)
+    assert all(any("buckets of about 0.01 MiB" in n for n in r["notes"]) for r in res.rows[3:])
     per_rank = one_process_curve(TINY["batch"] // 2)   # what each rank would train without the global batch
     tol, _ = train.tolerance(STEP)
     for r in res.rows:
@@ -58,8 +64,7 @@ def test_world_size_two_computes_what_one_process_computes_at_the_same_global_ba
         assert s["steps"] == 1 and s["comm_ms"] > 0 and 0 <= s["exposed_comm_ms"] <= s["comm_ms"] + 1e-9
     # Rank 0 recorded each measurement with its x-values as fields, and the bus bandwidth.
     rows = scaling.rows(query.load(isolated_run))
-    assert {(r["strategy"], r["world_size"], r["scaling"]) for r in rows} == {
-        (s, 2, "strong") for s in ("ddp", "fsdp2", "ddp_zero1")}
+    assert {(r["strategy"], r["world_size"], r["scaling"]) for r in rows} == {(s, 2, "strong") for s in names}
     assert all(r["throughput"] > 0 and r["same_math_max_rel"] is not None and r["status"] == "ok" for r in rows)
     bw = scaling.bandwidth_rows(query.load(isolated_run))
     assert len(bw) == 1 and bw[0]["world_size"] == 2 and bw[0]["busbw_gbps"] > 0
@@ -165,7 +170,9 @@ def test_every_process_started_has_multicast_off():
 
 def test_a_request_survives_the_command_line():
     req = tiny_request(strategies=("ddp", "ddp_zero1"), scalings=("weak", "strong"), per_gpu_batch={"gpt": 4},
-                       options=strategies.Options(bucket_cap_mb=5, static_graph=True, gradient_as_bucket_view=False),
+                       options=strategies.Options(bucket_cap_mb=5, static_graph=True, gradient_as_bucket_view=False,
+                                                  graph_bucket_mb=3, reduce_dtype="bf16", cuda_graph=False,
+                                                  overlap_gather=True),
                        fault=(1, 3), comm_sizes_mb=(1.0, 25.0), run="mine")
     back, _ = request.from_argv(request.to_argv(req))
     for f in ("workloads", "strategies", "scalings", "profile", "device", "step", "per_gpu_batch", "config", "plan",
@@ -251,7 +258,8 @@ def test_efficiency_rows_against_one_process():
     assert rows[(2, "ddp", "weak")]["exposed_share"] == pytest.approx(0.1)
     t = {(x["scaling"], x["world_size"]): x for x in scaling.targets(list(rows.values()))}
     assert t[("weak", 2)]["measured"] == pytest.approx(0.95) and t[("weak", 2)]["strategy"] == "ddp"
-    assert t[("weak", 2)]["met"] and not t[("strong", 2)]["met"] and t[("weak", 8)]["measured"] is None
+    # 95% weak misses the 97% target; nothing ran at K = 4
+    assert not t[("weak", 2)]["met"] and not t[("strong", 2)]["met"] and t[("weak", 4)]["measured"] is None
     text = scaling.what_we_saw(list(rows.values()))
     assert "95% efficiency" in text and "is failed: rank 1 failed" in text and "0.95x the single process" in text
     assert "1.00 ms of 2.00 ms per step (10.0% of its step)" in text
@@ -336,3 +344,86 @@ def test_a_global_batch_that_does_not_split_over_k_is_a_skipped_row_and_the_rest
     assert launched == [] and [o["status"] for o in out] == ["skipped"]
     with pytest.raises(ValueError, match="positive integer"):   # a bad argument stays an error
         scaling.unsplittable(request.replace(req, global_batch={"gpt": 0}), 2)
+
+
+# --- the graphed strategies and bf16 reductions ----------------------------------------------------------
+
+def test_gradients_reduced_in_bf16_move_the_curve_within_bf16_s_tolerance(isolated_run):
+    """DDP's bf16 comm hook and the graphed strategies' bf16 buckets: the same rounding (the mean cast
+    to bf16), a curve further from one process's than an fp32 reduction's (so bf16 was used) and
+    within the tolerance that says what it costs."""
+    one = one_process_curve(TINY["batch"])
+    req = tiny_request(strategies=("graphed", "ddp", "graphed_zero1"), reference={"gpt": {TINY["batch"]: one}},
+                       options=strategies.Options(reduce_dtype="bf16", graph_bucket_mb=0.01, overlap_gather=True),
+                       run=str(isolated_run), record=False)
+    res = launch(req, 2, timeout_s=120, echo=False)
+    tol, why = train.tolerance(STEP, req.options, "graphed")
+    assert tol == 3e-2 and "bf16" in why and train.tolerance(STEP, req.options, "fsdp2")[0] == train.REORDER_TOLERANCE
+    graphed, ddp, zero1 = res.rows
+    # ZeRO-1 here all-gathers behind the next forward: each block waited for its own buckets
+    assert any("behind the next forward" in n for n in zero1["notes"]), zero1["notes"]
+    for r in res.rows:
+        assert r["status"] == "ok" and r["same_math"]["ok"] and r["same_math"]["tolerance"] == tol, r["strategy"]
+        assert 1e-6 < r["same_math"]["max_rel"] < tol, r["same_math"]
+    assert graphed["same_math"]["max_rel"] == pytest.approx(ddp["same_math"]["max_rel"], rel=0.2)
+
+
+def test_buckets_shard_every_parameter_once():
+    import torch
+    from hwlib.distributed.graphed import Buckets
+    ps = [torch.zeros(n) for n in (5, 7, 3, 11, 2)]
+    lay = Buckets(ps, world=4, bucket_bytes=8 * 4)
+    # reverse order, each bucket closed once it holds 8 floats, padded to a multiple of 4: [2, 11], [3, 7], [5]
+    assert [len(m) for m in lay.members] == [2, 2, 1]
+    assert lay.members[0][0] is ps[4] and lay.spans == [(0, 16), (16, 12), (28, 8)] and lay.total == 36
+    seen = set()
+    for b in range(3):
+        for r in range(4):
+            s0, n = lay.shard(b, r)
+            seen |= set(range(s0, s0 + n))
+    assert seen == set(range(36))
+    offs = sorted((lay.where[p][1], p.numel()) for p in ps)
+    assert all(a + n <= b for (a, n), (b, _) in zip(offs, offs[1:]))   # no two parameters overlap
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        Buckets([torch.zeros(2, dtype=torch.float16)], 1, 1)
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        strategies.Options(reduce_dtype="fp16")
+
+
+def test_ddp_at_world_size_one_is_the_unwrapped_step():
+    import torch
+    from types import SimpleNamespace
+    from hwlib.steps import Settings
+    model = torch.nn.Linear(4, 2)
+    applied = strategies.apply("ddp", model, SimpleNamespace(lr=1e-3, weight_decay=0.1), Settings(),
+                               torch.device("cpu"), 1)
+    assert applied.fwd is model and any("not wrapped" in n for n in applied.notes)
+    # a record names only the options its strategy reads
+    o = strategies.Options(bucket_cap_mb=200, static_graph=True, reduce_dtype="bf16")
+    assert o.changed("graphed") == {"reduce_dtype": "bf16"} and o.changed("fsdp2") == {}
+    assert o.changed("ddp") == {"bucket_cap_mb": 200, "static_graph": True, "reduce_dtype": "bf16"}
+
+
+def test_two_nodes_over_the_loopback_run_the_readme_s_multi_node_command(isolated_run):
+    """The README's multi-node command, run as two "nodes" on this host: two launchers, one process
+    each, meeting at one c10d rendezvous on 127.0.0.1. Node 0 holds global rank 0: the job's rows are
+    its, at world size 2, and they train what one process trains at the same global batch."""
+    import socket
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "hwlib.distributed.launch", "--nproc-per-node", "1", "--nnodes", "2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--device", "cpu", "--profile", "smoke", "--workloads", "gpt",
+           "--strategies", "ddp", "--scalings", "strong", "--step", STEP, "--config", json.dumps(TINY),
+           "--plan", f"{PLAN.check},{PLAN.warmup},{PLAN.timed}", "--profile-steps", "0", "--no-record",
+           "--timeout-s", "120", "--collective-timeout-s", "60"]
+    nodes = [subprocess.Popen(cmd + ["--run-name", str(isolated_run.parent / f"node{i}")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    found = [sorted((isolated_run.parent / f"node{i}" / "distributed").glob("*/rows.jsonl")) for i in range(2)]
+    assert len(found[0]) + len(found[1]) == 1   # one node ran global rank 0 and wrote the job's row
+    row = json.loads((found[0] or found[1])[0].read_text())
+    assert row["status"] == "ok" and row["world_size"] == 2 and (row["per_gpu_batch"], row["global_batch"]) == (4, 8)
+    assert compare_curves(row["check_losses"], one_process_curve(TINY["batch"])) <= train.REORDER_TOLERANCE

@@ -155,6 +155,7 @@ def test_train_mode_context_check_counts_what_each_forward_sees(tr):
     assert 0.0 <= c["greedy_agreement_hf_vs_uncached"] <= 1.0
 
 
+@pytest.mark.gpu   # the trainer runs on the GPU there: its inputs must be made on its device
 def test_bad_prompts_and_empty_replies_are_refused(tr):
     with pytest.raises(ValueError, match="prompts"):
         tr.generate("batched", prompts=tr.prompts[:0])
@@ -162,10 +163,10 @@ def test_bad_prompts_and_empty_replies_are_refused(tr):
     with pytest.raises(ValueError, match="longer than the context"):
         tr.generate("seed", prompts=long)
     with pytest.raises(ValueError, match="replies"):
-        tr.round_trip(torch.zeros(2, 3, 4, dtype=torch.long))      # all padding
-    ids, mask = tr.round_trip(torch.full((1, 2, 4), 40, dtype=torch.long))
+        tr.round_trip(torch.zeros(2, 3, 4, dtype=torch.long, device=tr.device))      # all padding
+    ids, mask = tr.round_trip(torch.full((1, 2, 4), 40, dtype=torch.long, device=tr.device))
     e = tr.encode(ids, mask)
-    assert torch.allclose(torch.linalg.vector_norm(e, dim=-1), torch.ones(2), atol=1e-5)
+    assert torch.allclose(torch.linalg.vector_norm(e, dim=-1).cpu(), torch.ones(2), atol=1e-5)
 
 
 def test_the_ladder_leaves_the_trainer_losses_unchanged(tr):

@@ -65,7 +65,8 @@ def args(nbs, run="r", *extra):
 
 
 def start_cli(nbs, run="r") -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # the checkout first, and whatever the environment already adds (a GPU image's own packages)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.Popen([sys.executable, "-m", "hwlib.cli", *args(nbs, run)], cwd=REPO, env=env,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -95,6 +96,7 @@ def measured(run: Path) -> list[float]:
 
 # --- 1. interrupted runs leave no process behind ------------------------------------------------------
 
+@pytest.mark.gpu   # a GPU machine's image puts its packages on PYTHONPATH: the CLI started here must find them
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_signal_ends_the_whole_notebook_tree_and_a_rerun_measures_the_same(sig, tmp_path, outputs, capsys):
     nbs = series(tmp_path, **{"00_measure": MEASURE})

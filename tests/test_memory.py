@@ -575,8 +575,20 @@ def _opt_entry(st):
     (lambda st: st.__setitem__("losses", [1.0, 2.0, 3.0]), "at most next_step \\(2\\)"),
     (lambda st: st.__setitem__("scaler", {"scale": 1.0}), "loss scaling: checkpoint with a GradScaler"),
     (lambda st: st.pop("rng"), "contents are not a checkpoint's"),
+    # a valid header over an optimizer this run never had, or state no step could have left
+    (lambda st: st["optimizer"]["param_groups"][0].__setitem__("maximize", True), "maximize is True, this run's False"),
+    (lambda st: st["optimizer"]["param_groups"][0].__setitem__("amsgrad", True), "amsgrad is True"),
+    (lambda st: _opt_entry(st).__setitem__("exp_avg_sq", torch.full_like(_opt_entry(st)["exp_avg_sq"], float("nan"))),
+     "exp_avg_sq holds NaN"),
+    (lambda st: _opt_entry(st).__setitem__("exp_avg_sq", -_opt_entry(st)["exp_avg_sq"] - 1), "exp_avg_sq holds negative"),
+    (lambda st: _opt_entry(st).__setitem__("step", torch.tensor(0.0)), "step is 0.0"),
+    (lambda st: _opt_entry(st).__setitem__("step", torch.tensor([2.0, 2.0])), "step is \\(2,\\)"),
+    (lambda st: _opt_entry(st).__setitem__("exp_avg", _opt_entry(st)["exp_avg"].to(torch.int64)), "exp_avg is .* torch.int64"),
+    (lambda st: _opt_entry(st).__setitem__("max_exp_avg_sq", _opt_entry(st)["exp_avg_sq"].clone()), "not AdamW's"),
+    (lambda st: st["model"]["wte.weight"].__setitem__((0, 0), float("nan")), "'wte.weight' holds NaN"),
 ], ids=["exp_avg-shape", "lr-nan", "weight-shape", "missing-weight", "extra-weight", "python-rng", "numpy-rng",
-        "torch-rng", "negative-position", "losses-past-position", "scaler", "no-rng"])
+        "torch-rng", "negative-position", "losses-past-position", "scaler", "no-rng", "maximize", "amsgrad",
+        "nan-moment", "negative-moment", "step-zero", "step-shape", "int-moment", "stray-state", "nan-weight"])
 def test_a_damaged_part_is_refused_before_anything_changes(tmp_path, change, match):
     cfg = WL.config("smoke")
     src = Session("gpt", cfg, Settings(), CPU)

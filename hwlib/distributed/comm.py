@@ -127,9 +127,13 @@ def traffic_bytes(strategy: str, param_bytes: float, world: int) -> float:
     ``param_bytes`` in all: ``ddp`` all-reduces the gradients, 2 (K-1)/K G; ``ddp_zero1`` adds the
     broadcast of the updated parameters, (K-1)/K G; ``fsdp2`` all-gathers the parameters before
     forward and again before backward and reduce-scatters the gradients, at most 3 (K-1)/K G (the
-    root's parameters are not gathered twice); ``single`` moves nothing."""
+    root's parameters are not gathered twice); ``graphed`` all-reduces like ``ddp`` and
+    ``graphed_zero1`` reduce-scatters the gradients and all-gathers the parameters, the same bytes;
+    ``single`` moves nothing."""
     share = (world - 1) / world if world > 1 else 0.0
-    factor = {"single": 0.0, "ddp": 2.0, "ddp_zero1": 3.0, "fsdp2": 3.0}
+    factor = {"single": 0.0, "ddp": 2.0, "ddp_zero1": 3.0, "fsdp2": 3.0,
+              # reduce-scatter (K-1)/K G and all-gather (K-1)/K G: an all-reduce's bytes, split in two
+              "graphed": 2.0, "graphed_zero1": 2.0}
     if strategy not in factor:
         raise ValueError(f"no traffic model for strategy {strategy!r}")
     return factor[strategy] * share * param_bytes

@@ -198,6 +198,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gradient-as-bucket-view", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--reshard-after-forward", choices=("default", "true", "false"), default="default")
+    p.add_argument("--graph-bucket-mb", type=float, default=Options.graph_bucket_mb)
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default=Options.reduce_dtype)
+    p.add_argument("--no-cuda-graph", action="store_true", help="graphed strategies: run the step eagerly")
+    p.add_argument("--overlap-gather", action="store_true",
+                   help="graphed_zero1: all-gather the parameters behind the next forward")
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps for the communication split")
     p.add_argument("--comm-sizes-mb", type=lambda t: tuple(float(x) for x in _csv(t)), default=(),
                    help="all-reduce sizes (MiB) of the bus-bandwidth sweep")
@@ -223,7 +228,9 @@ def from_argv(argv: list[str] | None) -> tuple[Request, argparse.Namespace]:
                   device=ns.device, step=ns.step, per_gpu_batch=ns.per_gpu_batch, global_batch=ns.global_batch,
                   config=ns.config, plan=ns.plan, seed=ns.seed,
                   options=Options(bucket_cap_mb=ns.bucket_cap_mb, gradient_as_bucket_view=not ns.no_gradient_as_bucket_view,
-                                  static_graph=ns.static_graph, reshard_after_forward=raf),
+                                  static_graph=ns.static_graph, reshard_after_forward=raf,
+                                  graph_bucket_mb=ns.graph_bucket_mb, reduce_dtype=ns.reduce_dtype,
+                                  cuda_graph=not ns.no_cuda_graph, overlap_gather=ns.overlap_gather),
                   profile_steps=ns.profile_steps, comm_sizes_mb=ns.comm_sizes_mb,
                   reference={w: {int(g): v for g, v in d.items()} for w, d in (inputs.get("reference") or {}).items()},
                   ceilings=inputs.get("ceilings"), run=ns.run, notebook=ns.notebook,
@@ -254,6 +261,11 @@ def to_argv(req: Request, *, out: str | None = None, inputs: str | None = None) 
         a.append("--static-graph")
     if o.reshard_after_forward is not None:
         a += ["--reshard-after-forward", str(o.reshard_after_forward).lower()]
+    a += ["--graph-bucket-mb", f"{o.graph_bucket_mb:g}", "--reduce-dtype", o.reduce_dtype]
+    if not o.cuda_graph:
+        a.append("--no-cuda-graph")
+    if o.overlap_gather:
+        a.append("--overlap-gather")
     if req.profile_steps is not None:
         a += ["--profile-steps", str(req.profile_steps)]
     if req.comm_sizes_mb:

@@ -30,11 +30,11 @@ from ..device import info
 # very code that times the single-GPU ladder.
 from ..ladder.run import StepResult, check_plan, timed_window, train_steps
 from ..ladder.same_math import BF16_STEP, MathCheck, compare_curves
-from ..ladder.session import Session, free
+from ..ladder.session import Session, build_model, free
 from ..profiles import Plan, plan as plan_for
 from ..steps import get_step, not_applicable, settings_for, unavailable
 from ..workloads import get_workload
-from . import comm, strategies
+from . import comm, graphed, strategies
 from .strategies import Options
 
 
@@ -91,19 +91,21 @@ class DistributedSession(Session):
 
     def __init__(self, workload: str, cfg_global, cfg_rank, settings, device: torch.device, seed: int,
                  strategy: str, world: int, rank: int, options: Options | None = None, source: str | None = None,
-                 fault_at: int | None = None):
+                 fault_at: int | None = None, step: str | None = None):
         self.wl = get_workload(workload)
         self.micro_batch = None
-        self.cfg, self.device, self.seed = cfg_rank, device, seed
+        self.cfg, self.device, self.seed, self.step_name, self.skip = cfg_rank, device, seed, step, ()
         self.strategy, self.world, self.rank, self.fault_at = strategy, world, rank, fault_at
         cpu_settings = dataclasses.replace(settings, loader="simple")   # global batches built on the host
         self.batches = ShardedBatches(self.wl.batches(cfg_global, torch.device("cpu"), seed, source, cpu_settings),
                                       rank, world, device)
-        self.model = self.wl.build(cfg_rank, settings, seed).to(device)
+        # the steps past the recipe in ``step``'s chain swap their modules in, as in a one-GPU session
+        self.model = build_model(self.wl.name, step, cfg_rank, seed, settings).to(device)
         if settings.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         applied = strategies.apply(strategy, self.model, cfg_rank, settings, device, world, options)
         self.fwd, self.opt, self.notes = applied.fwd, applied.opt, applied.notes
+        self.graphed = applied.step   # runs the whole step (strategies.GRAPHED), or None
         self.scaler = torch.amp.GradScaler("cuda") if settings.autocast == "fp16" else None
         self.compiled = settings.compile
         if applied.probe is None and settings.attention == "sdpa":
@@ -120,7 +122,13 @@ class DistributedSession(Session):
     def step(self, i: int) -> torch.Tensor:
         if self.fault_at is not None and i == self.fault_at:
             raise InjectedFault(f"injected fault on rank {self.rank} at step {i} (--inject-fault)")
+        if self.graphed is not None:
+            return self.graphed.step(self.batches(i), self._loss)
         return super().step(i)
+
+    def _loss(self, batch) -> torch.Tensor:
+        with self.autocast():
+            return self.wl.loss(self.fwd, batch)
 
     def close(self) -> None:
         """Called by the ladder's loop when its steps end: kept open for the profiled steps."""
@@ -129,7 +137,10 @@ class DistributedSession(Session):
         if not self._open:
             return
         self._open = False
+        if self.graphed is not None:
+            self.graphed.close()
         self.batches.close()
+        self.graphed = None
         self.batches = self.model = self.opt = self.fwd = self.scaler = None
         if self.compiled:
             torch._dynamo.reset()   # the next measurement in this process compiles its own graphs
@@ -150,7 +161,7 @@ class Job:
     config: dict = field(default_factory=dict)
 
     def fields(self, world: int, scaling: str, options: Options | None = None) -> dict:
-        changed = (options or Options()).changed() if self.strategy != "single" else {}
+        changed = (options or Options()).changed(self.strategy)
         return {"world_size": world, "strategy": self.strategy, "scaling": scaling,
                 "per_gpu_batch": self.per_gpu_batch, "global_batch": self.global_batch,
                 **({"options": ",".join(f"{k}={v}" for k, v in sorted(changed.items()))} if changed else {})}
@@ -196,7 +207,7 @@ def job_pids(world: int) -> set[int]:
 REORDER_TOLERANCE = 1e-4
 
 
-def tolerance(step: str) -> tuple[float, str]:
+def tolerance(step: str, options: Options | None = None, strategy: str | None = None) -> tuple[float, str]:
     """The distributed check's tolerance on top of ``step``, and why.
 
     Under bf16 autocast, each rank's weight gradients leave its bf16 matmuls rounded to 8 mantissa
@@ -207,6 +218,12 @@ def tolerance(step: str) -> tuple[float, str]:
     that bound. Seen on vit_bdh at step 10: DDP at world size 1, with no split at all, already moved
     the curve 1.5e-2 from one unwrapped process, above the step's own 1e-2."""
     st = get_step(step)
+    opts = (options or Options()).changed(strategy) if strategy else {}
+    if opts.get("reduce_dtype") == "bf16":
+        bf16 = get_step(BF16_STEP)
+        return max(bf16.tolerance, st.tolerance), (
+            f"gradients reduced in bf16: each rank's gradient rounded to 8 bits of mantissa before the sum, "
+            f"a change of rounding checked at bf16's resolution ({bf16.name}'s tolerance)")
     if settings_for(st.name).autocast is not None:
         bf16 = get_step(BF16_STEP)
         if bf16.tolerance > st.tolerance:
@@ -217,11 +234,12 @@ def tolerance(step: str) -> tuple[float, str]:
     return REORDER_TOLERANCE, "the ranks' gradients summed in another order: fp32 rounding through K optimizer steps"
 
 
-def same_math_check(res: StepResult, reference: list[float] | None, world: int) -> MathCheck | None:
+def same_math_check(res: StepResult, reference: list[float] | None, world: int, options: Options | None = None,
+                    strategy: str | None = None) -> MathCheck | None:
     """The job's loss curve against one process's at the same global batch (``tolerance``)."""
     if reference is None or res.status != "ok" or world == 1:
         return None
-    tol, why = tolerance(res.step)
+    tol, why = tolerance(res.step, options, strategy)
     d = compare_curves(res.check_losses, reference)
     k = min(len(reference), res.check_steps)
     return MathCheck(res.step, "1 process", d, tol, k, d <= tol,
@@ -252,7 +270,7 @@ def run_job(job: Job, *, profile: str, device: torch.device, rank: int, world: i
     res.notes += notes
     pids = job_pids(world)
     sess = DistributedSession(wl.name, cfg_global, cfg_rank, eff, device, seed, job.strategy, world, rank, options,
-                              source, fault_at)
+                              source, fault_at, step=st.name)
     res.notes += sess.notes
     out = Outcome(res)
     try:
@@ -261,6 +279,11 @@ def run_job(job: Job, *, profile: str, device: torch.device, rank: int, world: i
         total = timed_from + pl.timed
         sess.make_resident(total + profile_steps)
         local = train_steps(res, sess, timed_from, pl.timed, progress)
+        g = sess.graphed
+        if g is not None and g.capture_error:
+            res.notes.append(f"CUDA-graph capture failed ({g.capture_error}); every rank ran the step eagerly")
+        elif g is not None and g.graph is not None:
+            res.notes.append(f"every step after the first {graphed.EAGER_STEPS} replayed one CUDA graph (captured once)")
         res.losses = mean_over_ranks(local, device, world)
         if res.contended:
             res.contended = [p for p in res.contended if p not in pids]
@@ -275,7 +298,7 @@ def run_job(job: Job, *, profile: str, device: torch.device, rank: int, world: i
                 res.notes.append(why)
     finally:
         sess.dispose()
-    out.check = same_math_check(res, reference, world)
+    out.check = same_math_check(res, reference, world, options, job.strategy)
     return out
 
 

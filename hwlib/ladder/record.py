@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 
 from .. import results
+from ..ceilings import usable
 from ..paths import run_dir
 from .run import StepResult
 from .same_math import MathCheck
@@ -52,7 +53,7 @@ def mfu_ceiling(ceilings: dict | None, precision: str = "bf16") -> tuple[str, fl
     mm = (ceilings or {}).get("matmul_tflops") or {}
     order = {"bf16": ("bf16", "fp16"), "fp16": ("fp16", "bf16")}.get(precision, (precision,))
     for prec in order:
-        if mm.get(prec):
+        if usable(mm.get(prec)):   # a negative, NaN, infinite or textual ceiling is no ceiling
             return prec, mm[prec]
     return precision, None
 
@@ -64,7 +65,9 @@ def mfu(res: StepResult, ceilings: dict | None) -> tuple[float | None, str | Non
         return None, "no ceilings measured in this run (notebook 00 measures them)"
     prec, peak = mfu_ceiling(ceilings, step_precision(res.settings))
     if not peak:
-        return None, f"no {prec} matmul ceiling measured on this device"
+        return None, f"no {prec} matmul ceiling measured on this device (or not a positive, finite one)"
+    if not usable(res.model_tflops):
+        return None, f"model TFLOP/s {res.model_tflops!r} is not a positive, finite number"
     value = res.model_tflops / peak
     if value > 1.0:
         return None, (f"bad ceiling: {res.model_tflops:.1f} TFLOP/s is above the measured {prec} ceiling "

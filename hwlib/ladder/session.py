@@ -17,15 +17,45 @@ from ..steps import Settings, apply_chain, contexts, settings_for
 from ..workloads import get_workload
 
 
+# AdamW as GPT-2 trains it, for every workload and step; a step that changes any of it declares the
+# change (hwlib.ladder.gradients.DECLARED_OPTIMIZER_CHANGES), or the same-gradients check fails it.
+BETAS, EPS = (0.9, 0.95), 1e-8
+# The learning rate is the config's for every step: nothing in a session changes it (optimizer_step
+# calls opt.step only). A scheduler added later must say so here, where the description reads it.
+SCHEDULE = "constant"
+
+
 def make_optimizer(model: torch.nn.Module, cfg, settings: Settings):
     """AdamW as GPT-2 trains it: matrices decayed, biases and LayerNorm gains not."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    kw = dict(lr=cfg.lr, betas=BETAS, eps=EPS)
     if settings.offload_optimizer:
         return OffloadedAdamW(groups, **kw)
     return torch.optim.AdamW(groups, **kw, **({"fused": True} if settings.fused_adamw else {}))
+
+
+def optimizer_description(model: torch.nn.Module, opt) -> dict:
+    """What ``opt`` does to ``model``, read back from the optimizer itself rather than from what was
+    meant: each parameter group's parameters by name (which decay, which not) with its lr, betas, eps
+    and weight decay; the options that pick the implementation (fused, foreach, ...); the schedule.
+    Plain data, for a record and for comparing one step's optimizer with another's."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for g in opt.param_groups:
+        stray = sum(1 for p in g["params"] if id(p) not in names)
+        if stray:
+            raise ValueError(f"optimizer_description: the optimizer holds {stray} tensors that are not parameters "
+                             "of the model")
+        groups.append({"params": sorted(names[id(p)] for p in g["params"]), "lr": float(g["lr"]),
+                       "betas": [float(b) for b in g["betas"]], "eps": float(g["eps"]),
+                       "weight_decay": float(g["weight_decay"])})
+    groups.sort(key=lambda g: (g["weight_decay"], g["params"]))
+    d = getattr(opt, "defaults", {})
+    return {"class": type(opt).__name__, "groups": groups,
+            **{k: d.get(k) for k in ("fused", "foreach", "amsgrad", "maximize", "capturable", "differentiable")},
+            "schedule": SCHEDULE}
 
 
 def build_model(workload: str, step: str | None, cfg, seed: int = 0, settings: Settings | None = None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import math
 import os
 import pickle
 import random
@@ -142,8 +143,13 @@ def _first_mismatch(a: dict, b: dict) -> str | None:
     return None
 
 
+def _nonfinite(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
 def _tensor_mismatch(theirs, ours: dict) -> str | None:
-    """First key, shape or dtype of ``theirs`` (a dict of tensors) that differs from ``ours``."""
+    """First key, shape or dtype of ``theirs`` (a dict of tensors) that differs from ``ours``, or a
+    weight with NaN or infinity where this run's has none (a mask buffer may hold -inf on purpose)."""
     if not isinstance(theirs, dict):
         return f"its weights are a {type(theirs).__name__}, not a dict of tensors"
     for k in sorted(set(theirs) | set(ours)):
@@ -154,6 +160,43 @@ def _tensor_mismatch(theirs, ours: dict) -> str | None:
             return f"{k!r} is missing" if k not in theirs else f"{k!r} is not a tensor"
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"{k!r} is {tuple(a.shape)} {a.dtype}, this run {tuple(b.shape)} {b.dtype}"
+        if _nonfinite(a) and (bool(torch.isnan(a).any()) or not _nonfinite(b)):
+            return f"{k!r} holds NaN or infinite values (saved from a run that had diverged?)"
+    return None
+
+
+def _same_option(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and bool(torch.equal(a.cpu().to(b.dtype), b.cpu())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_option(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _adamw_state_mismatch(idx, s: dict, param: torch.Tensor, amsgrad: bool) -> str | None:
+    """Why one parameter's AdamW state cannot be resumed from, else None: exactly its keys, a scalar
+    float step of at least 1 (state exists only after a step), moments of the parameter's shape and
+    dtype, finite, the second moments not negative."""
+    want = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if amsgrad else set())
+    where = f"optimizer state: parameter {idx}"
+    if not isinstance(s, dict) or set(s) != want or not all(isinstance(v, torch.Tensor) for v in s.values()):
+        got = sorted(s) if isinstance(s, dict) else type(s).__name__
+        return f"{where}'s state is not AdamW's ({', '.join(sorted(want))} tensors{', amsgrad' if amsgrad else ''}), got {got}"
+    step = s["step"]
+    if step.shape != () or not step.is_floating_point():
+        return f"{where}'s step is {tuple(step.shape)} {step.dtype}, not a float scalar"
+    n = float(step)
+    if not (math.isfinite(n) and n >= 1 and n == int(n)):
+        return f"{where}'s step is {n!r}: a resumed state has taken a whole number of steps, at least 1"
+    for k in sorted(want - {"step"}):
+        t = s[k]
+        if t.shape != param.shape or t.dtype != param.dtype:
+            return f"{where}'s {k} is {tuple(t.shape)} {t.dtype}, the parameter {tuple(param.shape)} {param.dtype}"
+        if _nonfinite(t):
+            return f"{where}'s {k} holds NaN or infinite values"
+        if k != "exp_avg" and bool((t < 0).any()):
+            return f"{where}'s {k} holds negative values (a second moment cannot)"
     return None
 
 
@@ -176,18 +219,21 @@ def _torch_optimizer_mismatch(sd, opt) -> str | None:
                 finite_number(f"param_groups[{i}]['betas']", b, low=0.0, high=1.0, high_open=True)
         except (TypeError, ValueError) as e:
             return f"optimizer state: {e}"
+        # every option as this run's (maximize, amsgrad, foreach, capturable, ... and lr, betas, eps,
+        # weight_decay: no scheduler changes them): resuming must continue this run's optimizer exactly
+        other = next((k for k in sorted(h) if k != "params" and not _same_option(g[k], h[k])), None)
+        if other is not None:
+            return f"optimizer state: parameter group {i}'s {other} is {g[other]!r}, this run's {h[other]!r}"
         params.update(zip(h["params"], opt.param_groups[i]["params"]))
     if not isinstance(sd["state"], dict):
         return "optimizer state: its per-parameter state is not a dict"
+    amsgrad = {idx: bool(g.get("amsgrad")) for g in ours["param_groups"] for idx in g["params"]}
     for idx, s in sd["state"].items():
         if idx not in params:
             return f"optimizer state: parameter {idx!r} does not exist in this run"
-        if not isinstance(s, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= set(s) \
-                or not all(isinstance(v, torch.Tensor) for v in s.values()):
-            return f"optimizer state: parameter {idx}'s state is not AdamW's (step, exp_avg, exp_avg_sq tensors)"
-        bad = next((k for k, v in s.items() if k != "step" and v.shape != params[idx].shape), None)
-        if bad:
-            return f"optimizer state: parameter {idx}'s {bad} is {tuple(s[bad].shape)}, the parameter {tuple(params[idx].shape)}"
+        mis = _adamw_state_mismatch(idx, s, params[idx], amsgrad[idx])
+        if mis:
+            return mis
     return None
 
 
@@ -200,6 +246,15 @@ def _optimizer_mismatch(st: dict, sess) -> str | None:
             sess.opt.check_state_dict(st["optimizer"])
         except ValueError as e:
             return str(e)
+        sd = st["optimizer"]
+        for key in ("m", "v"):
+            bad = next((i for i, t in enumerate(sd[key]) if _nonfinite(t) or key == "v" and bool((t < 0).any())), None)
+            if bad is not None:
+                return f"optimizer state: {key}[{bad}] holds NaN, infinite{' or negative' if key == 'v' else ''} values"
+        other = next((i for i, (h, g) in enumerate(zip(sd["hyper"], sess.opt.param_groups))
+                      if not all(_same_option(h[k], g.get(k)) for k in h)), None)
+        if other is not None:
+            return f"optimizer state: hyper[{other}] {sd['hyper'][other]!r} is not this run's options"
         return None
     return _torch_optimizer_mismatch(st["optimizer"], sess.opt)
 
@@ -218,6 +273,12 @@ def _scaler_mismatch(theirs, scaler) -> str | None:
         finite_number("scale", theirs.get("scale", 1.0), low=0.0, low_open=True)
     except ValueError as e:
         return f"loss scaling: {e}"
+    other = next((k for k in sorted(ours) if k not in ("scale", "_growth_tracker") and theirs[k] != ours[k]), None)
+    if other is not None:
+        return f"loss scaling: {other} is {theirs[other]!r}, this run's {ours[other]!r}"
+    tracker = theirs.get("_growth_tracker", 0)
+    if not isinstance(tracker, int) or tracker < 0:
+        return f"loss scaling: _growth_tracker {tracker!r} is not an int >= 0"
     return None
 
 

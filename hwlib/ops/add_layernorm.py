@@ -83,8 +83,8 @@ def check_inputs(x, r, weight, bias, eps, r_bias=None) -> None:
     if len({t.device for _, t in named}) > 1:
         raise ValueError(f"{', '.join(n for n, _ in named)} must be on one device, got "
                          f"{', '.join(str(t.device) for _, t in named)}")
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not 0 < eps < float("inf"):
+        raise ValueError(f"eps must be a positive number (and finite), got {eps!r}")
     if torch.promote_types(x.dtype, r.dtype) != x.dtype:
         raise ValueError(f"x ({x.dtype}) is the residual stream and must be at least as wide as r ({r.dtype}): "
                          f"x + r would promote to {torch.promote_types(x.dtype, r.dtype)}")
@@ -122,7 +122,10 @@ def _fwd_torch(x, r, r_bias, w, b, eps, y_dtype, pad: int = 0):
     sa = s.to(acc)
     mean = sa.mean(-1)
     sc = sa - mean[:, None]
-    rstd = torch.rsqrt((sc * sc).mean(-1) + eps)
+    var = (sc * sc).mean(-1)
+    # A row whose squares overflow (fp32 values past ~1.8e19) has no variance to normalise by: NaN,
+    # as torch's layer_norm gives, not the 0.0 that 1/sqrt(inf) would make of every element.
+    rstd = torch.where(torch.isinf(var), torch.nan, torch.rsqrt(var + eps))
     y = (sc * rstd[:, None] * w.to(acc) + b.to(acc)).to(y_dtype)
     return s, with_bias_column(y) if pad else y, mean.float(), rstd.float()
 

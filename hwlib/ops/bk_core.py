@@ -256,6 +256,9 @@ def _flat_inputs(diag, upper, lower, z, backend: str, check_finite: bool):
         raise ChoiceError("backend", backend, BACKENDS)
     z = _as_z(z)
     _validate(diag, upper, lower, check_finite)
+    if diag.device.type == "meta":   # no values to compute from: any result would be made up
+        raise ValueError("diag, upper, lower are meta tensors, which hold shapes but no values: "
+                         "resolvent_diagonal computes values; pass CPU or CUDA tensors")
     if backend == "cuda" and diag.device.type != "cuda":
         raise ValueError(f"backend='cuda' needs CUDA tensors; diag is on {diag.device} "
                          f"(move them with .cuda(), or use backend='auto')")

@@ -61,10 +61,18 @@ def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return FMAX[dtype] / amax.float().clamp(min=EPS)
 
 
+def finite_abs(t: torch.Tensor) -> torch.Tensor:
+    """|t| with NaN and infinity as 0: the magnitude a scale is taken from. One infinite element must
+    not make the scale 0 (and every row of the product NaN): it stays non-finite in its own rows only."""
+    return torch.nan_to_num(t.abs(), nan=0.0, posinf=0.0)
+
+
 def cast_scaled(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``src * scale`` saturated into ``dtype``'s range and cast, written contiguous (a transposed
-    view of ``src`` gives the transposed layout)."""
-    return (src.float() * scale).clamp(-FMAX[dtype], FMAX[dtype]).to(dtype).contiguous()
+    view of ``src`` gives the transposed layout). A NaN or infinite element becomes NaN (FP8 e4m3 has
+    no infinity), never a saturated finite value: the product's rows it reaches stay non-finite."""
+    x = src.float() * scale
+    return (x.clamp(-FMAX[dtype], FMAX[dtype]) + (x - x)).to(dtype).contiguous()   # x - x: 0, or NaN where x is not finite
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, *, transposed: bool = False, rowwise: bool = False
@@ -76,7 +84,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, *, transposed: bool = False, r
     else one per tensor (a 0-d tensor)."""
     _check(t, dtype)
     src = t.t() if transposed else t
-    a = src.abs()
+    a = finite_abs(src)
     scale = scale_for(a.amax(dim=1, keepdim=True) if rowwise else a.amax(), dtype)
     return cast_scaled(src, scale, dtype), scale.reciprocal()
 
@@ -89,7 +97,7 @@ def quantize_both(t: torch.Tensor, dtype: torch.dtype, *, rowwise: bool = False
     if rowwise:
         return (*quantize(t, dtype, rowwise=True), *quantize(t, dtype, transposed=True, rowwise=True))
     _check(t, dtype)
-    scale = scale_for(t.abs().amax(), dtype)
+    scale = scale_for(finite_abs(t).amax(), dtype)
     inv = scale.reciprocal()
     return cast_scaled(t, scale, dtype), inv, cast_scaled(t.t(), scale, dtype), inv
 
@@ -179,6 +187,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if out_dtype is None:
         out_dtype = compute_dtype(x)
     lead = x.shape[:-1]
+    if x.numel() == 0:   # no rows (or K = 0): nothing to scale; the product is empty (or zeros), as F.linear's
+        y = x.to(out_dtype) @ weight.to(out_dtype).t()
+        return y if bias is None else y + bias.to(y.dtype)
     y = FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, out_dtype, scaling == "row")
     y = y.reshape(*lead, weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)

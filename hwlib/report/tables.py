@@ -41,6 +41,12 @@ def _fmt(v, spec: str) -> str:
     return format(v, spec)
 
 
+def md_cell(v) -> str:
+    """``v`` as the text of one Markdown table cell: a ``|`` would end the cell and a line break the
+    row (a reason or a parameter holding one would break every table after it)."""
+    return " ".join(str(v).split("\n")).replace("\r", " ").replace("|", "\\|")
+
+
 TABLE_COLUMNS = [  # (header, key, format)
     ("step", "step", ""), ("status", "status", ""), ("ms/step (p20-p80)", None, ""),
     ("{unit}", "throughput", ",.0f"), ("x vs 01", "speedup_vs_baseline", ".2f"),
@@ -72,7 +78,7 @@ def markdown_table(rows: list[dict]) -> str:
                 cells.append(f"{_fmt(r.get(key), spec)} (within noise)")
             else:
                 cells.append(_fmt(r.get(key), spec))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n" + noise_note(rows)
 
 
@@ -270,8 +276,9 @@ def what_we_saw(rows: list[dict], workload: str) -> str:
         parts.append(f"The largest single gain was {best['step']} ({best['change']}): "
                      f"{best['speedup_vs_prev']:.2f}x over the step before; the smallest was "
                      f"{worst['step']} ({worst['change']}): {worst['speedup_vs_prev']:.2f}x.")
-    if last.get("mfu") is not None:
-        parts.append(f"The last step uses {last['mfu']:.1%} of the measured bf16 matmul ceiling "
+    if last.get("mfu") is not None:   # against the ceiling of the precision the step ran in
+        parts.append(f"The last step uses {last['mfu']:.1%} of the measured {last.get('mfu_ceiling') or 'matmul'} "
+                     f"matmul ceiling "
                      f"({last['model_tflops']:.0f} model TFLOP/s).")
     sdpa = next((r for r in rows if r.get("sdpa_backend")), None)
     if sdpa:
@@ -402,7 +409,7 @@ def generation_lines(steps: list[dict]) -> list[str]:
         x = (r["gen_tokens_per_s"] / first["gen_tokens_per_s"]
              if first and r["status"] == "ok" and r.get("gen_tokens_per_s") else None)
         cyc = r["ms_per_cycle"] / 1e3 if _num(r.get("ms_per_cycle")) is not None else None
-        out.append(f"| {r['step']} | {r['status']} | {_fmt(r.get('gen_tokens_per_s'), ',.1f')} | {_fmt(x, '.1f')} | "
+        out.append(f"| {r['step']} | {md_cell(r['status'])} | {_fmt(r.get('gen_tokens_per_s'), ',.1f')} | {_fmt(x, '.1f')} | "
                    f"{_fmt(cyc, '.2f')} | {_fmt(r.get('share_generation'), '.0%')} | "
                    f"{_fmt(r.get('decode_gbps'), ',.0f')} | {_fmt(r.get('decode_share_of_copy'), '.1%')} |")
     return out + [""]
@@ -465,8 +472,8 @@ def toggle_lines(rows: list[dict]) -> list[str]:
                   f"{_fmt(r['level'], '.0%')})")
             eff = r["effect"] or "-"
         mode = "a process per window" if r["mode"] == "processes" else "one process"
-        out.append(f"| {r['notebook'][:2]} | {r['workload']} | {r['step']} | {r['change'] or r['toggle']} | {mode} | "
-                   f"{sp} | {eff} | {_fmt(r['compile_s_with'], '.0f')} |")
+        out.append(f"| {r['notebook'][:2]} | {r['workload']} | {r['step']} | {md_cell(r['change'] or r['toggle'])} | "
+                   f"{mode} | {md_cell(sp)} | {md_cell(eff)} | {_fmt(r['compile_s_with'], '.0f')} |")
     return out + [""]
 
 
@@ -478,7 +485,7 @@ def multi_gpu_lines(runs: list[str]) -> list[str]:
         name = run.split("/")[-1]
         for r in scaling_rows(query.load(run)):
             body.append(f"| {name} | {r['workload']} | {r['world_size']} | {scaling_label(r)} | {r['scaling']} | "
-                        f"{r['status']} | {_fmt(r['ms_per_step'], '.2f')} ({_fmt(r['ms_p20'], '.2f')}-"
+                        f"{md_cell(r['status'])} | {_fmt(r['ms_per_step'], '.2f')} ({_fmt(r['ms_p20'], '.2f')}-"
                         f"{_fmt(r['ms_p80'], '.2f')}) | {_fmt(r['throughput'], ',.0f')} {r['unit']} | "
                         f"{_fmt(r['efficiency'], '.0%')} | {_fmt(r['exposed_comm_ms'], '.2f')} | "
                         f"{_fmt(r['same_math_max_rel'], '.1e')} |")
@@ -546,10 +553,11 @@ def time_table(run) -> str:
              "|---|---|---|---|---|" + ("---|" if params else "")]
     for k, v in nbs.items():
         c = compile_s.get(k)
-        row = f"| {k} | {v['status']} | {v['seconds']:.1f} | {v['seconds'] / total:.0%} | {_fmt(c, '.1f')} |"
+        share = v["seconds"] / total if total > 0 else None   # every entry 0 s: no share to give
+        row = f"| {k} | {md_cell(v['status'])} | {v['seconds']:.1f} | {_fmt(share, '.0%')} | {_fmt(c, '.1f')} |"
         if params:
             p = v.get("parameters") or {}
-            row += " " + ("; ".join(f"`{n}={json.dumps(x)}`" for n, x in p.items()) or "-") + " |"
+            row += " " + md_cell("; ".join(f"`{n}={json.dumps(x)}`" for n, x in p.items()) or "-") + " |"
         lines.append(row)
     return "\n".join(lines) + "\n"
 

@@ -534,3 +534,82 @@ def summary_rows(records: list[dict]) -> list[dict]:
                     "share_diversity_of_overhead": v("share_diversity_of_overhead"),
                     "decode_gbps": v("decode_gbps"), "decode_share_of_copy": v("decode_share_of_copy")})
     return out
+
+
+# --- the decode ladder past rung d (issue 47): the lab's fused decode step, rung by rung ------------
+
+DECODE_NOTE = ("ms per decode step from CUDA events around the replays of a whole generation (prefill "
+               "apart); bytes: fused_decode.generation_step_bytes (weights, KV cache at each step's length, "
+               "activations), averaged over the generation's decode steps")
+
+
+def decode_check(dec, prompts: torch.Tensor, ref: torch.Tensor, ref_logits: torch.Tensor, new_tokens: int,
+                 prev: torch.Tensor | None = None) -> dict:
+    """Greedy tokens of a decoder (``FusedDecoder``) for ``new_tokens`` tokens against the reference
+    ``ref`` [P, N, T] and its logits ``ref_logits`` [P, T, V] (each prompt's first reply): the share
+    of positions inside the common prefix, the divergences and how many fall on rounding ties
+    (``divergence_ties``, with the decoder's own logits), and the same share against ``prev`` (the
+    rung before), when given. Returns the row and the tokens."""
+    from ..workloads.polychromic import fused_decode as fd
+    kept: list = []
+    g = dec(prompts, greedy=True, new_tokens=new_tokens, keep_logits=kept).cpu()
+    logits = fd.greedy_logits_rows(kept, prompts.shape[0], dec.cfg.replies)
+    same = (g == ref).long().cumprod(-1)
+    row = {"agreement": float(same.float().mean()), "identical": bool(torch.equal(g, ref)),
+           **divergence_ties(same[:, 0], logits, ref_logits)}
+    if prev is not None:
+        row["agreement_vs_prev"] = float((g == prev).long().cumprod(-1).float().mean())
+    return row, g
+
+
+def time_decoder(gen, T: int, reps: int, device) -> dict:
+    """``reps`` sampled generations of ``T`` tokens by ``gen`` (a callable returning replies) after one
+    untimed: their wall seconds (median, p20, p80)."""
+    gen()
+    secs = [bench.wall_s(gen, device)[0] for _ in range(reps)]
+    return {"gen_s": statistics.median(secs), "gen_s_p20": bench.quantile(secs, 0.2),
+            "gen_s_p80": bench.quantile(secs, 0.8)}
+
+
+def fused_rung_row(dec, prompts: torch.Tensor, T: int, reps: int, copy_gbps: float | None) -> dict:
+    """One fused rung timed: ``reps`` sampled generations of ``T`` tokens after a warm-up (the first
+    call captures the step's graph), ms per decode step from the CUDA events around the replays
+    (median over generations, p20-p80), GB/s of the counted bytes, share of the copy ceiling, floor."""
+    from ..workloads.polychromic import fused_decode as fd
+    cfg = dec.cfg
+    dev = dec.device
+    first, _ = bench.wall_s(lambda: dec(prompts, new_tokens=T), dev)
+    ms, walls = [], []
+    for _ in range(reps):
+        s, _ = bench.wall_s(lambda: dec(prompts, new_tokens=T), dev)
+        walls.append(s)
+        ev = dec.last_decode_ms       # None on a CPU: the whole call's time, prefill included
+        ms.append((ev if ev is not None else 1e3 * s) / (T - 1))
+    nbytes = fd.generation_step_bytes(cfg, dec.batch, prompts.shape[1], T)
+    med = statistics.median(ms)
+    return {"first_call_s": first, "decode_ms_per_step": med, "ms_p20": bench.quantile(ms, 0.2),
+            "ms_p80": bench.quantile(ms, 0.8), "gen_s": statistics.median(walls),
+            "gen_tokens_per_s": dec.batch * T / statistics.median(walls), "bytes_per_step": nbytes["total"],
+            "bytes_parts": nbytes, **{f"decode_{k}": v for k, v in fd.bandwidth(nbytes["total"], med, copy_gbps).items()}}
+
+
+def decode_records(rows: list[dict], *, model_size: str, device: str, params: dict) -> list[dict]:
+    """Records of the decode ladder: per rung, ms per step (p20/p80), GB/s, share of copy, floor ms,
+    greedy agreement; ``model_size`` and the batch are fields."""
+    units = {"decode_ms_per_step": "ms", "decode_gbps": "GB/s", "decode_share_of_copy": "share",
+             "decode_floor_ms": "ms", "gen_tokens_per_s": "tokens/s", "greedy_agreement": "share",
+             "greedy_agreement_vs_prev": "share", "greedy_divergences": "count",
+             "greedy_divergences_at_ties": "count", "first_call_s": "s"}
+    out = []
+    for r in rows:
+        f = {"model_size": model_size, "batch": r.get("batch"), "decode_rung": r["rung"]}
+        for m, unit in units.items():
+            v = r.get(m)
+            extra = {"p20": r.get("ms_p20"), "p80": r.get("ms_p80")} if m == "decode_ms_per_step" else {}
+            st = r.get("status", "ok")
+            out.append(make_record(notebook=NOTEBOOK, workload=WORKLOAD, step="14e_fused_decode", metric=m, value=v,
+                                   unit=unit, status=st if st != "ok" else ("ok" if v is not None else "n/a"),
+                                   reason=r.get("reason") if st != "ok" else (None if v is not None else "not measured"),
+                                   device=device, fields=f, params={**params, "change": r.get("change"),
+                                                                    "note": DECODE_NOTE}, **extra))
+    return out
