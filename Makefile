@@ -110,7 +110,7 @@ test-unit-procs: setup
 # them by tests/conftest.py), in under 5 minutes on one GPU. CI has no GPU and skips most of them: run
 # this whenever a change touches GPU code, and say on which machines it passed. It uses the running
 # Python where that has torch and pytest (a GPU image without registry access: put the Jupyter wheels
-# on PYTHONPATH first, see pitfalls.md), else .venv's; it refuses to pass where no GPU is visible.
+# on PYTHONPATH first), else .venv's; it refuses to pass where no GPU is visible.
 GPU_PY := $(if $(shell $(PYTHON) -c "import torch, pytest" >/dev/null 2>&1 && echo yes),$(PYTHON),$(VENV)/bin/python)
 test-gpu:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \

@@ -330,7 +330,7 @@ def test_stable_at_n_16384():
 
 
 def test_theta_phi_overflow_onset_on_the_default_matrix():
-    """notes/seed-systems.md A: complex64 goes non-finite from N = 123 (the seed's own N = 128 fails)."""
+    """The seed 000 write-up's theta/phi recursion: complex64 goes non-finite from N = 123 (the seed's own N = 128 fails)."""
     def finite(n, dtype):
         a, k = torch.full((n,), -2.0), torch.ones(n - 1)
         return bool(resolvent_diagonal_theta_phi(a, k, k, 1j, dtype=dtype).isfinite().all())

@@ -82,7 +82,7 @@ def _is_setup(src: str) -> bool:
 
 
 def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
-    """Why a notebook breaks the series' skeleton (DESIGN.md), one line per problem; [] when it keeps it."""
+    """Why a notebook breaks the series' skeleton (docs/architecture.md), one line per problem; [] when it keeps it."""
     cells, stem = nb["cells"], Path(name).stem
     out = []
     code = [c for c in cells if c["cell_type"] == "code"]
@@ -219,3 +219,17 @@ def test_no_code_cell_of_six_lines_is_copied_into_more_than_three_notebooks():
                 seen.setdefault(src, set()).add(path.name)
     copied = {src.splitlines()[0]: sorted(names) for src, names in seen.items() if len(names) > 3}
     assert not copied, copied
+
+
+def test_every_document_the_code_cites_is_in_the_repository():
+    """A comment or docstring that sends the reader to a page sends them to one the clone has. (The seeds'
+    data names the write-ups' own files in their projects, and tests make pages of their own: not cited.)"""
+    cited = {}
+    code = [p for p in ROOT.joinpath("hwlib").rglob("*.py") if "seeds" not in p.parts]
+    for path in [*code, ROOT / "tests" / "conftest.py", ROOT / "tests" / "test_layers.py",
+                 ROOT / "tests" / "test_packaging.py", ROOT / "Makefile"]:
+        for m in re.finditer(r"(?<![\w/.{}*>'-])((?:[\w-]+/)*[\w-]+\.md)\b", path.read_text()):
+            cited.setdefault(m.group(1), set()).add(path.relative_to(ROOT).as_posix())
+    missing = {doc: sorted(where) for doc, where in cited.items()
+               if not (ROOT / doc).is_file() and not any(ROOT.glob(f"**/{doc}"))}
+    assert not missing, missing

@@ -3,7 +3,7 @@
 ``.cu`` files are plain CUDA with ``extern "C"`` launchers declared in a header beside them (CI
 compiles them with plain nvcc); the torch binding of each lives as a C++ string next to its Python
 face in ``hwlib/ops`` and is passed here. What this module takes care of, because each one has
-bitten before (notes/pitfalls.md):
+bitten before (docs/architecture.md, Known traps):
 
 * the arch list comes from the device (``TORCH_CUDA_ARCH_LIST=9.0`` on an H100) unless the user set
   one; ``-arch`` in extra flags would be added to torch's default list, not replace it;
