@@ -89,6 +89,8 @@ def _full_logits(pm, prompts, replies, cfg):
 
 
 def test_every_rung_decodes_the_models_own_greedy_tokens_and_follows_lora(lm, triton_device):
+    if triton_device == "cuda":   # seen in make test-gpu on an H100: "Pointer argument cannot be accessed (cpu tensor?)"
+        pytest.skip("decodes CPU tensors through interpreted Triton; where Triton compiles it takes CUDA tensors only")
     cfg, pm, prompts = lm
     _lora_b(pm, 1)
     B = cfg.prompts * cfg.replies
@@ -168,3 +170,15 @@ def test_the_sorted_sampler_draws_what_the_reference_sampler_draws():
     ones = torch.ones(6, 300)
     got = fd.sample_top_p_sorted(logits, ones, 0.9, 0.9)
     assert torch.equal(got, logits.float().argmax(-1)) and int(got[0]) == 3
+
+
+def test_the_fused_target_takes_the_best_rung_against_its_model_sizes_share():
+    from hwlib.studies import generation as G
+    rows = [{"rung": "graph", "batch": 12, "status": "ok", "decode_gbps": 1300.0, "decode_share_of_copy": 0.43},
+            {"rung": "decode_attn", "batch": 12, "status": "ok", "decode_gbps": 2259.0, "decode_share_of_copy": 0.748},
+            {"rung": "sampler", "batch": 12, "status": "failed", "decode_gbps": None}]
+    (t,) = G.targets([], rows, "qwen3_8b")
+    assert t["met"] is False and t["value"] == 0.748 and "decode_attn" in t["measured"] and "75%" in t["target"]
+    (t,) = G.targets([], rows, "qwen3_0.6b")
+    assert t["met"] is True and "50%" in t["target"]
+    assert G.targets([], rows, "smoke") == [] and G.targets([], None, "qwen3_8b") == []

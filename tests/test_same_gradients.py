@@ -194,3 +194,60 @@ def test_a_mutant_of_the_optimizer_is_named_by_the_pin(monkeypatch):
     chk = G.same_gradients("gpt", "05_fused_optimizer")
     assert any(k.startswith("betas of") for k in chk.optimizer_diff), chk.optimizer_diff
     assert chk.worst.startswith("state exp_avg_sq")   # beta2 shows in the second moment after one step
+
+
+# --- at the step's own precision ----------------------------------------------------------------------
+
+OWN = [("gpt", "17_fused_lm_head"), ("gpt", "21_fused_layernorm"), ("vit_bdh", "04_sdpa_attention"),
+       ("encoder_nli", "11_sequence_packing")]
+
+
+@pytest.mark.parametrize("workload, step", OWN, ids=[f"{w}-{s}" for w, s in OWN])
+def test_at_its_own_precision_a_step_agrees_within_the_derived_tolerance(workload, step):
+    chk = G.same_gradients(workload, step, precision="own")
+    assert chk.status == "ok" and chk.precision == "bf16", str(chk)
+    assert chk.figures["grad"]["tolerance"] == 16 * 2.0 ** -8
+    assert chk.figures["update"]["tolerance"] == chk.figures["state"]["tolerance"] == 1e-5   # fp32 optimizer
+    assert chk.figures["grad"]["max_rel_diff"] > 0   # bf16 did round differently: the check is at bf16
+
+
+def test_at_its_own_precision_the_check_still_catches_the_slimmest_bug(monkeypatch):
+    _head_label_smoothing(monkeypatch)   # 1.05e-1 in fp32, the smallest gradient figure of the planted bugs
+    chk = G.same_gradients("gpt", "17_fused_lm_head", precision="own")
+    assert chk.status == "failed" and chk.max_rel_diff > chk.tolerance, str(chk)
+
+
+def test_the_derived_tolerances():
+    assert G.tolerances("04_sdpa_attention", None, False)[0] == {
+        "loss": 1e-5, "param": 0.0, "grad": 1e-5, "update": 1e-5, "state": 1e-5}
+    tols, why = G.tolerances("04_sdpa_attention", "bf16", False)
+    assert tols["grad"] == tols["loss"] == 0.0625 and tols["update"] == 1e-5 and "16 u" in why
+    assert G.tolerances("02_tf32", None, True)[0]["grad"] == 16 * 2.0 ** -11
+    with pytest.raises(ValueError, match="precision"):
+        G.same_gradients("gpt", "04_sdpa_attention", precision="bf16")
+
+
+def test_a_check_becomes_a_record_and_a_failure_an_assertion(monkeypatch):
+    from hwlib import results
+    ok = G.same_gradients("gpt", "04_sdpa_attention")
+    G.assert_same_gradients({"gpt": ok, "na": G.same_gradients("resnet_bk", "04_sdpa_attention")})
+    rec = results.make_record(notebook="04", workload="gpt", step=ok.step, profile="smoke", device={"name": "cpu"},
+                              **ok.record_fields())
+    assert rec["value"] == ok.max_rel_diff and rec["status"] == "ok" and rec["against"] == "03_bf16_autocast"
+    assert rec["grad_check"]["figures"]["grad"]["tolerance"] == 1e-5
+    _sdpa_scale_dropped(monkeypatch)
+    bad = G.same_gradients("gpt", "04_sdpa_attention")
+    assert bad.record_fields()["status"] == "failed" and "FAILED" in bad.record_fields()["reason"]
+    with pytest.raises(AssertionError, match="gradients changed: gpt 04_sdpa_attention vs 03_bf16_autocast"):
+        G.assert_same_gradients([ok, bad])
+    base = G.same_gradients("gpt", "01_baseline_fp32").record_fields()
+    assert base["status"] == "n/a" and base["value"] is None and "nothing to compare" in base["reason"]
+    results.make_record(notebook="01", workload="gpt", step="01_baseline_fp32", device={"name": "cpu"}, **base)
+
+
+def test_the_check_leaves_the_callers_random_state_alone():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    G.same_gradients("gpt", "04_sdpa_attention")
+    assert torch.equal(torch.rand(3), expected)
