@@ -110,7 +110,7 @@ test-unit-procs: setup
 # them by tests/conftest.py), in under 5 minutes on one GPU. CI has no GPU and skips most of them: run
 # this whenever a change touches GPU code, and say on which machines it passed. It uses the running
 # Python where that has torch and pytest (a GPU image without registry access: put the Jupyter wheels
-# on PYTHONPATH first, see pitfalls.md), else .venv's; it refuses to pass where no GPU is visible.
+# on PYTHONPATH first), else .venv's; it refuses to pass where no GPU is visible.
 GPU_PY := $(if $(shell $(PYTHON) -c "import torch, pytest" >/dev/null 2>&1 && echo yes),$(PYTHON),$(VENV)/bin/python)
 test-gpu:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
@@ -163,11 +163,11 @@ test-notebooks-studies: setup
 	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
 	    --nbval-lax --nbval-current-env $$nbs
 
-# Kernel sources (hwlib/kernels, shipped inside the package) are plain CUDA: they compile with nvcc
+# Kernel sources (kernels/, shipped inside the package as hwlib/kernels) are plain CUDA: they compile with nvcc
 # alone, with their own headers, no torch headers, no GPU needed.
-KERNELS_CU := $(wildcard hwlib/kernels/*.cu)
+KERNELS_CU := $(wildcard kernels/*.cu)
 test-kernels:
-	@test -n "$(KERNELS_CU)" || { echo "test-kernels: no hwlib/kernels/*.cu found"; exit 1; }
+	@test -n "$(KERNELS_CU)" || { echo "test-kernels: no kernels/*.cu found"; exit 1; }
 	@if command -v nvcc >/dev/null 2>&1; then \
 	    out=$$(mktemp -d); \
 	    for f in $(KERNELS_CU); do echo "nvcc -arch=sm_90 -c $$f"; \

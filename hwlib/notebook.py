@@ -13,15 +13,20 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 import time
 import warnings
+from pathlib import Path
 
-from . import ceilings, query, results, roofline, runs
+import torch
+
+from . import ceilings, query, results, roofline, runs, steps
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.run import StepResult, run_step
 from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps,
                                needs_bf16_floor, same_math)
+from .ops.sources import read_kernel_source
 from .paths import apply_compile_cache_env, compile_cache_env, run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
 from .steps import STEP_NAMES, chain, describe, get_step
@@ -74,10 +79,17 @@ def arm_stack_dump() -> str | None:
     return path
 
 
-def setup(profile: str = "auto", device: str = "auto", run=None) -> tuple[str, str]:
+def setup(profile: str = "auto", device: str = "auto", run=None, *, triton_on_cpu: bool = False) -> tuple[str, str]:
     """Resolve the parameters, print the environment report, the profile with the reason it was
     chosen (and, when it was named, what ``auto`` would pick here) and the plan; returns (profile,
-    device). ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``."""
+    device). ``profile`` and ``run`` fall back on ``$HWLIB_PROFILE`` and ``$HWLIB_RUN``.
+    ``triton_on_cpu``: a notebook that runs Triton kernels on CPU tensors where there is no GPU (12,
+    14) has Triton interpret them; Triton reads TRITON_INTERPRET at its first import, so nothing
+    before this call may import it."""
+    if triton_on_cpu and not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        if "triton" in sys.modules:
+            raise RuntimeError("setup(triton_on_cpu=True): Triton was imported before it: call setup first")
+        os.environ["TRITON_INTERPRET"] = "1"
     arm_stack_dump()
     apply_compile_cache_env(compile_cache_env(run_dir(run), results.code_digest()))   # as reproduce sets them
     dev = resolve_device(device)
@@ -132,15 +144,37 @@ def _resolve(obj):
     raise ValueError(f"show_change: {obj!r} names no importable module; give the object or its dotted name")
 
 
+def show_source(*code) -> None:
+    """The real source of each of ``code`` (a function, class or method, or its dotted name), printed
+    with ``inspect.getsource``."""
+    for obj in map(_resolve, code):
+        src = inspect.getsource(obj)
+        where = f"{inspect.getmodule(obj).__name__}.{getattr(obj, '__qualname__', '')}"
+        markdown(f"`{where}`:\n\n```python\n{src.rstrip()}\n```")
+
+
 def show_change(step: str, *code) -> None:
     """The step's settings against the step before, and the real source of the code that applies
     them (each of ``code``: a function, class or method, or its dotted name, printed with
     ``inspect.getsource``)."""
     table(describe(step), ["setting", "before", "after"])
-    for obj in map(_resolve, code):
-        src = inspect.getsource(obj)
-        where = f"{inspect.getmodule(obj).__name__}.{getattr(obj, '__qualname__', '')}"
-        markdown(f"`{where}`:\n\n```python\n{src.rstrip()}\n```")
+    show_source(*code)
+
+
+def show_step(step: str, *code) -> None:
+    """A step past the recipe as it runs: what it changes against the step it builds on, its folder's
+    ``apply.py`` (or the context it runs the session in) and each kernel file its change lives in, whole,
+    read from the files that run; then each of ``code`` (as ``show_change`` prints it)."""
+    st = get_step(step)
+    if st.folder is None:
+        raise ValueError(f"show_step: {st.name} is a recipe step (no folder): use show_change")
+    table(describe(step), ["setting", "before", "after"])
+    apply_py = Path(inspect.getfile(steps)).parent / st.folder / "apply.py"
+    markdown(f"`hwlib/steps/{st.folder}/apply.py`:\n\n```python\n{apply_py.read_text().rstrip()}\n```")
+    for k in st.kernels:
+        lang = "python" if k.endswith(".py") else "cpp"
+        markdown(f"`kernels/{k}`:\n\n```{lang}\n{read_kernel_source(k).rstrip()}\n```")
+    show_source(*code)
 
 
 def earlier_curve(res: StepResult, run=None, *, compute: bool = True) -> tuple[str | None, list | None]:
@@ -250,7 +284,7 @@ def predict(step: str, workloads: list[str], profile: str, run=None) -> dict[str
     out = {}
     for w in workloads:
         prev = _before(query.ladder_rows(recs, w), step)
-        out[w] = roofline.predict(w, step, profile, ceil, prev_ms=prev["ms_per_step"] if prev else None)
+        out[w] = steps.predict(w, step, profile, ceil, prev_ms=prev["ms_per_step"] if prev else None)
     if ceil is None:
         markdown("_No ceilings in this run: the predicted times need notebook 00's ceilings "
                  "(the counts below stand without them)._")

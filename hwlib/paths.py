@@ -13,8 +13,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 # A checkout keeps outputs/ and data/ beside hwlib/; an installed copy (Colab) uses the working folder.
 _PKG_PARENT = PACKAGE_DIR.parent
 REPO_ROOT = _PKG_PARENT if (_PKG_PARENT / "pyproject.toml").exists() else Path.cwd()
-# Kernel sources ship inside the package (package data), so an installed copy has them too.
-KERNELS_DIR = PACKAGE_DIR / "kernels"
+# Every kernel source lives in the repository's top-level kernels/, named by the step that introduces
+# it; the wheel ships that folder inside the package as hwlib/kernels/ (pyproject.toml's package-dir),
+# so a clone reads kernels/ and an installed copy (Colab) its own hwlib/kernels/.
+KERNELS_DIR = _PKG_PARENT / "kernels" if (_PKG_PARENT / "kernels").is_dir() and (_PKG_PARENT / "pyproject.toml").exists() \
+    else PACKAGE_DIR / "kernels"
 DEFAULT_RUN = "interactive"
 
 

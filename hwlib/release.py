@@ -68,41 +68,18 @@ def install_target(ref: str) -> str:
     return f"hwlib @ git+{source.REPOSITORY}@{check_ref(ref)}"
 
 
-def setup_cell(ref: str = source.NOTEBOOK_REF, *, triton_on_cpu: bool = False) -> str:
-    """Every notebook's first code cell. ``triton_on_cpu``: notebooks that run Triton kernels on CPU
-    tensors when there is no GPU (12, 14) set TRITON_INTERPRET before anything imports Triton."""
-    lines = [
-        "# Setup: a clone imports its checkout; Colab installs hwlib from its repository at the ref below,",
-        "# with its dependencies but never another torch.",
-        *(["import os"] if triton_on_cpu else []),
-        "import sys",
-        "from pathlib import Path",
-        "",
-        'if "google.colab" in sys.modules:',
-        "    import importlib.metadata",
-        "    # Colab's torch and the packages its kernel runs on stay as they are (hwlib.release.COLAB_KEEP).",
-        f"    _keep = {COLAB_KEEP!r}",
-        '    _have = {(d.name or "").lower().replace("_", "-"): d.version for d in reversed(list(importlib.metadata.distributions()))}',
-        f'    Path("{COLAB_CONSTRAINTS}").write_text("".join(f"{{n}}=={{_have[n]}}\\n" for n in _keep if n in _have))',
-        f'    %pip install -q -c {COLAB_CONSTRAINTS} "{install_target(ref)}"',
-        "    importlib.invalidate_caches()   # the import below must see the package pip just wrote",
-        "else:",
-        '    root = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "hwlib" / "__init__.py").exists()), None)',
-        "    if root is not None and str(root) not in sys.path:",
-        "        sys.path.insert(0, str(root))",
-        "",
-    ]
-    if triton_on_cpu:
-        lines += [
-            "import torch",
-            "",
-            "# Triton runs CPU tensors only when interpreted, and chooses at its first import (hwlib imports it).",
-            "if not torch.cuda.is_available():",
-            '    os.environ.setdefault("TRITON_INTERPRET", "1")',
-            "",
-        ]
-    lines += ["import hwlib", "from hwlib import notebook as nb"]
-    return "\n".join(lines)
+def setup_cell(ref: str = source.NOTEBOOK_REF) -> str:
+    """Every notebook's first code cell, five lines: a clone imports its checkout; Colab pip-installs hwlib
+    at ``ref`` with its dependencies, the packages in COLAB_KEEP (its torch, its kernel's) pinned as they
+    are. Notebooks that run Triton on CPU tensors say so to ``notebook.setup`` (``triton_on_cpu``)."""
+    keep = ", ".join(repr(k) for k in COLAB_KEEP)
+    return "\n".join([
+        "import os, sys, subprocess, pathlib, importlib.metadata as md   # set-up: Colab installs hwlib, a clone imports its own",
+        f'if "google.colab" in sys.modules: pathlib.Path("{COLAB_CONSTRAINTS}").write_text("".join(f"{{d.name}}=={{d.version}}\\n" for d in md.distributions() if (d.name or "").lower().replace("_", "-") in ({keep})))',
+        f'if "google.colab" in sys.modules: subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", "{COLAB_CONSTRAINTS}", "{install_target(ref)}"], check=True); sys.modules["importlib"].invalidate_caches()',
+        'else: sys.path.insert(0, str(next((p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "hwlib" / "__init__.py").exists()), pathlib.Path.cwd())))',
+        "import hwlib; from hwlib import notebook as nb",
+    ])
 
 
 def _source_lines(text: str) -> list[str]:
@@ -126,7 +103,7 @@ def problems(nb: dict, name: str, ref: str = source.NOTEBOOK_REF) -> list[str]:
     try:
         cell = setup_cell_of(nb, name)
         have = "".join(cell.get("source", []))
-        want = setup_cell(ref, triton_on_cpu="TRITON_INTERPRET" in have)
+        want = setup_cell(ref)
         if have != want:
             out.append(f"its setup cell differs from hwlib.release.setup_cell({ref!r}): "
                        f"run `make pin-notebooks REF={ref}`")
@@ -145,8 +122,7 @@ def pin_notebook(path: Path, ref: str) -> bool:
     text = path.read_text(encoding="utf-8")
     nb = json.loads(text)
     cell = setup_cell_of(nb, path.name)
-    have = "".join(cell.get("source", []))
-    cell["source"] = _source_lines(setup_cell(ref, triton_on_cpu="TRITON_INTERPRET" in have))
+    cell["source"] = _source_lines(setup_cell(ref))
     meta = nb.setdefault("metadata", {})
     meta["accelerator"] = COLAB_METADATA["accelerator"]
     meta["colab"] = {**(meta.get("colab") or {}), **COLAB_METADATA["colab"]}

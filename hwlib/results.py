@@ -123,8 +123,9 @@ def git_commit() -> str | None:
 
 
 def code_digest(root: Path | None = None) -> str | None:
-    """sha256 (12 hex digits) over the paths and bytes of every file under ``hwlib/`` (kernel sources
-    included: they ship inside the package).
+    """sha256 (12 hex digits) over the paths and bytes of every file under ``hwlib/`` and of the kernel
+    sources (a clone's ``kernels/``, which an installed copy holds as ``hwlib/kernels/``: counted under
+    that name in both, so a clone and the wheel built from it give one digest).
 
     It names the code that produced a record even where ``git_commit`` cannot: a copy of the tree
     without its history, or a checkout whose git metadata is stale. Caches are left out."""
@@ -135,16 +136,19 @@ def code_digest(root: Path | None = None) -> str | None:
 @functools.lru_cache(maxsize=4)   # the code does not change under a running process's feet
 def _code_digest(root: str) -> str | None:
     import hashlib
-    h, n = hashlib.sha256(), 0
-    for d in ("hwlib",):
+    files = {}
+    for d, as_ in (("hwlib", "hwlib"), ("kernels", "hwlib/kernels")):
         base = Path(root) / d
         if not base.is_dir():
             continue
-        for f in sorted(base.rglob("*")):
+        for f in base.rglob("*"):
             if not f.is_file() or "__pycache__" in f.parts or f.suffix in (".pyc", ".so", ".o"):
                 continue
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-            n += 1
+            files[f"{as_}/{f.relative_to(base).as_posix()}"] = f
+    h, n = hashlib.sha256(), 0
+    for rel in sorted(files):
+        h.update(rel.encode() + b"\0" + files[rel].read_bytes() + b"\0")
+        n += 1
     return h.hexdigest()[:12] if n else None
 
 

@@ -72,22 +72,33 @@ def compile_for_sm90(tmp_path):
     return run
 
 
+def gpt_with(*step_names: str, cfg=None, attention: str = "sdpa", seed: int = 0, **kw):
+    """The GPT of ``cfg`` (the smoke one by default) initialised from ``seed``, with the ``apply`` of each
+    step in ``step_names`` run on it in that order (``hwlib.steps``)."""
+    from hwlib.steps import get_step
+    from hwlib.workloads import get_workload
+    from hwlib.workloads.gpt import GPT
+    model = GPT(cfg or get_workload("gpt").config("smoke"), attention=attention, **kw).init_weights(seed)
+    for name in step_names:
+        get_step(name).apply(model)
+    return model
+
+
 @pytest.fixture
 def gpt_grads_match():
-    """``check(base, changed, biases=(), scale=0.5)``: the smoke GPT built from one seed with the
-    keyword arguments ``base`` and with ``changed`` (fp32, on a CPU), the biases named in ``biases``
+    """``check(base, changed, biases=(), scale=0.5)``: the smoke GPT built from one seed with the steps
+    named in ``base`` applied and with those in ``changed`` (fp32, on a CPU), the biases named in ``biases``
     (per block, e.g. "attn.c_proj") drawn nonzero and the same in both, so that a bias gradient left
     out or added twice shows; asserts the same loss and the same gradient for every parameter, to fp32
     rounding, and returns the changed model's gradients by name."""
     from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
 
-    def check(base: dict, changed: dict, biases: tuple[str, ...] = (), scale: float = 0.5) -> dict:
+    def check(base: tuple, changed: tuple, biases: tuple[str, ...] = (), scale: float = 0.5) -> dict:
         cfg = get_workload("gpt").config("smoke")
         idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
         out = []
-        for kw in (base, changed):
-            model = GPT(cfg, attention="sdpa", **kw).init_weights(0)
+        for names in (base, changed):
+            model = gpt_with(*names, cfg=cfg)
             gen = torch.Generator().manual_seed(2)
             with torch.no_grad():
                 for blk in model.blocks:

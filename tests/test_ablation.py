@@ -137,6 +137,11 @@ def test_removals_follow_the_ladder():
     # a branch: 21 builds on 17, so removing FP8 (18) is not one of its removals
     gpt21 = ablation.removals_for("21_fused_layernorm", "gpt")
     assert gpt21[-2:] == ["without_17_fused_lm_head", "without_21_fused_layernorm"] and "without_18_fp8" not in gpt21
+    # a step past the recipe is removed by leaving it out of the chain its modules are swapped in by
+    t17 = ablation.get_toggle("without_17_fused_lm_head")
+    assert t17.without.skip == "17_fused_lm_head" and t17.with_.skip is None and t17.rebuild
+    assert t17.applies("gpt", None, None, "21_fused_layernorm") is None
+    assert "does not include" in t17.applies("gpt", None, None, "09_cuda_graphs")
     t = ablation.get_toggle("without_06_torch_compile")
     assert t.without.settings == {"compile": False, "cuda_graphs": False} and t.rebuild
 
@@ -165,8 +170,8 @@ def test_an_interrupted_ablation_keeps_the_toggles_it_finished(tmp_path, monkeyp
 def test_sdpa_toggles_are_na_where_the_attention_does_not_go_through_sdpa():
     from hwlib.steps import settings_for
     t = ablation.get_toggle("sdpa_flash_attention")
-    assert t.applies("gpt", settings_for("09_cuda_graphs"), None) is None
-    why = t.applies("gpt", settings_for("24_qkv_grad"), None)
+    assert t.applies("gpt", settings_for("09_cuda_graphs"), None, "09_cuda_graphs") is None
+    why = t.applies("gpt", settings_for("24_qkv_grad"), None, "24_qkv_grad")
     assert why and "QKV op" in why and "not through SDPA" in why
     assert "not SDPA" in t.applies("gpt", settings_for("03_bf16_autocast"), None)
     assert "no softmax attention" in t.applies("resnet_bk", settings_for("09_cuda_graphs"), None)

@@ -238,13 +238,13 @@ def test_bad_inputs_fail_with_the_argument_named():
 def test_gpt_with_fused_blocks_computes_the_same_loss_and_gradients():
     """The smoke GPT built from one seed, unfused and fused (fp32, torch backend on a CPU): the same loss
     and the same gradient for every parameter, to fp32 rounding."""
+    from conftest import gpt_with
     from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
     cfg = get_workload("gpt").config("smoke")
     idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
     out = {}
     for fused in (False, True):
-        model = GPT(cfg, attention="sdpa", fused_ln=fused).init_weights(0)
+        model = gpt_with(*(["21_fused_layernorm"] if fused else []), cfg=cfg)
         loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
         out[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
@@ -261,8 +261,8 @@ def test_gpt_with_branch_biases_in_the_layernorm_computes_the_same_loss_and_grad
     """The smoke GPT with fused blocks, each branch's output bias added in the fused LayerNorm or in its
     own linear (torch backends on a CPU): the same loss and gradients, the output projections' biases'
     included."""
-    fused = dict(fused_ln=True, fused_mlp=fused_mlp)
-    grads = gpt_grads_match(fused, {**fused, "branch_bias": True}, biases=("attn.c_proj", "mlp_proj"))
+    fused = ("21_fused_layernorm",) + (("22_gelu_epilogue",) if fused_mlp else ())
+    grads = gpt_grads_match(fused, fused + ("23_branch_bias",), biases=("attn.c_proj", "mlp_proj"))
     moved = [n for n in grads if n.endswith(("attn.c_proj.bias", "mlp_proj.bias"))]
     assert moved and all(grads[n].abs().max() > 0 for n in moved)
 
@@ -270,29 +270,28 @@ def test_gpt_with_branch_biases_in_the_layernorm_computes_the_same_loss_and_grad
 def test_gpt_with_the_bias_column_computes_the_same_loss_and_gradients(gpt_grads_match):
     """The smoke GPT with fused blocks, branch biases and the fused MLP, mlp_fc's bias gradient from a column
     sum or from the bias column (torch backends on a CPU): the same loss and gradients."""
-    from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
-    base = dict(fused_ln=True, fused_mlp=True, branch_bias=True)
-    gpt_grads_match(base, {**base, "fc_bias_column": True}, biases=("mlp_fc",), scale=0.3)
-    cfg = get_workload("gpt").config("smoke")
-    with pytest.raises(ValueError, match="fc_bias_column .* needs fused_mlp"):
-        GPT(cfg, fused_ln=True, fc_bias_column=True)
-    with pytest.raises(ValueError, match="fc_bias_column .* needs fused_ln"):
-        GPT(cfg, fused_mlp=True, fc_bias_column=True)
+    from conftest import gpt_with
+    from hwlib.steps import Precondition
+    base = ("21_fused_layernorm", "22_gelu_epilogue", "23_branch_bias")
+    gpt_grads_match(base, base + ("25_bias_column",), biases=("mlp_fc",), scale=0.3)
+    with pytest.raises(Precondition, match="25_bias_column .* needs 22_gelu_epilogue's MLP"):
+        gpt_with("21_fused_layernorm", "25_bias_column")
+    with pytest.raises(Precondition, match="25_bias_column .* needs 21_fused_layernorm's trunk"):
+        gpt_with("22_gelu_epilogue", "25_bias_column")
 
 
 def test_gpt_refuses_branch_biases_without_fused_blocks():
-    from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
-    with pytest.raises(ValueError, match="branch_bias .* needs fused_ln"):
-        GPT(get_workload("gpt").config("smoke"), branch_bias=True)
+    from conftest import gpt_with
+    from hwlib.steps import Precondition
+    with pytest.raises(Precondition, match="23_branch_bias .* needs 21_fused_layernorm's trunk; found Trunk"):
+        gpt_with("23_branch_bias")
 
 
 def test_gpt_refuses_fused_blocks_with_checkpointing():
-    from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
-    with pytest.raises(ValueError, match="checkpointing='all' with fused_ln"):
-        GPT(get_workload("gpt").config("smoke"), checkpointing="all", fused_ln=True)
+    from conftest import gpt_with
+    from hwlib.steps import Precondition
+    with pytest.raises(Precondition, match="21_fused_layernorm cannot run checkpointed blocks"):
+        gpt_with("21_fused_layernorm", checkpointing="all")
 
 
 def test_traffic_is_the_kernel_files_count():
@@ -347,23 +346,23 @@ def test_a_half_precision_stream_is_normalised_as_rounded(backend, triton_device
 
 
 def test_gpt_with_a_bf16_stream_keeps_it_in_bf16_and_moves_the_loss_by_its_rounding(monkeypatch):
-    """The smoke GPT under CPU bf16 autocast, fused blocks (torch backend): with bf16_stream every fused
+    """The smoke GPT under CPU bf16 autocast, fused blocks (torch backend): with step 27's bf16 stream every fused
     LayerNorm gets a bf16 stream (fp32 without), the loss stays within a few bf16 roundings of the fp32
     stream's, and every parameter's gradient is finite and close to the fp32 stream's."""
-    from hwlib.workloads import blocks, get_workload, gpt
-    from hwlib.workloads.gpt import GPT
+    from conftest import gpt_with
+    from hwlib.steps.s21_fused_layernorm import apply as fused_trunk
+    from hwlib.workloads import get_workload
     seen = []
 
     def spy(x, *a, **kw):
         seen.append(x.dtype)
         return A.add_layer_norm(x, *a, **kw)
-    monkeypatch.setattr(blocks, "add_layer_norm", spy)
-    monkeypatch.setattr(gpt, "add_layer_norm", spy)
+    monkeypatch.setattr(fused_trunk, "add_layer_norm", spy)
     cfg = get_workload("gpt").config("smoke")
     idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(3))
     out = {}
     for bf16 in (False, True):
-        model = GPT(cfg, attention="sdpa", fused_ln=True, bf16_stream=bf16).init_weights(0)
+        model = gpt_with("21_fused_layernorm", *(["27_bf16_stream"] if bf16 else []), cfg=cfg)
         seen.clear()
         with torch.autocast("cpu", torch.bfloat16):
             loss = model(idx[:, :-1], idx[:, 1:])
@@ -380,7 +379,7 @@ from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hwlib.ops.sources import load_python_kernel
-mod = load_python_kernel("add_layernorm_triton.py")
+mod = load_python_kernel("21_add_layernorm_triton.py")
 # as a GPU launch specializes GPT-2's blocks: pointers 16-byte aligned, M and D (768) divisible by 16
 for k, dtypes, consts in (
         (mod._add_ln_fwd_kernel, {"r_ptr": "*bf16", "y_ptr": "*bf16"}, {"HAS_RB": False, "PAD": 0}),

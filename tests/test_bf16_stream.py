@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from hwlib import roofline
+from hwlib import steps
 from hwlib.ops.add_layernorm import traffic_bytes
 from hwlib.report import recipe
-from hwlib.steps import get_step, previous, settings_for
+from hwlib.steps import chain, get_step, previous, uses_fp8
 from hwlib.studies import bf16_stream as S
 from hwlib.studies import breakdown as bd
 from hwlib.workloads import get_workload
 
 
 def test_the_step_builds_on_the_fp8_head_and_counts_as_the_fp8_branch():
-    st = settings_for("27_bf16_stream")
-    assert st.bf16_stream and st.fp8_head and st.fused_ln and st.uses_fp8
-    assert not settings_for("26_fp8_head").bf16_stream
+    names = [s.name for s in chain("27_bf16_stream")]
+    assert {"26_fp8_head", "21_fused_layernorm"} <= set(names) and uses_fp8("27_bf16_stream")
+    assert "27_bf16_stream" not in [s.name for s in chain("26_fp8_head")]
     assert previous("27_bf16_stream").name == "26_fp8_head"
     step = get_step("27_bf16_stream")
     assert step.gpu_only and step.beyond_recipe and step.tolerance == 1e-2 and "bf16" in step.why_tolerance
@@ -26,13 +26,13 @@ def test_the_step_builds_on_the_fp8_head_and_counts_as_the_fp8_branch():
 def test_the_roofline_counts_the_fused_layernorms_stream_bytes():
     cfg = get_workload("gpt").config("full")
     n, d = cfg.batch * cfg.context, cfg.d_model
-    p = roofline.predict("gpt", "27_bf16_stream", "full", {"copy_gbps": 3000.0})
+    p = steps.predict("gpt", "27_bf16_stream", "full", {"copy_gbps": 3000.0})
     # 2 L calls, each 4 d fewer bytes a row forward and 8 d backward (the stream's terms halved, dr not written)
     assert p.bytes_removed == pytest.approx(2 * cfg.n_layer * n * 12 * d)
     f32, b16 = traffic_bytes(n, d), traffic_bytes(n, d, stream_bytes=2)
     assert p.bytes_removed == pytest.approx(2 * cfg.n_layer * (sum(f32.values()) - sum(b16.values())))
     assert p.saved_ms == pytest.approx(p.bytes_removed / 3000e9 * 1e3)
-    assert roofline.predict("gpt", "27_bf16_stream", "full", None).saved_ms is None
+    assert steps.predict("gpt", "27_bf16_stream", "full", None).saved_ms is None
 
 
 def test_the_breakdown_says_its_elementwise_floor_counts_an_fp32_stream():

@@ -190,7 +190,7 @@ from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hwlib.ops.sources import load_python_kernel
-mod = load_python_kernel("bk_core_triton.py")
+mod = load_python_kernel("12_bk_core_triton.py")
 SPECS = ({"BLOCK": 128}, {"BLOCK": 128, "san": 1, "sbn": 1, "scn": 1},
          {"BLOCK": 64, "B": 1, "N": 1, "sab": 1, "sbb": 1, "scb": 1})
 for kernel in (mod._bk_forward_kernel, mod._bk_backward_kernel):
@@ -330,7 +330,7 @@ def test_stable_at_n_16384():
 
 
 def test_theta_phi_overflow_onset_on_the_default_matrix():
-    """notes/seed-systems.md A: complex64 goes non-finite from N = 123 (the seed's own N = 128 fails)."""
+    """The seed 000 write-up's theta/phi recursion: complex64 goes non-finite from N = 123 (the seed's own N = 128 fails)."""
     def finite(n, dtype):
         a, k = torch.full((n,), -2.0), torch.ones(n - 1)
         return bool(resolvent_diagonal_theta_phi(a, k, k, 1j, dtype=dtype).isfinite().all())
@@ -841,12 +841,12 @@ def test_cu_compiles_with_plain_nvcc(cu, tmp_path):
 
 @pytest.fixture(scope="module")
 def bk_host_lib(tmp_path_factory):
-    """hwlib/kernels/bk_core.cu as a shared library: its host path runs the device code's block
-    logic. Its launchers are declared to ctypes from bk_core.h (``bk_cuda.bind_ctypes``)."""
+    """kernels/12_bk_core.cu as a shared library: its host path runs the device code's block
+    logic. Its launchers are declared to ctypes from 12_bk_core.h (``bk_cuda.bind_ctypes``)."""
     if NVCC is None:
         pytest.skip("nvcc not on PATH")
     so = tmp_path_factory.mktemp("bk") / "libbk_core.so"
-    r = subprocess.run([NVCC, "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC,-O2", str(KERNELS_DIR / "bk_core.cu"),
+    r = subprocess.run([NVCC, "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC,-O2", str(KERNELS_DIR / "12_bk_core.cu"),
                         "-o", str(so)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return bk_cuda.bind_ctypes(ctypes.CDLL(str(so)))
@@ -884,9 +884,9 @@ def test_cu_block_logic_on_host(bk_host_lib, dtype):
                 assert rel_err(got, want) < 10 * TOL[dtype], (B, n)
 
 
-# --- the C ABI: declared once, in bk_core.h ---------------------------------------------------------
+# --- the C ABI: declared once, in 12_bk_core.h ---------------------------------------------------------
 
-CU_TEXT = (KERNELS_DIR / "bk_core.cu").read_text()
+CU_TEXT = (KERNELS_DIR / "12_bk_core.cu").read_text()
 H_TEXT = (KERNELS_DIR / bk_cuda.HEADER).read_text()
 
 
@@ -894,7 +894,7 @@ def abi_problems(header: str, cu: str = CU_TEXT, wrapper: str = bk_cuda.WRAPPER)
     """Where the header, the .cu's definitions and the torch binding's calls disagree."""
     declared = bk_cuda.parse_prototypes(header)
     defined = bk_cuda.parse_prototypes(cu, definitions=True)
-    out = [f"{n}: defined in bk_core.cu as {defined.get(n)}, declared as {declared.get(n)}"
+    out = [f"{n}: defined in 12_bk_core.cu as {defined.get(n)}, declared as {declared.get(n)}"
            for n in sorted(set(declared) | set(defined)) if declared.get(n) != defined.get(n)]
     return out + bk_cuda.check_binding(declared, wrapper)
 
@@ -905,7 +905,7 @@ def test_the_header_the_cu_and_the_binding_agree():
     assert len(protos) == 11 and protos["bk_core_forward_f32"].params[-1] == "void*"
     assert protos["bk_core_workspace_elems"].restype == "long long"
     # one declaration: both C++ sides include the header, neither repeats it
-    assert '#include "bk_core.h"' in CU_TEXT and '#include "bk_core.h"' in bk_cuda.BINDING
+    assert '#include "12_bk_core.h"' in CU_TEXT and '#include "12_bk_core.h"' in bk_cuda.BINDING
     assert 'extern "C"' not in bk_cuda.BINDING
     for proto in protos.values():           # and ctypes reads the same declarations
         restype, argtypes = bk_cuda.ctypes_signature(proto)
@@ -916,13 +916,13 @@ def test_the_header_the_cu_and_the_binding_agree():
 ALTERED = {  # what a drifted copy looks like -> what the check must say
     "a parameter dropped": (("long long N, double zr, double zi, void* stream);\nint bk_core_forward_f64",
                              "long long N, double zr, double zi);\nint bk_core_forward_f64"),
-                            "bk_core_forward_f32: called with 10 arguments, bk_core.h declares 9"),
+                            "bk_core_forward_f32: called with 10 arguments, 12_bk_core.h declares 9"),
     "a type changed": (("int bk_core_backward_f64(const double* a", "int bk_core_backward_f64(const float* a"),
-                       "bk_core_backward_f64: defined in bk_core.cu as"),
+                       "bk_core_backward_f64: defined in 12_bk_core.cu as"),
     "a launcher renamed": (("const char* bk_core_error_string(int code);", "const char* bk_core_error_text(int code);"),
                            "bk_core_error_string: called by the binding, not declared"),
     "a host launcher gone": (("int bk_core_forward_host_f64(", "int bk_core_forward_host_f64_(", ),
-                             "bk_core_forward_host_f64: defined in bk_core.cu as"),
+                             "bk_core_forward_host_f64: defined in 12_bk_core.cu as"),
 }
 
 
@@ -938,7 +938,7 @@ def test_a_binding_call_with_the_wrong_arguments_fails_the_check():
     wrapper = bk_cuda.WRAPPER.replace("ws.data_ptr<double>(), B, N, zr, zi, stream)\n      : bk_core_backward_f32",
                                       "ws.data_ptr<double>(), B, N, zr, stream)\n      : bk_core_backward_f32", 1)
     assert wrapper != bk_cuda.WRAPPER
-    assert any("bk_core_backward_f64: called with 12 arguments, bk_core.h declares 13" in p
+    assert any("bk_core_backward_f64: called with 12 arguments, 12_bk_core.h declares 13" in p
                for p in abi_problems(H_TEXT, wrapper=wrapper))
 
 
@@ -947,18 +947,18 @@ def test_the_cuda_backend_refuses_to_build_a_drifted_binding(monkeypatch):
                                                       "double zr, void* stream);\nint bk_core_forward_f64", 1))
     monkeypatch.setattr(bk_cuda, "prototypes", lambda: drifted)
     monkeypatch.setattr(bk_cuda, "_MODULE", None)
-    with pytest.raises(RuntimeError, match="disagrees with bk_core.h: bk_core_forward_f32: called with 10"):
+    with pytest.raises(RuntimeError, match="disagrees with 12_bk_core.h: bk_core_forward_f32: called with 10"):
         bk_cuda.module()
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 def test_nvcc_refuses_a_cu_that_differs_from_its_header(tmp_path):
-    shutil.copy(KERNELS_DIR / "bk_core.cu", tmp_path)
-    (tmp_path / "bk_core.h").write_text(H_TEXT.replace("long long B, long long N, double zr, double zi, void* stream);\n"
+    shutil.copy(KERNELS_DIR / "12_bk_core.cu", tmp_path)
+    (tmp_path / "12_bk_core.h").write_text(H_TEXT.replace("long long B, long long N, double zr, double zi, void* stream);\n"
                                                        "int bk_core_forward_f64",
                                                        "long long B, int N, double zr, double zi, void* stream);\n"
                                                        "int bk_core_forward_f64", 1))
-    r = subprocess.run([NVCC, "-arch=sm_90", "-c", str(tmp_path / "bk_core.cu"), "-o", str(tmp_path / "k.o")],
+    r = subprocess.run([NVCC, "-arch=sm_90", "-c", str(tmp_path / "12_bk_core.cu"), "-o", str(tmp_path / "k.o")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "bk_core_forward_f32" in r.stderr, r.stderr[-2000:]
 

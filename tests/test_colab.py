@@ -9,10 +9,10 @@ environment has them) and without build isolation (no index)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -42,26 +42,27 @@ def _git(*args, cwd: Path) -> str:
 
 # --- the setup cell -------------------------------------------------------------------------------
 
-def _pip_line(cell: str) -> list[str]:
-    (line,) = [l.strip() for l in cell.splitlines() if "%pip" in l]
-    return shlex.split(line)
+def _pip_args(cell: str) -> list:
+    """The argument list the setup cell hands ``subprocess.run`` (the cell is plain Python: no magics)."""
+    calls = [n for n in ast.walk(ast.parse(cell)) if isinstance(n, ast.Call) and ast.unparse(n.func) == "subprocess.run"]
+    (call,) = calls
+    return [ast.unparse(e) if not isinstance(e, ast.Constant) else e.value for e in call.args[0].elts]
 
 
-@pytest.mark.parametrize("triton_on_cpu", [False, True])
-def test_the_setup_cell_installs_the_ref_with_dependencies_and_keeps_colabs_torch(triton_on_cpu, tmp_path):
-    cell = release.setup_cell("v1.2.3", triton_on_cpu=triton_on_cpu)
-    args = _pip_line(cell)
-    assert args[:2] == ["%pip", "install"] and "--no-deps" not in args          # hwlib's dependencies come along
+def test_the_setup_cell_installs_the_ref_with_dependencies_and_keeps_colabs_torch(tmp_path):
+    cell = release.setup_cell("v1.2.3")
+    assert len(cell.splitlines()) <= 5 and cell.splitlines()[-1] == "import hwlib; from hwlib import notebook as nb"
+    args = _pip_args(cell)
+    assert args[:4] == ["sys.executable", "-m", "pip", "install"] and "--no-deps" not in args   # dependencies come along
     assert args[-1] == f"hwlib @ git+{source.REPOSITORY}@v1.2.3"
     assert args[args.index("-c") + 1] == release.COLAB_CONSTRAINTS
-    assert ("TRITON_INTERPRET" in cell) is triton_on_cpu
-    # The lines before it write the constraints that keep torch and the kernel's packages as they
-    # are: run them here, where the environment has them too.
-    lines = cell.splitlines()
-    block = lines[lines.index('if "google.colab" in sys.modules:') + 1: next(i for i, l in enumerate(lines) if "%pip" in l)]
+    # The line before it writes the constraints that keep torch and the kernel's packages as they are:
+    # run it here, where the environment has them too.
+    (write,) = [l for l in cell.splitlines() if ".write_text(" in l]
     target = tmp_path / "c.txt"
-    exec("\n".join(l.strip() for l in block).replace(release.COLAB_CONSTRAINTS, str(target)), {"Path": Path})
-    pins = dict(l.split("==") for l in target.read_text().splitlines())
+    exec(write.replace(release.COLAB_CONSTRAINTS, str(target)).replace('"google.colab" in sys.modules', "True"),
+         {"sys": sys, "pathlib": __import__("pathlib"), "md": importlib.metadata})
+    pins = {k.lower().replace("_", "-"): v for k, v in (l.split("==") for l in target.read_text().splitlines())}
     assert pins["torch"] == importlib.metadata.version("torch")
     assert pins["ipykernel"] == importlib.metadata.version("ipykernel")
     assert set(pins) <= set(release.COLAB_KEEP) and "hwlib" not in pins
@@ -104,9 +105,9 @@ def test_pin_notebooks_writes_the_cell_the_metadata_and_the_source(scratch):
 
     changed = release.pin_notebooks("v0.2.0", [nb00, nb12], source_file=src)
     assert set(changed) == {nb00, nb12, src}
-    for p, triton in ((nb00, False), (nb12, True)):
+    for p in (nb00, nb12):
         got = json.loads(p.read_text())
-        assert "".join(got["cells"][1]["source"]) == release.setup_cell("v0.2.0", triton_on_cpu=triton)
+        assert "".join(got["cells"][1]["source"]) == release.setup_cell("v0.2.0")
         assert got["metadata"]["accelerator"] == "GPU" and got["metadata"]["colab"]["gpuType"] == "T4"
         assert got["metadata"]["kernelspec"]["name"] == "python3"          # the rest is kept
         assert release.problems(got, p.name, "v0.2.0") == []
@@ -215,9 +216,9 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
     if _missing_tools():
         pytest.skip(f"{', '.join(_missing_tools())} not installed here: cannot install from git offline")
     repo, site, elsewhere, out = tmp_path / "repo", tmp_path / "site", tmp_path / "elsewhere", tmp_path / "out"
-    shutil.copytree(ROOT / "hwlib", repo / "hwlib",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"))
-    for f in ("pyproject.toml", "README.md"):
+    for d in ("hwlib", "kernels"):
+        shutil.copytree(ROOT / d, repo / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"))
+    for f in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / f, repo / f)
     _git("init", "-q", cwd=repo)
     _git("add", "-A", cwd=repo)
@@ -252,7 +253,7 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
         assert x["code_digest"] == results.code_digest(repo)   # the wheel shipped every file of hwlib/
         assert x["versions"]["packages"]["torch"] == importlib.metadata.version("torch")
 
-    kernels = sorted(p.name for p in (repo / "hwlib" / "kernels").iterdir() if p.is_file())
+    kernels = sorted(p.name for p in (repo / "kernels").iterdir() if p.is_file())
     r = subprocess.run([sys.executable, "-c", CHECK, json.dumps(kernels)], capture_output=True, text=True,
                        cwd=elsewhere, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -262,7 +263,7 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
     assert set(got["kernels"]) == set(kernels) and kernels
     for name, path in got["kernels"].items():
         assert Path(path).resolve().parent == inside / "kernels", path
-        assert Path(path).read_bytes() == (repo / "hwlib" / "kernels" / name).read_bytes(), name
+        assert Path(path).read_bytes() == (repo / "kernels" / name).read_bytes(), name
 
 
 # --- versions and memory, generated from the reference runs ---------------------------------------

@@ -3,14 +3,13 @@ gradients are checked against float64 matmuls of the same FP8-rounded operands (
 unrounded ones (within FP8's rounding), on fresh random inputs of odd sizes; the capability gate
 and the layer swap of the GPT model."""
 
-import dataclasses
 
 import pytest
 import torch
 
 from hwlib.device import ChoiceError, DeviceInfo, Unavailable
 from hwlib.ops import fp8
-from hwlib.steps import Settings, get_step, settings_for, unavailable
+from hwlib.steps import get_step, unavailable, uses_fp8
 from hwlib.workloads import get_workload
 
 
@@ -114,11 +113,9 @@ def test_fp8_linear_keeps_leading_dims_adds_the_bias_and_refuses_bad_input():
 
 
 def test_the_gpt_model_swaps_its_mlp_linears_and_keeps_its_parameters():
-    wl = get_workload("gpt")
-    cfg = wl.config("smoke")
-    base = settings_for("17_fused_lm_head")
-    plain = wl.build(cfg, base, 0)
-    f8 = wl.build(cfg, dataclasses.replace(base, fp8=True), 0)
+    from hwlib.ladder.session import build_model
+    cfg = get_workload("gpt").config("smoke")
+    plain, f8 = build_model("gpt", "17_fused_lm_head", cfg, 0), build_model("gpt", "18_fp8", cfg, 0)
     swapped = [n for n, m in f8.named_modules() if isinstance(m, fp8.FP8Linear)]
     assert sorted(swapped) == sorted(f"blocks.{i}.{n}" for i in range(cfg.n_layer) for n in fp8.MLP_LINEARS)
     a, b = plain.state_dict(), f8.state_dict()
@@ -142,7 +139,7 @@ def test_the_fp8_step_is_skipped_with_the_reason_where_fp8_is_missing():
     assert unavailable(st, _gpu((9, 0))) is None and unavailable(st, _gpu((8, 9))) is None
     assert "GPU-only" in unavailable(st, DeviceInfo(kind="cpu", name="x", capability=None, total_mem_gib=None,
                                                      sm_count=None, l2_mib=None, cpu_count=2, host="h", colab=False))
-    assert settings_for("18_fp8").fp8 and not Settings().fp8
+    assert uses_fp8("18_fp8") and st.fp8 and not uses_fp8("17_fused_lm_head")
 
 
 def test_head_matmuls_rows_on_cpu():

@@ -172,8 +172,8 @@ def test_auto_says_why_it_falls_back_from_cublaslt(monkeypatch):
     """On CUDA tensors, a machine where the epilogues cannot run gets a warning naming the reason; a
     call whose sizes they do not take falls back quietly."""
     import warnings
-    monkeypatch.setattr(gm, "_cublaslt_problem", lambda device_type: "building hwlib/kernels/gelu_epilogue.cpp failed")
-    with pytest.warns(RuntimeWarning, match=r"fell back from 'cublaslt' to 'torch'.*gelu_epilogue.cpp failed"):
+    monkeypatch.setattr(gm, "_cublaslt_problem", lambda device_type: "building kernels/22_gelu_epilogue.cpp failed")
+    with pytest.warns(RuntimeWarning, match=r"fell back from 'cublaslt' to 'torch'.*22_gelu_epilogue.cpp failed"):
         assert gm.select_backend("auto", "cuda") == "torch"
     monkeypatch.setattr(gm, "_cublaslt_problem", lambda device_type: None)
     with warnings.catch_warnings():
@@ -197,29 +197,32 @@ def test_compiled_equals_eager():
 
 
 def test_gpt_blocks_with_the_op_compute_the_unfused_model():
-    from hwlib.workloads.gpt import GPT, PROFILES
+    from conftest import gpt_with
+    from hwlib.steps.s22_gelu_epilogue.apply import GeluEpilogueMLP
+    from hwlib.workloads.gpt import PROFILES
     cfg = PROFILES["smoke"]
     idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     losses, grads = [], []
     for fused in (False, True):
-        m = GPT(cfg, fused_mlp=fused).init_weights(0)
+        m = gpt_with(*(["22_gelu_epilogue"] if fused else []), cfg=cfg, attention="manual")
         loss = m(idx, idx)
         losses.append(loss.item())
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
-        assert all(b.fused_mlp is fused for b in m.blocks)
+        assert all(isinstance(b.mlp, GeluEpilogueMLP) is fused for b in m.blocks)
     assert abs(losses[0] - losses[1]) < 1e-5 * abs(losses[0])
     assert _rel(grads[1], grads[0].double()) < 1e-4
 
 
 def test_fp8_and_the_epilogue_are_one_or_the_other():
-    from hwlib.steps import Settings
-    from hwlib.workloads import get_workload
-    wl = get_workload("gpt")
-    with pytest.raises(ValueError, match="fp8 and fused_mlp"):
-        wl.build(wl.profiles["smoke"], Settings(fp8=True, fused_mlp=True), 0)
-    with pytest.raises(ValueError, match="fp8 and branch_bias"):   # the unbiased branch would go around FP8
-        wl.build(wl.profiles["smoke"], Settings(fp8=True, fused_ln=True, branch_bias=True), 0)
+    from conftest import gpt_with
+    from hwlib.steps import Precondition
+    with pytest.raises(Precondition, match="22_gelu_epilogue .* not after 18_fp8"):
+        gpt_with("18_fp8", "22_gelu_epilogue")
+    with pytest.raises(Precondition, match="18_fp8 .* needs the plain MLP"):
+        gpt_with("22_gelu_epilogue", "18_fp8")
+    with pytest.raises(Precondition, match="18_fp8 cannot follow 23_branch_bias"):   # the unbiased branch would go around FP8
+        gpt_with("21_fused_layernorm", "23_branch_bias", "18_fp8")
 
 
 # --- on a GPU: the cuBLASLt epilogues ----------------------------------------------------------------

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from hwlib import blas, roofline
+from hwlib import blas, steps
 from hwlib.ladder.session import Session
-from hwlib.steps import chain, get_step, previous, settings_for
+from hwlib.steps import chain, get_step, previous, settings_for, uses_fp8
 from hwlib.studies import gemm_workspace as S
 
 GPU = torch.cuda.is_available()
@@ -46,17 +46,18 @@ def test_step_28_is_the_bf16_branch_on_step_25_with_only_the_workspace_changed()
     st = get_step("28_gemm_workspace")
     assert previous(st.name).name == "25_bias_column"
     assert not any(s.name.startswith(("26_", "27_", "18_")) for s in chain(st.name))
-    before, after = settings_for("25_bias_column"), settings_for(st.name)
-    assert after.diff(before) == {"gemm_workspace_free": (False, True)}
-    assert not after.uses_fp8 and st.beyond_recipe and st.tolerance == 1e-2
-    p = roofline.predict("gpt", st.name, "full", {"copy_gbps": 3000.0})
+    assert settings_for(st.name) == settings_for("25_bias_column")   # no knob: only its context
+    assert st.apply is None and st.context is not None
+    assert not uses_fp8(st.name) and st.beyond_recipe and st.tolerance == 1e-2
+    p = steps.predict("gpt", st.name, "full", {"copy_gbps": 3000.0})
     assert p.kind == "none" and p.saved_ms is None
 
 
 @pytest.mark.parametrize("free", [True, False])
 def test_a_session_runs_its_steps_with_its_setting(free):
     sess = Session.__new__(Session)   # only what precision() reads
-    sess.settings = settings_for("28_gemm_workspace" if free else "25_bias_column")
+    sess.step_name, sess.skip = ("28_gemm_workspace" if free else "25_bias_column"), ()
+    sess.settings = settings_for(sess.step_name)
     with sess.precision():
         assert blas.workspace_free() is free
         assert blas.lt_workspace_bytes() == (0 if free else blas.LT_WORKSPACE_BYTES)

@@ -1,12 +1,10 @@
-import dataclasses
 
 import pytest
-import torch
 import torch._inductor.config as inductor_config
 
 from hwlib import query
 from hwlib.device import ChoiceError, info
-from hwlib.steps import Settings, settings_for
+from hwlib.steps import get_step, settings_for
 from hwlib.studies import ablation, inductor
 from hwlib.studies import breakdown as bd
 
@@ -26,13 +24,14 @@ def test_each_knob_is_a_rebuild_toggle_whose_arms_differ_only_by_the_options_the
     for name, knob in inductor.KNOBS.items():
         t = ablation.get_toggle(f"inductor_{name}")
         assert t is inductor.TOGGLES[name] and t.rebuild and t.same_math and t.fallible
-        assert t.without.model is t.with_.model is None and len(knob.why) > 80
-        if knob.kind == "settings":
-            # hwlib's own fusion: the arms are built with the step's settings, the knob's fields flipped
+        assert t.without.model is None and len(knob.why) > 80
+        if knob.kind == "step":
+            # hwlib's own fusion: the arm with has the step's modules swapped in, nothing else differs
             assert t.without.context is t.with_.context is None
-            assert t.without.settings == knob.off and t.with_.settings == knob.on and knob.on != knob.off
-            assert set(knob.on) <= {f.name for f in dataclasses.fields(Settings)}
+            assert t.without.settings == t.with_.settings == {}
+            assert t.with_.model is get_step(knob.step).apply and get_step(knob.step).beyond_recipe
             continue
+        assert t.with_.model is None
         assert t.without.settings == t.with_.settings == {}
         off, on = t.without.context, t.with_.context
         assert isinstance(off, inductor.InductorConfig) and isinstance(on, inductor.InductorConfig)
@@ -66,16 +65,20 @@ def test_on_a_cpu_the_triton_knobs_are_skipped_with_their_reason(tmp_path):
 def test_the_fused_layernorm_knob_applies_to_gpt_compiled_steps_only():
     cpu = info("cpu")
     t = inductor.TOGGLES["fused_residual_layernorm"]
-    assert t.applies("gpt", settings_for("17"), cpu) is None
-    assert "does not use it" in t.applies("vit_bdh", settings_for("09"), cpu)
-    assert "does not compile" in t.applies("gpt", settings_for("05"), cpu)
+    assert t.applies("gpt", settings_for("17"), cpu, "17_fused_lm_head") is None
+    assert "does not use it" in t.applies("vit_bdh", settings_for("09"), cpu, "09_cuda_graphs")
+    assert "does not compile" in t.applies("gpt", settings_for("05"), cpu, "05_fused_optimizer")
     # a step that already has the change: the ladder measured it (21 and 22 made these two part of the chain)
-    assert "already part of this step, since 21_fused_layernorm" in t.applies("gpt", settings_for("25"), cpu)
+    assert "already part of this step, since 21_fused_layernorm" in t.applies("gpt", settings_for("25"), cpu,
+                                                                               "25_bias_column")
     gelu = inductor.TOGGLES["gelu_epilogue"]
-    assert gelu.applies("gpt", settings_for("21"), cpu) is None
-    assert "since 22_gelu_epilogue" in gelu.applies("gpt", settings_for("23"), cpu)
+    assert gelu.applies("gpt", settings_for("21"), cpu, "21_fused_layernorm") is None
+    assert "since 22_gelu_epilogue" in gelu.applies("gpt", settings_for("23"), cpu, "23_branch_bias")
+    assert t.with_.model is get_step("21_fused_layernorm").apply and t.without.model is None
     with pytest.raises(ValueError, match="kind must be"):
-        inductor.Knob("k", {"fused_ln": True}, {"fused_ln": False}, "t", "w", triton=False, kind="other")
+        inductor.Knob("k", {"a": True}, {"a": False}, "t", "w", triton=False, kind="other")
+    with pytest.raises(ValueError, match="names its step"):
+        inductor.Knob("k", {}, {}, "t", "w", triton=False, kind="step")
 
 
 def test_the_best_step_is_17_on_gpt_and_09_where_17_does_not_apply():
@@ -129,7 +132,7 @@ def test_one_knob_runs_through_the_ablation_on_a_cpu_and_records_compile_time_an
     assert r["step"] == "17_fused_lm_head" and r["fallback"] is None and r["changes"] == {"aggressive_fusion": True}
     assert r["ran"] == ["A", "B", "B", "A"] and r["lo"] <= r["speedup"] <= r["hi"]
     assert r["verdict"] in ("keep", "drop (slower)", "drop (within noise)")
-    assert r["settings"]["without"] == r["settings"]["with"] and r["settings"]["with"]["fused_head"]
+    assert r["settings"]["without"] == r["settings"]["with"] and r["settings"]["with"]["compile"]
     # the compile time is the first call less a steady step, for both arms (each compiles its own graph)
     for arm in ("without", "with"):
         assert r["first_step_s"][arm] > r[f"ms_{arm}"] / 1e3 * 0.5

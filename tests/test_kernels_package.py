@@ -21,10 +21,10 @@ from hwlib.ops import sources
 from hwlib.paths import KERNELS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_FILES = ("add_layernorm_triton.py", "bk_core.cu", "bk_core.h", "bk_core_triton.py", "ce_rows.cu", "ce_rows.h",
-                "ce_grad_fp8_triton.py", "ce_target_fp8_triton.py", "diversity_triton.py", "fp8_cast_triton.py", "gelu_epilogue.cpp", "gelu_epilogue.h",
-                "linear_ce_triton.py",
-                "qkv_grad_triton.py")
+KERNEL_FILES = ("21_add_layernorm_triton.py", "12_bk_core.cu", "12_bk_core.h", "12_bk_core_triton.py", "17_ce_rows.cu", "17_ce_rows.h",
+                "26_ce_grad_fp8_triton.py", "26_ce_target_fp8_triton.py", "14_diversity_triton.py", "26_fp8_cast_triton.py", "22_gelu_epilogue.cpp", "22_gelu_epilogue.h",
+                "17_linear_ce_triton.py",
+                "24_qkv_grad_triton.py")
 
 
 def _pip(*args, cwd: Path) -> subprocess.CompletedProcess:
@@ -52,8 +52,9 @@ def wheel(tmp_path_factory) -> Path:
                     f"build offline (install them, or build with network access)")
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
-    shutil.copytree(ROOT / "hwlib", src / "hwlib", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"))
-    for f in ("pyproject.toml", "README.md"):
+    for d in ("hwlib", "kernels"):
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"))
+    for f in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / f, src / f)
     r = _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp / "dist"), str(src),
              cwd=tmp)
@@ -78,7 +79,7 @@ import torch
 import hwlib
 from hwlib.ops import bk_cuda, resolvent_diagonal, resolvent_diagonal_dense, sources
 from hwlib.paths import KERNELS_DIR
-tk = sources.load_python_kernel("bk_core_triton.py")
+tk = sources.load_python_kernel("12_bk_core_triton.py")
 gpu = torch.cuda.is_available()     # Triton compiles for CUDA tensors, interprets CPU ones elsewhere
 a = torch.rand(3, 7, dtype=torch.float64) - 2
 b = torch.rand(3, 6, dtype=torch.float64) + 0.5
@@ -87,7 +88,7 @@ err = {}
 for backend in ("triton", "cuda") if gpu else ("triton",):   # cuda: built from the installed .cu and .h
     x = [t.cuda() if gpu else t for t in (a, b)]
     err[backend] = float((resolvent_diagonal(x[0], x[1], x[1], 0.3 + 0.5j, backend=backend).cpu() - ref).abs().max())
-print(json.dumps({"hwlib": hwlib.__file__, "kernels_dir": str(KERNELS_DIR), "cu": str(sources.kernel_path("bk_core.cu")),
+print(json.dumps({"hwlib": hwlib.__file__, "kernels_dir": str(KERNELS_DIR), "cu": str(sources.kernel_path("12_bk_core.cu")),
                   "triton": tk.__file__, "prototypes": len(bk_cuda.prototypes()), "err": err, "cwd": os.getcwd()}))
 """
 
@@ -117,13 +118,13 @@ def test_an_installed_copy_outside_the_clone_finds_its_kernels(wheel, tmp_path):
 
 
 def test_hwlib_kernels_still_overrides(monkeypatch, tmp_path):
-    (tmp_path / "bk_core.cu").write_text("// a kernel under development\n")
+    (tmp_path / "12_bk_core.cu").write_text("// a kernel under development\n")
     monkeypatch.setenv("HWLIB_KERNELS", str(tmp_path))
-    assert sources.kernel_path("bk_core.cu") == tmp_path / "bk_core.cu"
+    assert sources.kernel_path("12_bk_core.cu") == tmp_path / "12_bk_core.cu"
     with pytest.raises(sources.Unavailable, match=r"bk_core\.h not found .*HWLIB_KERNELS="):
-        sources.kernel_path("bk_core.h")
+        sources.kernel_path("12_bk_core.h")
     monkeypatch.delenv("HWLIB_KERNELS")
-    assert sources.kernels_dir() == KERNELS_DIR == ROOT / "hwlib" / "kernels"
+    assert sources.kernels_dir() == KERNELS_DIR == ROOT / "kernels"
 
 
 def test_kernel_sources_stay_free_of_torch_headers():

@@ -10,9 +10,9 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "hwlib"
 
-# The first path component under hwlib/ decides the layer (DESIGN.md, Layout).
+# The first path component under hwlib/ decides the layer (docs/architecture.md, Layers).
 LAYERS = {
-    "base": {"__init__", "paths", "device", "precision", "blas", "bench", "results", "profiles", "telemetry", "trace", "noise", "source"},
+    "base": {"__init__", "paths", "device", "precision", "blas", "bench", "results", "profiles", "telemetry", "trace", "noise", "source", "settings"},
     "core": {"ops", "kernels", "workloads", "steps", "data", "ceilings", "shapes", "roofline"},
     "runners": {"ladder", "studies", "memory", "distributed"},
     "edge": {"query", "report", "seeds", "dashboard", "notebook", "cli", "runs", "release", "series"},
@@ -36,7 +36,7 @@ def layer_of(module: str) -> str:
     for name, tops in LAYERS.items():
         if top in tops:
             return name
-    raise AssertionError(f"{module}: no layer for hwlib.{top}; add it to LAYERS (and DESIGN.md)")
+    raise AssertionError(f"{module}: no layer for hwlib.{top}; add it to LAYERS (and docs/architecture.md)")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -131,3 +131,24 @@ def test_the_checks_can_fail():
     with pytest.raises(AssertionError):
         layer_of("hwlib.nowhere")
     assert ORDER.index(layer_of("hwlib.cli")) > ORDER.index(layer_of("hwlib.results"))
+
+
+def test_the_core_a_ladder_notebook_imports_stays_within_its_budget():
+    """The README states a line budget for what a ladder notebook imports; studies, dashboards, claims,
+    release and run supervision stay outside it (they import the core, never the reverse)."""
+    import re
+    import subprocess
+    import sys
+    budget = int(re.search(r"core budget: (\d+) lines", (PKG.parent / "README.md").read_text()).group(1))
+    code = ("import sys, json, hwlib.notebook, hwlib.query, hwlib.steps; "
+            "print(json.dumps(sorted((m, getattr(v, '__file__', None)) for m, v in sys.modules.items() "
+            "if m.startswith('hwlib'))))")
+    import json
+    mods = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                     cwd=PKG.parent, timeout=120).stdout)
+    lines = sum(len(Path(f).read_text().splitlines()) for _, f in mods if f)
+    names = [m for m, _ in mods]
+    outside = [m for m in names if m.split(".")[1:2] and m.split(".")[1] in
+               {"studies", "dashboard", "seeds", "release", "cli", "distributed"}]
+    assert not outside, outside
+    assert lines <= budget, f"the core a ladder notebook imports is {lines} lines, over its budget of {budget}"

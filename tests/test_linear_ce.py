@@ -368,13 +368,14 @@ def test_default_chunk_of_gpt2_small():
 # --- GPT with the fused head ------------------------------------------------------------------------
 
 def test_gpt_fused_head_matches_the_unfused_head():
-    from hwlib.workloads.gpt import GPT, GPTConfig
+    from conftest import gpt_with
+    from hwlib.workloads.gpt import GPTConfig
     cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, context=8, vocab=50, batch=2)
     x = torch.randint(0, 50, (2, 8), generator=_gen("gpt"))
     y = torch.randint(0, 50, (2, 8), generator=_gen("gpt", 1))
     out = []
     for fused in (False, True):
-        m = GPT(cfg, vocab_multiple=64, fused_head=fused).init_weights(0).double()
+        m = gpt_with(*(["17_fused_lm_head"] if fused else []), cfg=cfg, attention="manual", vocab_multiple=64).double()
         loss = m(x, y)
         loss.backward()
         out.append((loss.detach(), m.wte.weight.grad, m.blocks[0].attn.c_attn.weight.grad))
@@ -389,7 +390,7 @@ from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hwlib.ops.sources import load_python_kernel
-mod = load_python_kernel("linear_ce_triton.py")
+mod = load_python_kernel("17_linear_ce_triton.py")
 k = mod._ce_rows_kernel
 # as a GPU launch specializes GPT-2's head: pointers, the row stride and V_pad (50,304) divisible by 16
 aligned = ("z_ptr", "t_ptr", "loss_ptr", "scale_ptr", "stride_row", "V_pad")

@@ -14,7 +14,7 @@ from hwlib.device import DeviceInfo, Unavailable
 from hwlib.ops import linear_ce_fp8 as L8
 from hwlib.ops.fp8 import E4M3, E5M2, cast_scaled, scale_for
 from hwlib.ops.sources import load_python_kernel
-from hwlib.steps import get_step, settings_for, unavailable
+from hwlib.steps import chain, get_step, unavailable, uses_fp8
 from hwlib.studies import fp8_head as S
 
 from test_linear_ce import make, ref, run
@@ -252,13 +252,15 @@ def test_opcheck_schema_fake_and_autograd():
 # --- GPT and the step ----------------------------------------------------------------------------------
 
 def test_gpt_fp8_head_needs_the_fused_head_and_trains_like_the_bf16_head():
-    from hwlib.workloads.gpt import GPT
+    from conftest import gpt_with
+    from hwlib.steps import Precondition
     from hwlib.workloads import get_workload
     cfg = get_workload("gpt").profiles["smoke"]
-    with pytest.raises(ValueError, match="needs fused_head"):
-        GPT(cfg, fp8_head=True)
+    with pytest.raises(Precondition, match="26_fp8_head .* needs 17_fused_lm_head's head; found Head"):
+        gpt_with("26_fp8_head", cfg=cfg)
     idx = torch.randint(0, cfg.vocab, (2, cfg.context), generator=torch.Generator().manual_seed(0))
-    losses = [GPT(cfg, fused_head=True, fp8_head=f).init_weights(0)(idx, idx) for f in (False, True)]
+    losses = [gpt_with("17_fused_lm_head", *(["26_fp8_head"] if f else []), cfg=cfg, attention="manual")(idx, idx)
+              for f in (False, True)]
     a, b = (float(x.detach()) for x in losses)
     assert a != b and abs(a - b) / a < S.LOSS_TOL_EXACT
 
@@ -269,8 +271,8 @@ def _gpu(cap):
 
 
 def test_the_step_builds_on_25_and_is_skipped_where_fp8_is_missing():
-    st = settings_for("26_fp8_head")
-    assert st.fp8_head and st.fused_head and st.fc_bias_column and not st.fp8 and st.uses_fp8
+    names = {s.name for s in chain("26_fp8_head")}
+    assert {"17_fused_lm_head", "25_bias_column"} <= names and "18_fp8" not in names and uses_fp8("26_fp8_head")
     why = unavailable(get_step("26_fp8_head"), _gpu((8, 6)))
     assert why and "sm_89" in why and "sm_86" in why
     assert unavailable(get_step("26_fp8_head"), _gpu((9, 0))) is None

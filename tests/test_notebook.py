@@ -105,21 +105,21 @@ CEIL = {"copy_gbps": 1000.0, "matmul_tflops": {"bf16": 400.0, "tf32": 200.0, "fp
 
 
 def test_roofline_prediction_counts_what_the_change_removes():
-    from hwlib import roofline
+    from hwlib import steps
     from hwlib.workloads import get_workload
     wl = get_workload("gpt")
     flops = wl.flops_per_step(wl.config("smoke"))
-    tf32 = roofline.predict("gpt", "02_tf32", "smoke", CEIL)
+    tf32 = steps.predict("gpt", "02_tf32", "smoke", CEIL)
     assert tf32.kind == "estimate" and tf32.saved_ms == pytest.approx(flops / 50e12 * 1e3 - flops / 200e12 * 1e3)
     assert tf32.floor_ms == pytest.approx(flops / 200e12 * 1e3)
-    sdpa = roofline.predict("gpt", "04_sdpa_attention", "smoke", CEIL)
+    sdpa = steps.predict("gpt", "04_sdpa_attention", "smoke", CEIL)
     assert sdpa.saved_ms == pytest.approx(sdpa.bytes_removed / 1e12 * 1e3) and sdpa.bytes_removed > 0
-    assert roofline.predict("resnet_bk", "04_sdpa_attention", "smoke", CEIL).kind == "n/a"
-    assert roofline.predict("encoder_nli", "11_sequence_packing", "smoke", CEIL).flops_removed > 0
-    bound = roofline.predict("gpt", "06_torch_compile", "smoke", CEIL, prev_ms=10.0)
+    assert steps.predict("resnet_bk", "04_sdpa_attention", "smoke", CEIL).kind == "n/a"
+    assert steps.predict("encoder_nli", "11_sequence_packing", "smoke", CEIL).flops_removed > 0
+    bound = steps.predict("gpt", "06_torch_compile", "smoke", CEIL, prev_ms=10.0)
     assert bound.kind == "bound" and bound.saved_ms == pytest.approx(
-        10.0 - roofline.floor_ms("gpt", "05_fused_optimizer", "smoke", CEIL))
-    none = roofline.predict("gpt", "02_tf32", "smoke", None)
+        10.0 - steps.floor_ms("gpt", "05_fused_optimizer", "smoke", CEIL))
+    none = steps.predict("gpt", "02_tf32", "smoke", None)
     assert none.saved_ms is None and "notebook 00" in none.missing
 
 

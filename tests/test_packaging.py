@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hwlib import release
-from hwlib.steps import STEP_NAMES
+from hwlib.steps import LADDER, STEP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -45,6 +45,8 @@ def test_ci_installs_the_cpu_torch_through_make_test():
 
 # The cumulative ladder's own notebooks: one step each, measured by the same library calls.
 LADDER_NOTEBOOKS = {s.split("_", 1)[0] for s in STEP_NAMES if s < "12"}
+# the steps past the recipe: each notebook prints its step's folder and kernels (nb.show_step)
+STEP_NOTEBOOKS = {s.name.split("_", 1)[0] for s in LADDER if s.beyond_recipe}
 COLAB = "https://colab.research.google.com/github/hwlib/hwlib/blob/main/notebooks/"
 # A number with a unit typed into prose: it would not follow the measurement.
 TYPED_NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(\.\d+)?\s*(x|×|ms|%|TFLOP|GFLOP|GB/s|GiB|MiB|s/step|samples/s|tokens/s)(?![a-zA-Z])")
@@ -69,23 +71,18 @@ def _asserts_on_measurements(tree) -> bool:
 
 
 def _is_setup(src: str) -> bool:
-    """Imports hwlib; every install sits inside the ``if "google.colab" in sys.modules:`` block
+    """At most five lines; imports hwlib; every install is gated on ``"google.colab" in sys.modules``
     and none names torch (Colab's own torch build is kept)."""
     lines = [l for l in src.splitlines() if l.strip() and not l.lstrip().startswith("#")]
-    gate = next((i for i, l in enumerate(lines) if re.match(r'if "google\.colab" in sys\.modules:', l)), None)
-    if gate is None or not any(re.match(r"(import hwlib|from hwlib import)", l) for l in lines):
+    if len(src.splitlines()) > 5 or not any(re.match(r"(import hwlib|from hwlib import)", l) for l in lines):
         return False
-    block = []
-    for l in lines[gate + 1:]:
-        if not l.startswith((" ", "\t")):
-            break
-        block.append(l)
-    installs = [l for l in lines if "pip install" in l]
-    return bool(installs) and all(l in block and not re.search(r"\btorch\b", l) for l in installs)
+    installs = [l for l in lines if '"pip", "install"' in l or "pip install" in l]
+    return bool(installs) and all(l.startswith('if "google.colab" in sys.modules:') and not re.search(r"\btorch\b", l)
+                                  for l in installs)
 
 
 def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
-    """Why a notebook breaks the series' skeleton (DESIGN.md), one line per problem; [] when it keeps it."""
+    """Why a notebook breaks the series' skeleton (docs/architecture.md), one line per problem; [] when it keeps it."""
     cells, stem = nb["cells"], Path(name).stem
     out = []
     code = [c for c in cells if c["cell_type"] == "code"]
@@ -113,7 +110,7 @@ def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
         if "HWLIB_PROFILE" not in src or "HWLIB_RUN" not in src:
             out.append("the parameters cell does not read HWLIB_PROFILE and HWLIB_RUN (nbval cannot inject)")
     if not code or not _is_setup("".join(code[0]["source"])):
-        out.append("no setup cell first (imports hwlib; installs only under google.colab; never torch)")
+        out.append("no setup cell first (at most 5 lines; imports hwlib; installs only under google.colab; never torch)")
     else:   # the one template (hwlib.release.setup_cell at hwlib.source's ref) and Colab's GPU metadata
         out += release.problems(nb, name)
     trees = []
@@ -131,6 +128,8 @@ def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
             out.append(f"a number typed into prose: {m.group(0)!r} (build it from the results)")
     if "what we saw" not in " ".join("".join(c["source"]).lower() for c in prose):
         out.append("no 'What we saw' section")
+    if stem[:2] in STEP_NOTEBOOKS and "nb.show_step(STEP" not in " ".join("".join(c["source"]) for c in code):
+        out.append("the step's notebook does not print its step (nb.show_step(STEP, ...))")
     if stem[:2] in LADDER_NOTEBOOKS:
         calls = " ".join("".join(c["source"]) for c in code)
         for call in ("nb.setup(", "nb.show_change(STEP", "nb.predict(", "nb.measure_all(", "nb.assert_same_math(",
@@ -172,9 +171,16 @@ def _broken(how: str) -> tuple[dict, str]:
     elif how == "cpu runtime":
         del nb["metadata"]["accelerator"]
     elif how == "old install":
-        cells[1]["source"] = ["".join(cells[1]["source"]).replace("-c /tmp/", "--no-deps -c /tmp/")]
+        cells[1]["source"] = ["".join(cells[1]["source"]).replace('"-q", "-c"', '"-q", "--no-deps", "-c"')]
+        assert "--no-deps" in cells[1]["source"][0]
     elif how == "typed number":
         cells[0]["source"].append("\nTF32 made this step 1.8x faster.")
+    elif how == "long setup":
+        cells[1]["source"] = ["".join(cells[1]["source"]) + "\nimport os\n"]
+    elif how == "no step printed":
+        nb = json.loads((ROOT / "notebooks" / "25_bias_column.ipynb").read_text())
+        for c in nb["cells"]:
+            c["source"] = ["".join(c["source"]).replace("nb.show_step(STEP", "nb.show_change(STEP")]
     elif how == "no cell id":
         del cells[2]["id"]
     return nb, readme
@@ -184,18 +190,46 @@ def _broken(how: str) -> tuple[dict, str]:
     ("badge", "Colab badge"), ("outputs", "outputs committed"), ("two parameters", "cells tagged 'parameters'"),
     ("no setup", "no setup cell"), ("no assert", "asserts on what it measured"), ("typed number", "typed into prose"),
     ("cpu runtime", "no GPU metadata for Colab"), ("old install", "differs from hwlib.release.setup_cell"),
+    ("long setup", "at most 5 lines"), ("no step printed", "does not print its step"),
     ("no cell id", "a cell without an id"),
 ])
 def test_each_skeleton_check_fails_on_a_notebook_broken_that_way(how, says):
     nb, readme = _broken(how)
-    problems = skeleton_problems(nb, "02_tf32.ipynb", readme)
+    problems = skeleton_problems(nb, "25_bias_column.ipynb" if how == "no step printed" else "02_tf32.ipynb", readme)
     assert any(says in p for p in problems), problems
     clean_nb, clean_readme = _broken("none")
     assert skeleton_problems(clean_nb, "02_tf32.ipynb", clean_readme) == []
 
 
 def test_kernel_sources_stay_free_of_torch_headers():
-    cus = list((ROOT / "hwlib" / "kernels").glob("*.cu"))
-    assert cus, "no kernel sources under hwlib/kernels"
+    cus = list((ROOT / "kernels").glob("*.cu"))
+    assert cus, "no kernel sources under kernels/"
     for cu in cus:
         assert "torch/" not in cu.read_text() and "ATen" not in cu.read_text(), cu.name
+
+
+def test_no_code_cell_of_six_lines_is_copied_into_more_than_three_notebooks():
+    """What several notebooks need is a call into hwlib, not a copied cell (the parameters cell is the
+    longest the ladder notebooks share, at five lines)."""
+    seen: dict[str, set] = {}
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for c in json.loads(path.read_text())["cells"]:
+            src = "".join(c["source"]).strip()
+            if c["cell_type"] == "code" and len(src.splitlines()) >= 6:
+                seen.setdefault(src, set()).add(path.name)
+    copied = {src.splitlines()[0]: sorted(names) for src, names in seen.items() if len(names) > 3}
+    assert not copied, copied
+
+
+def test_every_document_the_code_cites_is_in_the_repository():
+    """A comment or docstring that sends the reader to a page sends them to one the clone has. (The seeds'
+    data names the write-ups' own files in their projects, and tests make pages of their own: not cited.)"""
+    cited = {}
+    code = [p for p in ROOT.joinpath("hwlib").rglob("*.py") if "seeds" not in p.parts]
+    for path in [*code, ROOT / "tests" / "conftest.py", ROOT / "tests" / "test_layers.py",
+                 ROOT / "tests" / "test_packaging.py", ROOT / "Makefile"]:
+        for m in re.finditer(r"(?<![\w/.{}*>'-])((?:[\w-]+/)*[\w-]+\.md)\b", path.read_text()):
+            cited.setdefault(m.group(1), set()).add(path.relative_to(ROOT).as_posix())
+    missing = {doc: sorted(where) for doc, where in cited.items()
+               if not (ROOT / doc).is_file() and not any(ROOT.glob(f"**/{doc}"))}
+    assert not missing, missing

@@ -92,14 +92,14 @@ def test_under_torch_compile_matches_eager_in_one_graph():
 def test_gpt_with_the_op_computes_the_same_loss_and_gradients(gpt_grads_match):
     """The smoke GPT built from one seed, with and without the op (fp32, on a CPU): the same loss and the
     same gradient for every parameter, the QKV bias's included (drawn nonzero), to fp32 rounding."""
-    gpt_grads_match({}, {"fused_qkv": True}, biases=("attn.c_attn",), scale=0.3)
+    gpt_grads_match((), ("24_qkv_grad",), biases=("attn.c_attn",), scale=0.3)
 
 
 def test_gpt_refuses_the_op_without_fused_attention():
-    from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
-    with pytest.raises(ValueError, match="fused_qkv runs fused attention: it needs attention='sdpa'"):
-        GPT(get_workload("gpt").config("smoke"), attention="manual", fused_qkv=True)
+    from conftest import gpt_with
+    from hwlib.steps import Precondition
+    with pytest.raises(Precondition, match="24_qkv_grad runs fused attention: it needs .* attention='sdpa'"):
+        gpt_with("24_qkv_grad", attention="manual")
 
 
 def test_bad_inputs_fail_with_the_argument_named():
@@ -155,11 +155,11 @@ def test_fp32_on_a_gpu_is_refused_and_gpt_takes_the_unfused_path():
     (x, w, b), _ = make(2, 16, 64, device="cuda")
     with pytest.raises(ValueError, match="takes bf16 or fp16 operands, got torch.float32"):
         Q.qkv_attention(x, w, b, 2)
+    from conftest import gpt_with
     from hwlib.workloads import get_workload
-    from hwlib.workloads.gpt import GPT
     cfg = get_workload("gpt").config("smoke")
     idx = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(4)).cuda()
-    losses = [GPT(cfg, attention="sdpa", fused_qkv=f).init_weights(0).cuda()(idx[:, :-1], idx[:, 1:]) for f in (0, 1)]
+    losses = [gpt_with(*(["24_qkv_grad"] if f else []), cfg=cfg).cuda()(idx[:, :-1], idx[:, 1:]) for f in (0, 1)]
     assert torch.isfinite(losses[1]) and torch.allclose(losses[0], losses[1])
 
 

@@ -15,21 +15,21 @@ def test_ladder_is_cumulative():
                                 vocab_multiple=64)
     assert steps.settings_for("04") == steps.settings_for("04_sdpa_attention")
     for b in steps.LADDER[1:]:
-        # each step adds exactly its own change to the step it builds on
+        # each recipe step adds exactly its own change to the step it builds on; a step past the recipe none
         a = steps.previous(b.name)
         assert steps.settings_for(b.name).diff(steps.settings_for(a.name)).keys() == b.change.keys()
+        assert (b.apply or b.context) is not None if b.beyond_recipe else (not b.apply and not b.context)
 
 
 def test_a_step_built_on_an_earlier_step_leaves_the_branch_between_out():
     """21 builds on 17, not on 18 (listed before it): FP8 stays out of its settings and its chain."""
     assert steps.previous("21_fused_layernorm").name == "17_fused_lm_head"
     assert [s.name for s in steps.chain("21")][-3:] == ["12_bk_core", "17_fused_lm_head", "21_fused_layernorm"]
-    s21 = steps.settings_for("21")
-    assert s21.fused_ln and s21.fused_head and not s21.fp8
-    assert s21.diff(steps.settings_for("17")) == {"fused_ln": (False, True)}
+    assert "18_fp8" not in [s.name for s in steps.chain("21")] and not steps.uses_fp8("21")
     assert all(s.after is None or steps.STEP_NAMES.index(s.after) < steps.STEP_NAMES.index(s.name)
                for s in steps.LADDER)
-    assert steps.describe("21") == [{"setting": "fused_ln", "before": False, "after": True}]
+    assert steps.describe("21") == [{"setting": "apply", "before": "17_fused_lm_head",
+                                     "after": "hwlib.steps.s21_fused_layernorm.apply.apply"}]
 
 
 def test_previous_and_describe():

@@ -30,7 +30,7 @@ from ..device import info
 # very code that times the single-GPU ladder.
 from ..ladder.run import StepResult, check_plan, timed_window, train_steps
 from ..ladder.same_math import BF16_STEP, MathCheck, compare_curves
-from ..ladder.session import Session, free
+from ..ladder.session import Session, build_model, free
 from ..profiles import Plan, plan as plan_for
 from ..steps import get_step, not_applicable, settings_for, unavailable
 from ..workloads import get_workload
@@ -91,15 +91,16 @@ class DistributedSession(Session):
 
     def __init__(self, workload: str, cfg_global, cfg_rank, settings, device: torch.device, seed: int,
                  strategy: str, world: int, rank: int, options: Options | None = None, source: str | None = None,
-                 fault_at: int | None = None):
+                 fault_at: int | None = None, step: str | None = None):
         self.wl = get_workload(workload)
         self.micro_batch = None
-        self.cfg, self.device, self.seed = cfg_rank, device, seed
+        self.cfg, self.device, self.seed, self.step_name, self.skip = cfg_rank, device, seed, step, ()
         self.strategy, self.world, self.rank, self.fault_at = strategy, world, rank, fault_at
         cpu_settings = dataclasses.replace(settings, loader="simple")   # global batches built on the host
         self.batches = ShardedBatches(self.wl.batches(cfg_global, torch.device("cpu"), seed, source, cpu_settings),
                                       rank, world, device)
-        self.model = self.wl.build(cfg_rank, settings, seed).to(device)
+        # the steps past the recipe in ``step``'s chain swap their modules in, as in a one-GPU session
+        self.model = build_model(self.wl.name, step, cfg_rank, seed, settings).to(device)
         if settings.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         applied = strategies.apply(strategy, self.model, cfg_rank, settings, device, world, options)
@@ -269,7 +270,7 @@ def run_job(job: Job, *, profile: str, device: torch.device, rank: int, world: i
     res.notes += notes
     pids = job_pids(world)
     sess = DistributedSession(wl.name, cfg_global, cfg_rank, eff, device, seed, job.strategy, world, rank, options,
-                              source, fault_at)
+                              source, fault_at, step=st.name)
     res.notes += sess.notes
     out = Outcome(res)
     try:

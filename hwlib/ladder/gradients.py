@@ -55,8 +55,8 @@ import torch
 from .. import precision as math_modes
 from ..device import ChoiceError, info, resolve_device
 from ..ops.sources import backends_used, forget_backends
-from ..steps import (LADDER, STEP_NAMES, Settings, get_step, not_applicable, previous, resolve_autocast, settings_for,
-                     unavailable)
+from ..steps import (LADDER, STEP_NAMES, Settings, contexts, get_step, not_applicable, previous, resolve_autocast,
+                     settings_for, unavailable)
 from ..workloads import get_workload
 from . import session
 
@@ -267,10 +267,10 @@ def _place(model: torch.nn.Module, settings: Settings, dev: torch.device) -> tor
 
 
 @contextlib.contextmanager
-def _math_mode(settings: Settings, tf32: bool):
-    """IEEE fp32 (TF32 only where asked) with the session's cuBLAS workspace setting."""
-    from .. import blas
-    with math_modes.tf32_mode(tf32), blas.no_workspace(settings.gemm_workspace_free):
+def _math_mode(step: str, tf32: bool):
+    """IEEE fp32 (TF32 only where asked) in the contexts of the step's chain (``Step.context``: step 28's
+    matmuls without cuBLAS's workspace)."""
+    with math_modes.tf32_mode(tf32), contexts(step):
         yield
 
 
@@ -282,7 +282,7 @@ class Stepper:
     def __init__(self, workload: str, step: str, cfg, dev: torch.device, seed: int, autocast: str | None = None,
                  tf32: bool = False):
         self.wl = get_workload(workload)
-        self.settings = settings_for(step)
+        self.step, self.settings = step, settings_for(step)
         self.autocast, self.tf32, self.dev = autocast, tf32, dev
         torch.manual_seed(seed)                          # anything drawn from the global generator
         model = session.build_model(workload, step, cfg, seed)
@@ -301,9 +301,9 @@ class Stepper:
 
     def backward(self) -> tuple[torch.Tensor, dict]:
         forget_backends()
-        with _math_mode(self.settings, self.tf32), math_modes.autocast(self.autocast, self.dev):
+        with _math_mode(self.step, self.tf32), math_modes.autocast(self.autocast, self.dev):
             loss = self.wl.loss(self.model, self.batch)
-        with _math_mode(self.settings, self.tf32):
+        with _math_mode(self.step, self.tf32):
             loss.backward()
         self.op_backends = dict(backends_used())
         grads = {n: (p.grad.detach().float().cpu().clone() if p.grad is not None else torch.zeros(p.shape))
@@ -318,7 +318,7 @@ class Stepper:
             common = tuple(slice(0, min(x, y)) for x, y in zip(p.shape, grads[n].shape))
             g[common] = grads[n][common].to(g.device, g.dtype)
             p.grad = g
-        with _math_mode(self.settings, False):
+        with _math_mode(self.step, False):
             self.opt.step()
         names = {id(p): n for n, p in self.params.items()}
         state = {f"{k} {names[id(p)]}": v.detach().float().cpu()

@@ -261,7 +261,7 @@ def run_step(workload: str = "gpt", step: str = "01_baseline_fp32", *, profile: 
     res.settings = dataclasses.asdict(eff)
     try:
         forget_backends()   # what this step's ops choose, not an earlier step's in this process
-        sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch)
+        sess = Session(wl.name, cfg, eff, dev, seed, source, micro_batch=micro_batch, step=st.name)
         timed_from = timed_window(res, sess, pl)
         res.warmup_steps = timed_from - pl.check
         res.losses = train_steps(res, sess, timed_from, pl.timed, progress, telemetry, on_step)

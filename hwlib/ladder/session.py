@@ -9,11 +9,11 @@ import warnings
 
 import torch
 
-from .. import blas, precision
+from .. import precision
 from ..memory.accumulation import accumulate, batch_size, plan_micro_batches
 from ..memory.offload import OffloadedAdamW
 from ..ops import fallbacks
-from ..steps import Settings
+from ..steps import Settings, apply_chain, contexts, settings_for
 from ..workloads import get_workload
 
 
@@ -58,11 +58,16 @@ def optimizer_description(model: torch.nn.Module, opt) -> dict:
             "schedule": SCHEDULE}
 
 
-def build_model(workload: str, step: str, cfg, seed: int = 0, settings: Settings | None = None) -> torch.nn.Module:
-    """The model of ``step`` for ``workload``, on the CPU, initialised from ``seed``: what a session of
-    that step trains (``settings`` replaces the step's cumulative settings)."""
-    from ..steps import settings_for
-    return get_workload(workload).build(cfg, settings if settings is not None else settings_for(step), seed)
+def build_model(workload: str, step: str | None, cfg, seed: int = 0, settings: Settings | None = None,
+                skip: tuple[str, ...] = ()) -> torch.nn.Module:
+    """The model of ``step`` for ``workload``, on the CPU, initialised from ``seed``: the workload's model
+    under the recipe's settings of the step's chain (``settings`` replaces them), with every step past the
+    recipe in that chain applied (``hwlib.steps.apply_chain``). ``step=None``: the model of ``settings``
+    alone; ``skip``: steps of the chain left out (an ablation's arm)."""
+    if step is None and settings is None:
+        raise ValueError("build_model needs a step or settings")
+    model = get_workload(workload).build(cfg, settings if settings is not None else settings_for(step), seed)
+    return apply_chain(model, step, skip) if step is not None else model
 
 
 def compile_model(model: torch.nn.Module, mode: str | None = None):
@@ -73,16 +78,20 @@ def compile_model(model: torch.nn.Module, mode: str | None = None):
 
 
 class Session:
-    """One workload under one ``Settings`` on one device. Callers wrap use in ``session.precision()``."""
+    """One workload under one ``Settings`` on one device, with the steps past the recipe in ``step``'s chain
+    applied to its model. Callers wrap use in ``session.precision()``."""
 
     def __init__(self, workload: str, cfg, settings: Settings, device: torch.device, seed: int = 0,
-                 source: str | None = None, micro_batch: int | None = None):
+                 source: str | None = None, micro_batch: int | None = None, step: str | None = None,
+                 skip: tuple[str, ...] = ()):
         self.wl = get_workload(workload)
         # Gradient accumulation: each step's batch runs as exact micro-batches of at most this size.
         self.micro_batch = micro_batch
-        self.cfg, self.settings, self.device, self.seed = cfg, settings, device, seed
+        self.cfg, self.settings, self.device, self.seed, self.step_name = cfg, settings, device, seed, step
+        self.skip = tuple(skip)
         self.batches = self.wl.batches(cfg, device, seed, source, settings)
-        self.model = self.wl.build(cfg, settings, seed).to(device)
+        # step: the steps past the recipe in its chain swap their modules in (None: the settings alone)
+        self.model = build_model(self.wl.name, step, cfg, seed, settings, skip).to(device)
         if settings.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)   # 4-d weights only
         self.opt = make_optimizer(self.model, cfg, settings)
@@ -95,9 +104,9 @@ class Session:
 
     @contextlib.contextmanager
     def precision(self):
-        """The fp32 math mode of these settings (TF32 or IEEE) and the workspace cuBLAS's matmuls get
-        (``hwlib.blas``), for the whole session's work."""
-        with precision.tf32_mode(self.settings.tf32), blas.no_workspace(self.settings.gemm_workspace_free):
+        """The fp32 math mode of these settings (TF32 or IEEE) and the contexts of the steps in the chain
+        (``Step.context``: step 28's matmuls without cuBLAS's workspace), for the whole session's work."""
+        with precision.tf32_mode(self.settings.tf32), (contexts(self.step_name, self.skip) if self.step_name else contextlib.nullcontext()):
             yield
 
     def autocast(self):

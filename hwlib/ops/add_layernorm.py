@@ -5,7 +5,7 @@ and normalises the sum for the next branch. Compiled, that is an add fused with 
 forward; in backward the LayerNorm's gradient, the residual gradient's add, its cast for the branch
 and the gain's and bias's reductions, which inductor splits over several kernels that read the
 same rows again. This op does each direction in one pass over the rows
-(``hwlib/kernels/add_layernorm_triton.py``: the formulas, bytes and FLOPs).
+(``kernels/21_add_layernorm_triton.py``: the formulas, bytes and FLOPs).
 
 Precision is the unfused path's under autocast: ``x`` is the fp32 stream, ``r`` the branch's output
 in the autocast dtype, the sum and the normalisation are fp32 (autocast runs ``layer_norm`` in
@@ -45,7 +45,7 @@ from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, r
                       select_triton_backend)
 
 BACKENDS = TRITON_BACKENDS
-KERNEL_FILE = "add_layernorm_triton.py"
+KERNEL_FILE = "21_add_layernorm_triton.py"
 # The bias column's width: a one and 15 zeros after each row of y, so that a matmul of y's rows gives the
 # next linear's bias gradient beside its weight gradient (hwlib.ops.gelu_mlp). 16 keeps the rows a multiple
 # of 32 bytes apart in bf16: Triton vectorizes stores at strides it knows are multiples of 16 elements,

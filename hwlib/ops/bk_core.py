@@ -10,9 +10,9 @@ Backends (same math, same results to rounding):
 ==============  ==========================================================================
 ``torch_loop``  a Python loop over N, batched over B: the readable spec (``bk_reference``)
 ``torch``       associative scans, ~log2 N tensor ops (``bk_scan``): long N on any device
-``triton``      ``hwlib/kernels/bk_core_triton.py``; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
+``triton``      ``kernels/12_bk_core_triton.py``; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
                 forward chunked (``bk_forward_chunked``) from N >= 4 chunks, backward two-pass
-``cuda``        ``hwlib/kernels/bk_core.cu`` through ``hwlib.ops.build`` (load_inline); CUDA tensors only;
+``cuda``        ``kernels/12_bk_core.cu`` through ``hwlib.ops.build`` (load_inline); CUDA tensors only;
                 tiles of sequences x positions, a chunk per thread, chunks joined by scans of
                 their Moebius / affine maps: one read of the inputs, one write of the output
 ``auto``        CUDA tensors: the fastest measured first (notebook 12 on an H100: cuda, then
@@ -56,7 +56,7 @@ class KernelError(RuntimeError):
 # --- backends ------------------------------------------------------------------------------------
 
 def _triton():
-    return load_python_kernel("bk_core_triton.py")
+    return load_python_kernel("12_bk_core_triton.py")
 
 
 def _check_backend(name: str, device: torch.device) -> None:

@@ -1,7 +1,7 @@
-"""The CUDA BK-Core (``hwlib/kernels/bk_core.cu``): its torch binding and Python face.
+"""The CUDA BK-Core (``kernels/12_bk_core.cu``): its torch binding and Python face.
 
 The ``.cu`` file is plain CUDA with ``extern "C"`` launchers on raw pointers, declared once in
-``bk_core.h``. The torch binding below includes that header (the compiler holds its calls to the
+``12_bk_core.h``. The torch binding below includes that header (the compiler holds its calls to the
 declarations), checks tensors, allocates the output and the tile-boundary workspace (empty unless a
 sequence is longer than one tile), and launches on torch's current stream; ``hwlib.ops.build.load``
 builds both. ``prototypes()`` reads the header for Python: ``bind_ctypes`` declares the host
@@ -19,7 +19,7 @@ import torch
 
 from .sources import read_kernel_source
 
-HEADER = "bk_core.h"
+HEADER = "12_bk_core.h"
 
 WRAPPER = r"""
 static void check_abc(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c) {
@@ -79,7 +79,7 @@ BINDING = r"""
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "bk_core.h"
+#include "12_bk_core.h"
 """ + WRAPPER
 
 FUNCTIONS = ["bk_forward", "bk_backward"]
@@ -136,7 +136,7 @@ def parse_prototypes(text: str, *, definitions: bool = False) -> dict[str, Proto
 
 
 def prototypes() -> dict[str, Prototype]:
-    """The launchers as ``hwlib/kernels/bk_core.h`` declares them."""
+    """The launchers as ``kernels/12_bk_core.h`` declares them."""
     return parse_prototypes(read_kernel_source(HEADER))
 
 
@@ -218,7 +218,7 @@ def module():
         if problems:                     # a bug in this file or the header, not a missing tool
             raise RuntimeError(f"the bk_core binding disagrees with {HEADER}: " + "; ".join(problems))
         from hwlib.ops import build as cuda
-        _MODULE = cuda.load("bk_core", BINDING, FUNCTIONS)
+        _MODULE = cuda.load("12_bk_core", BINDING, FUNCTIONS)
     return _MODULE
 
 

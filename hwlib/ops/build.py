@@ -1,9 +1,9 @@
-"""The one ``load_inline`` loader for ``hwlib/kernels/*.cu``.
+"""The one ``load_inline`` loader for ``kernels/*.cu``.
 
 ``.cu`` files are plain CUDA with ``extern "C"`` launchers declared in a header beside them (CI
 compiles them with plain nvcc); the torch binding of each lives as a C++ string next to its Python
 face in ``hwlib/ops`` and is passed here. What this module takes care of, because each one has
-bitten before (notes/pitfalls.md):
+bitten before (docs/architecture.md, Known traps):
 
 * the arch list comes from the device (``TORCH_CUDA_ARCH_LIST=9.0`` on an H100) unless the user set
   one; ``-arch`` in extra flags would be added to torch's default list, not replace it;
@@ -241,7 +241,7 @@ def _includes(text: str) -> dict[str, str]:
 
 def load(name: str, binding: str, functions: list[str], *, verbose: bool = False, wait_s: float | None = None,
          host: bool = False, libraries: tuple[str, ...] = ()):
-    """Build (or reuse) ``hwlib/kernels/<name>.cu`` with its torch ``binding`` and return the module.
+    """Build (or reuse) ``kernels/<name>.cu`` with its torch ``binding`` and return the module.
 
     ``binding`` is C++ that includes its own headers (``torch/extension.h``, and the kernel's header
     with quotes: it is found in the kernel folder); ``functions`` are the names pybind exports.
@@ -273,7 +273,7 @@ def load(name: str, binding: str, functions: list[str], *, verbose: bool = False
             mod = load_inline(**kwargs)
         except Exception as e:
             msg = str(e).strip().splitlines()
-            raise Unavailable(f"building hwlib/kernels/{name}.{'cpp' if host else 'cu'} failed (arch {arch}, folder {build_dir}): "
+            raise Unavailable(f"building kernels/{name}.{'cpp' if host else 'cu'} failed (arch {arch}, folder {build_dir}): "
                               + " | ".join(msg[-6:])) from e
     _MODULES[ext] = mod
     return mod

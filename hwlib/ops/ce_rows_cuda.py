@@ -1,4 +1,4 @@
-"""The CUDA row pass of the fused LM head (``hwlib/kernels/ce_rows.cu``): its torch binding and
+"""The CUDA row pass of the fused LM head (``kernels/17_ce_rows.cu``): its torch binding and
 Python face.
 
 ``ce_rows_`` has the signature of the Triton row pass (``linear_ce_triton.ce_rows_``), so the chunk
@@ -19,7 +19,7 @@ from hwlib.device import Unavailable, info, supports_cp_async
 
 from .sources import read_kernel_source
 
-KERNEL_FILE = "ce_rows.cu"
+KERNEL_FILE = "17_ce_rows.cu"
 # Two blocks an SM at GPT-2's width. Notebook 17 on an H100 (4,096 x 50,304 bf16 logits, at 23e9da7):
 # 0.359 ms a chunk at 512 threads, 0.453 at 1024.
 THREADS = 512
@@ -31,7 +31,7 @@ BINDING = r"""
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "ce_rows.h"
+#include "17_ce_rows.h"
 
 void ce_rows(torch::Tensor z, torch::Tensor t, torch::Tensor loss, torch::Tensor scale, int64_t vocab,
              int64_t ignore_index, bool write_grad, int64_t threads) {
@@ -58,7 +58,7 @@ def module():
     global _MODULE
     if _MODULE is None:
         from hwlib.ops import build
-        _MODULE = build.load("ce_rows", BINDING, FUNCTIONS)
+        _MODULE = build.load("17_ce_rows", BINDING, FUNCTIONS)
     return _MODULE
 
 

@@ -15,7 +15,7 @@ Implementations (same value to float32 rounding; ``reference`` in float64 is wha
 ================  ==================================================================================
 ``pairwise``      the seed's way, batched: the [P, N, N] Gram matrix, the mean of its upper triangle
 ``closed``        the closed form above, in torch
-``triton``        the closed form in one Triton kernel (``hwlib/kernels/diversity_triton.py``)
+``triton``        the closed form in one Triton kernel (``kernels/14_diversity_triton.py``)
 ``reference``     the pairwise definition in float64 loops, the spec
 ================  ==================================================================================
 
@@ -105,7 +105,7 @@ def seed_scores(emb: torch.Tensor) -> list[float]:
 
 
 def _kernel():
-    return load_python_kernel("diversity_triton.py")
+    return load_python_kernel("14_diversity_triton.py")
 
 
 def triton_available(device: torch.device | str) -> str | None:

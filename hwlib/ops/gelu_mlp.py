@@ -5,7 +5,7 @@ need: the first matmul writes the pre-activation and a pointwise kernel reads it
 in backward the second matmul's input gradient is written and read again beside the pre-activation
 by the GELU's backward. cuBLASLt can do the bias and GELU (forward) and the GELU's derivative
 (backward) inside the matmuls, on the fp32 accumulators before they are rounded:
-``hwlib/kernels/gelu_epilogue.cpp`` (the formulas, layouts, bytes, and what was measured and left
+``kernels/22_gelu_epilogue.cpp`` (the formulas, layouts, bytes, and what was measured and left
 out). The whole MLP is one op because the backward's fusion is into the *second* linear's matmul:
 dpre = (dy W_proj) * gelu'(pre); the weight gradients and the bias gradients' column sums are plain
 torch ops in its backward formula, which torch.compile sees and compiles.
@@ -43,7 +43,7 @@ from .add_layernorm import BIAS_COLUMNS
 from .sources import constant_result, note_backend, read_kernel_source, warn_fallback
 
 BACKENDS = ("auto", "cublaslt", "torch")
-KERNEL_FILE = "gelu_epilogue.cpp"
+KERNEL_FILE = "22_gelu_epilogue.cpp"
 ALIGN = 8            # cuBLASLt's leading dimensions: multiples of 16 bytes, 8 bf16 elements
 
 BINDING = r"""
@@ -52,7 +52,7 @@ BINDING = r"""
 #include <c10/cuda/CUDAGuard.h>
 #include <cstdint>
 #include <vector>
-#include "gelu_epilogue.h"
+#include "22_gelu_epilogue.h"
 
 // The workspace each call gets (gelu_mlp.workspace_bytes: 32 MiB, cuBLAS's recommendation on Hopper, or none
 // inside hwlib.blas.no_workspace), taken from torch's caching allocator on every call (a CUDA graph's private
@@ -139,7 +139,7 @@ def module():
     global _MODULE
     if _MODULE is None:
         from hwlib.ops import build
-        _MODULE = build.load("gelu_epilogue", BINDING, FUNCTIONS, host=True, libraries=("cublasLt",))
+        _MODULE = build.load("22_gelu_epilogue", BINDING, FUNCTIONS, host=True, libraries=("cublasLt",))
     return _MODULE
 
 
@@ -308,7 +308,7 @@ def _(x, w_fc, b_fc, w_proj, b_proj, backend):
 def _bwd_op(dy: torch.Tensor, w_proj: torch.Tensor, pre: torch.Tensor, backend: str) -> torch.Tensor:
     # dpre; the weight gradients' matmuls and the bias gradients' column sums are in the formula below,
     # where torch.compile sees them (inductor compiles the sums: cuBLASLt's bias-gradient epilogues measured
-    # slower, hwlib/kernels/gelu_epilogue.cpp)
+    # slower, kernels/22_gelu_epilogue.cpp)
     if backend == "torch" or not _epilogues_take(dy, w_proj, pre):
         return _dpre_torch(dy, w_proj, pre)
     return dpre_epilogue(dy, w_proj, pre)

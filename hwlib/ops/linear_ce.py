@@ -5,8 +5,8 @@ targets, ignore_index=...)`` (mean over the targets that are not ignored), compu
 rows: for each chunk c of C rows
 
     z_c   = h_c W^T                     GEMM (cuBLAS), [C, V_pad] in the compute dtype
-    loss_c, dz_c (written over z_c)     one row-wise pass (``hwlib/kernels/ce_rows.cu``, which reads
-                                        each row once, or ``linear_ce_triton.py``, twice: the formulas,
+    loss_c, dz_c (written over z_c)     one row-wise pass (``kernels/17_ce_rows.cu``, which reads
+                                        each row once, or ``17_linear_ce_triton.py``, twice: the formulas,
                                         bytes and FLOPs), or the same math in torch
     dh_c  = dz_c W                      GEMM
     dW   += dz_c^T h_c                  GEMM, accumulated over the chunks in fp32
@@ -57,7 +57,7 @@ from . import ce_rows_cuda, fallbacks
 from .sources import constant_result, load_python_kernel, note_backend, select_triton_backend, warn_fallback
 
 BACKENDS = ("auto", "cuda", "triton", "torch")
-KERNEL_FILE = "linear_ce_triton.py"
+KERNEL_FILE = "17_linear_ce_triton.py"
 OP_NAME = "hwlib::linear_cross_entropy"
 # Logits of one chunk at most this many bytes: GPT-2 small (16,384 x 50,304, bf16) runs in 4
 # chunks of 4,096 rows (412 MB each, against 1.65 GB for all logits). Fewer, larger chunks keep the

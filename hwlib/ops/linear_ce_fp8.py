@@ -5,9 +5,9 @@ does, the mean of ``F.cross_entropy(h @ weight[:vocab].T, targets, ignore_index=
 gradients, with FP8 operands for ``torch._scaled_mm``. For each chunk c of C rows:
 
     z_c          = e4m3(h_c) e4m3(W)^T        fast accumulation, bf16 out       2 C V_pad D FLOPs
-    loss_c, lse  = one read of z_c            (linear_ce_triton.py's row pass)
+    loss_c, lse  = one read of z_c            (17_linear_ce_triton.py's row pass)
     P_c, P_c^T   = e5m2(softmax * 57344) off the targets, from one more read of z_c, in both layouts
-                                              (hwlib/kernels/ce_grad_fp8_triton.py)
+                                              (kernels/26_ce_grad_fp8_triton.py)
     dh_c         = P_c e4m3(W) + (p_t - 1) W8[t]          fp32 accumulation, out in h's dtype  2 C V_pad D
     dW          += P_c^T e4m3(h_c), + (p_t - 1) h8_n into row t_n                        2 C V_pad D
 
@@ -71,14 +71,14 @@ from .linear_ce import chunk_rows, fake_outputs, prepare, rows_torch, save_grads
 from .sources import constant_result, load_python_kernel, note_backend, select_triton_backend
 
 BACKENDS = ("auto", "triton", "torch")
-GRAD_KERNEL_FILE = "ce_grad_fp8_triton.py"
-CAST_KERNEL_FILE = "fp8_cast_triton.py"
-TARGET_KERNEL_FILE = "ce_target_fp8_triton.py"
+GRAD_KERNEL_FILE = "26_ce_grad_fp8_triton.py"
+CAST_KERNEL_FILE = "26_fp8_cast_triton.py"
+TARGET_KERNEL_FILE = "26_ce_target_fp8_triton.py"
 # The row pass here only reads (no gradient written over z): its best launch differs from the bf16
 # head's. H100, 16,384 x 50,304 bf16 logits: 2048 columns x 4 warps 0.561 ms, against 0.672 for the
 # bf16 head's 8192 x 16 and 0.575-0.92 for 9 others (a sweep of 11; the probe is not in the series).
 LSE_BLOCK_V, LSE_WARPS = 2048, 4
-ROWS_KERNEL_FILE = "linear_ce_triton.py"
+ROWS_KERNEL_FILE = "17_linear_ce_triton.py"
 OP_NAME = "hwlib::linear_cross_entropy_fp8"
 GRAD_QMAX = float(torch.finfo(E5M2).max)     # the probabilities' static scale: 0 <= p <= 1
 # Per-chunk buffers (z in bf16, P and P^T in FP8: 4 bytes a logit) at most this many bytes.

@@ -6,7 +6,7 @@ T, D] views and runs fused attention on them. Backward, the attention returns dq
 their own; compiled, inductor packs them back into qkv's layout in one kernel and sums the bias's
 gradient over the tokens in another, which reads them again. This op keeps the projection and the
 attention together so that its backward can do both in one pass
-(``hwlib/kernels/qkv_grad_triton.py``: the formulas and bytes). The projection's matmuls are torch's
+(``kernels/24_qkv_grad_triton.py``: the formulas and bytes). The projection's matmuls are torch's
 (cuBLAS, with the bias in the forward matmul's epilogue, as ``F.linear``); the attention is torch's
 fused kernel for the device, called directly: cuDNN's on CUDA (what SDPA dispatches to on an H100),
 the flash-attention CPU kernel on a CPU. Being called directly, it ignores SDPA's backend choice
@@ -41,7 +41,7 @@ from .sources import (TRITON_BACKENDS, constant_result, load_python_kernel, read
                       select_triton_backend)
 
 BACKENDS = TRITON_BACKENDS
-KERNEL_FILE = "qkv_grad_triton.py"
+KERNEL_FILE = "24_qkv_grad_triton.py"
 
 
 def _kernel():

@@ -1,6 +1,7 @@
-"""Load kernel sources from ``hwlib/kernels/``, which ships inside the package (package data).
+"""Load kernel sources from ``kernels/``: the clone's top-level folder, which the wheel ships inside
+the package as ``hwlib/kernels/``.
 
-``hwlib/kernels/`` is deliberately not imported as a Python package: Triton files are imported by
+``kernels/`` is deliberately not imported as a Python package: Triton files are imported by
 path under a private module name, ``.cu`` and ``.h`` files are read as text for ``hwlib.ops.build``.
 A clone and an installed copy (a wheel, Colab) both find them at ``hwlib.paths.KERNELS_DIR``;
 ``HWLIB_KERNELS`` points at another folder (kernels under development).
@@ -25,7 +26,7 @@ _USED: dict[str, str] = {}   # op -> the backend its last call chose in this pro
 
 
 def kernels_dir() -> Path:
-    """``$HWLIB_KERNELS`` when set, else the package's own ``hwlib/kernels``."""
+    """``$HWLIB_KERNELS`` when set, else the clone's ``kernels/`` (an installed copy: its ``hwlib/kernels``)."""
     return Path(os.environ.get("HWLIB_KERNELS") or KERNELS_DIR)
 
 
@@ -35,7 +36,7 @@ def kernel_path(filename: str) -> Path:
         where = ("HWLIB_KERNELS=" + os.environ["HWLIB_KERNELS"]) if os.environ.get("HWLIB_KERNELS") else \
             "the installed package"
         raise Unavailable(f"kernel source {p} not found (looked in {where}): unset HWLIB_KERNELS or point it "
-                          f"at a folder holding {filename}, or reinstall hwlib (its wheel ships hwlib/kernels/)")
+                          f"at a folder holding {filename}, or reinstall hwlib (its wheel ships kernels/)")
     return p
 
 
@@ -75,7 +76,7 @@ def triton_interpreter_mismatch() -> str | None:
 
 
 def load_python_kernel(filename: str):
-    """Import ``hwlib/kernels/<filename>`` (a Triton module) once per interpreter mode."""
+    """Import ``kernels/<filename>`` (a Triton module) once per interpreter mode."""
     path = kernel_path(filename)
     key = (str(path), path.stat().st_mtime_ns, triton_interpreted())
     if key in _MODULES:

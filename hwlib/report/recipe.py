@@ -11,7 +11,7 @@ spread measured for either step, so that another run could land on the other sid
 from __future__ import annotations
 
 from .. import noise
-from ..steps import LADDER, get_step, previous, settings_for
+from ..steps import LADDER, get_step, previous, uses_fp8
 
 WORKLOAD = "gpt"
 RECIPE_STEP = "09_cuda_graphs"
@@ -37,7 +37,7 @@ def target_rows(rows: list[dict]) -> list[dict]:
     out = []
     for what, fp8, target in TARGETS:
         cands = [by_step[s.name] for s in LADDER if s.beyond_recipe and s.name in by_step
-                 and settings_for(s.name).uses_fp8 == fp8 and _counts(by_step[s.name])]
+                 and uses_fp8(s.name) == fp8 and _counts(by_step[s.name])]
         best = max(cands, key=lambda r: r["throughput"]) if cands else None
         ratio = best["throughput"] / base if best and base else None
         spreads = [r.get("process_spread") for r in (recipe, best) if r]
@@ -124,7 +124,7 @@ def final_loss_move(rows: list[dict], step: str) -> dict | None:
     prev = previous(step)
     if step not in by or prev is None or prev.name not in by:
         return None
-    bf16 = [v for s, v in by.items() if s == RECIPE_STEP or (get_step(s).beyond_recipe and not settings_for(s).uses_fp8)]
+    bf16 = [v for s, v in by.items() if s == RECIPE_STEP or (get_step(s).beyond_recipe and not uses_fp8(s))]
     d = by[step] / by[prev.name] - 1
     lo, hi = (min(bf16), max(bf16)) if len(bf16) >= 2 else (None, None)
     band = hi / lo - 1 if lo else None

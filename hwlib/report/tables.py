@@ -321,7 +321,7 @@ def multi_gpu_section(recs: list[dict]) -> dict:
 
 
 def summary(run=None) -> dict:
-    """summary.json's content (schema in DESIGN.md), derived from the run's records."""
+    """summary.json's content (its schema: docs/architecture.md, Results), derived from the run's records."""
     recs = query.load(run)
     ceil = query.ceilings(run) or {}
     dev = next((r.get("device") for r in recs if r.get("device")), {}) or {}

@@ -1,7 +1,6 @@
 """The five seed write-ups and their claims, as data.
 
-``CLAIMS`` holds one entry per claim of the five seed write-ups (the checklists of
-``notes/seed-systems.md``): the claim in our words (the write-ups are not quoted), the figure it
+``CLAIMS`` holds one entry per claim of the five seed write-ups (the seeds' own checklists): the claim in our words (the write-ups are not quoted), the figure it
 states, what it compares, and how the same change is read off a run's records (a lookup of
 ``hwlib.seeds.lookup``). ``hwlib.seeds.verdicts`` judges them; ``hwlib.report.claims`` prints them.
 """

@@ -62,12 +62,14 @@ GB_PER_WORKER = 3.0          # the seed guide's sizing rule: one loader worker p
 
 @dataclass(frozen=True)
 class Arm:
-    """One side of a toggle: ``settings`` changed from the step's, a ``model`` patch applied to the
-    built model before its first call, and a ``context(session, store)`` entered around every step
-    of this arm (``store``: a dict kept for the arm's lifetime, for objects made once)."""
+    """One side of a toggle: ``settings`` changed from the step's, a step past the recipe left out of
+    the chain (``skip``), a ``model`` patch applied to the built model before its first call, and a
+    ``context(session, store)`` entered around every step of this arm (``store``: a dict kept for the
+    arm's lifetime, for objects made once)."""
     settings: dict = field(default_factory=dict)
     model: Callable | None = None
     context: Callable | None = None
+    skip: str | None = None
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,7 @@ def _own_class(model, tag: str) -> None:
 
 # --- when a toggle applies ------------------------------------------------------------------------
 
-def _needs_loader(workload, st: Settings, di):
+def _needs_loader(workload, st: Settings, di, step=None):
     why = not_applicable(get_step("08_dataloader"), workload)
     if why:
         return f"no loader to tune: {why}"
@@ -254,34 +256,34 @@ def _needs_loader(workload, st: Settings, di):
     return None
 
 
-def _needs_gpu_memory(workload, st, di):
-    return _needs_loader(workload, st, di) or (None if di.total_mem_gib else "the rule sizes by GPU memory; this device has none")
+def _needs_gpu_memory(workload, st, di, step=None):
+    return _needs_loader(workload, st, di, step) or (None if di.total_mem_gib else "the rule sizes by GPU memory; this device has none")
 
 
-def _eager_grads(workload, st, di):
+def _eager_grads(workload, st, di, step=None):
     if st.cuda_graphs and di.kind == "cuda":
         return ("under CUDA graphs the gradients live in the graphs' memory pool: they must be set to None, not "
                 "zeroed in place; measured at a step without CUDA graphs")
     return None
 
 
-def _needs_fused(workload, st, di):
+def _needs_fused(workload, st, di, step=None):
     return None if st.fused_adamw else "the step's optimizer is not fused yet (step 05 comes later)"
 
 
-def _needs_sdpa(workload, st, di):
+def _needs_sdpa(workload, st, di, step=None):
     if st.attention != "sdpa":
         return "the step's attention is not SDPA (step 04 comes later)"
     if workload not in ("gpt", "encoder_nli", "vit_bdh"):
         return f"{workload} has no softmax attention for SDPA to run"
-    if workload == "gpt" and st.fused_qkv:
+    if workload == "gpt" and step is not None and "24_qkv_grad" in {s.name for s in chain(step)}:
         # hwlib.ops.qkv_attention calls the device's fused kernel itself: sdpa_kernel never reaches it,
         # and both arms would time the same kernel
         return "the step's attention is hwlib's QKV op (step 24), which calls its kernel directly, not through SDPA"
     return None
 
 
-def _vit_only(workload, st, di):
+def _vit_only(workload, st, di, step=None):
     return None if workload == "vit_bdh" else "a change inside the Vision-BDH model"
 
 
@@ -322,13 +324,22 @@ _REMOVAL_ALSO = {"06_torch_compile": {"cuda_graphs": False}}
 def removal(step: str) -> Toggle:
     """The toggle that removes ladder step ``step`` (its change reset to the default) from a later step."""
     st = get_step(step)
+    if st.beyond_recipe:
+        def applies_past(workload, s: Settings, di, step=None, _st=st):
+            if not_applicable(_st, workload):
+                return not_applicable(_st, workload)
+            if step is None or _st.name not in {c.name for c in chain(step)}:
+                return f"the step does not include {_st.name}"
+            return None
+        return Toggle(f"without_{st.name}", f"{st.title} (step {st.name[:2]}), removed from the step",
+                      Arm(skip=st.name), Arm(), rebuild=True, applies=applies_past, fallible=True)
     if not st.change:
         raise ValueError(f"{st.name} changes nothing: there is nothing to remove")
     defaults = Settings()
     reset = {k: getattr(defaults, k) for k in st.change}
     reset.update(_REMOVAL_ALSO.get(st.name, {}))
 
-    def applies(workload, s: Settings, di, _st=st):
+    def applies(workload, s: Settings, di, step=None, _st=st):
         if not_applicable(_st, workload):
             return not_applicable(_st, workload)
         if all(getattr(s, k) == v for k, v in reset.items()):
@@ -365,7 +376,8 @@ def removals_for(step: str, workload: str) -> list[str]:
     """The removal toggles of every step of ``step``'s chain (the steps it builds on, and itself) that
     applies to ``workload`` (02 onwards)."""
     names = {s.name for s in chain(step)}
-    return [f"without_{s.name}" for s in LADDER if s.name in names and s.change and not not_applicable(s, workload)]
+    return [f"without_{s.name}" for s in LADDER
+            if s.name in names and (s.change or s.beyond_recipe) and not not_applicable(s, workload)]
 
 
 # --- one arm, alive for a toggle's windows --------------------------------------------------------
@@ -419,15 +431,16 @@ def _settings(base: Settings, changes: dict, di) -> Settings:
     return resolve_autocast(dataclasses.replace(base, **changes), di)
 
 
-def _build(workload: str, cfg, toggle: Toggle, base: Settings, dev, di, seed: int) -> dict[str, _Arm]:
+def _build(workload: str, step: str, cfg, toggle: Toggle, base: Settings, dev, di, seed: int) -> dict[str, _Arm]:
     counters: dict = {}
     if not toggle.rebuild:
-        sess = Session(workload, cfg, _settings(base, {}, di), dev, seed)
+        sess = Session(workload, cfg, _settings(base, {}, di), dev, seed, step=step)
         return {"without": _Arm("without", toggle.without, sess, counters),
                 "with": _Arm("with", toggle.with_, sess, counters)}
     arms = {}
     for name, arm in (("without", toggle.without), ("with", toggle.with_)):
-        sess = Session(workload, cfg, _settings(base, arm.settings, di), dev, seed)
+        sess = Session(workload, cfg, _settings(base, arm.settings, di), dev, seed, step=step,
+                       skip=(arm.skip,) if arm.skip else ())
         _own_class(sess.model, name)
         if arm.model is not None:
             arm.model(sess.model)
@@ -591,7 +604,7 @@ def measure(workload: str, step: str, toggles: list[str], *, profile: str = "aut
     for t in ts:
         if bar is not None:
             bar.set_postfix_str(t.name)
-        why = why_step or (t.applies(wl.name, base, di) if t.applies else None)
+        why = why_step or (t.applies(wl.name, base, di, st.name) if t.applies else None)
         skip = None if why else (t.skips(di) if t.skips else None)
         if why or skip:
             rows.append(_row(wl.name, st.name, t, "in_process", status="n/a" if why else "skipped", reason=why or skip))
@@ -617,7 +630,7 @@ def _one(workload, step, t: Toggle, cfg, base, dev, di, win: Window, level, seed
     steps = win.steps
     arms = {}
     try:
-        arms = _build(workload, cfg, t, base, dev, di, seed)
+        arms = _build(workload, step, cfg, t, base, dev, di, seed)
         ds = getattr(arms["with"].sess.batches, "dataset", None)
         if t.epoch_windows and ds is not None:   # every window holds one epoch boundary
             steps = max(steps, len(ds) // cfg.batch)
@@ -678,7 +691,8 @@ def _worker(spec: dict) -> dict:
     cfg = wl.config(spec["profile"], **(spec.get("config") or {}))
     base = settings_for(spec["step"])
     arm = t.without if spec["arm"] == "without" else t.with_
-    sess = Session(wl.name, cfg, _settings(base, arm.settings, di), dev, spec["seed"])
+    sess = Session(wl.name, cfg, _settings(base, arm.settings, di), dev, spec["seed"], step=spec["step"],
+                   skip=(arm.skip,) if arm.skip else ())
     if arm.model is not None:
         arm.model(sess.model)
     a = _Arm(spec["arm"], arm, sess, {})
@@ -745,7 +759,7 @@ def measure_in_processes(workload: str, step: str, toggle: str, *, profile: str 
     di = info(dev)
     base = settings_for(st.name)
     cfg = wl.config(prof, **(config or {}))
-    why = not_applicable(st, wl.name) or unavailable(st, di) or (t.applies(wl.name, base, di) if t.applies else None)
+    why = not_applicable(st, wl.name) or unavailable(st, di) or (t.applies(wl.name, base, di, st.name) if t.applies else None)
     params = {"config": dataclasses.asdict(cfg), "seed": seed, "window": dataclasses.asdict(win), "level": level}
     skip = None if why else (t.skips(di) if t.skips else None)
     if why or skip:

@@ -1,4 +1,4 @@
-"""Notebook 27's study: GPT-2's residual stream in bf16 (``Settings.bf16_stream``).
+"""Notebook 27's study: GPT-2's residual stream in bf16 (``hwlib.steps.s27_bf16_stream``).
 
 The fused residual LayerNorm (``hwlib.ops.add_layernorm``) is the same op with a narrower stream; its
 correctness and its kernels alone are ``hwlib.studies.layernorm``'s (``stream=torch.bfloat16``). What

@@ -47,7 +47,7 @@ from ..ladder.run import StepResult, resolve, timed_window
 from ..ladder.session import Session
 from ..paths import run_dir
 from ..profiles import Plan
-from ..steps import not_applicable, resolve_autocast, settings_for, unavailable
+from ..steps import chain, not_applicable, precision_of, resolve_autocast, settings_for, unavailable
 
 CATEGORIES = ("gemm", "attention", "lm_head_ce", "elementwise", "optimizer", "other", "idle")
 LABELS = {"gemm": "GEMMs", "attention": "attention", "lm_head_ce": "LM head + cross-entropy",
@@ -183,28 +183,9 @@ def gpt_floors(cfg, n_params: int, ceilings: dict | None, precision: str = "bf16
 
 
 def floor_caveats(step: str) -> list[str]:
-    """What ``gpt_floors`` does not count for ``step``'s settings: FP8 matmuls (step 18) can run below
-    the 16-bit GEMM floor, and the casts that feed them are work the floors leave out; the MLP's GELU
-    and bias gradients inside the matmuls (step 22) are GEMM time, still counted in the elementwise floor."""
-    st = settings_for(step)
-    notes = []
-    if st.fp8:
-        notes.append("its MLP matmuls run in FP8, above the 16-bit matmul ceiling the GEMM floor is counted at: "
-                     "for this step that floor is an upper bound; the FP8 casts and scales (Triton-fused) count as "
-                     "LayerNorm / elementwise, where no floor counts them")
-    if st.fp8_head:
-        notes.append("its LM head's three matmuls run in FP8, above the 16-bit matmul ceiling the GEMM floor is "
-                     "counted at: for this step that floor is an upper bound; its casts and the gradient pass that "
-                     "writes the FP8 gradient count as LM head / cross-entropy")
-    if st.bf16_stream:
-        notes.append("its residual stream is bf16, where the LayerNorm / elementwise floor counts the recipe's "
-                     "fp32 stream (4 d bytes a token for each of its terms): that category can run further below "
-                     "its floor")
-    if st.fused_mlp:
-        notes.append("its MLP's bias + GELU and the GELU's derivative run in the matmuls' "
-                     "epilogues (cuBLASLt): their time counts as GEMMs, while the LayerNorm / elementwise floor still "
-                     "counts their passes (one pass per op), so that category can run below its floor")
-    return notes
+    """What ``gpt_floors`` does not count for ``step``: each step of its chain says so itself
+    (``Step.floor_caveat``: FP8 matmuls above the 16-bit ceiling, epilogues counted as GEMMs, a bf16 stream)."""
+    return [s.floor_caveat for s in chain(step) if s.floor_caveat]
 
 
 # --- the study ------------------------------------------------------------------------------------------
@@ -304,7 +285,7 @@ def breakdown(workload: str = "gpt", step: str = "09_cuda_graphs", *, profile: s
     dev, prof, wl, st, di, cfg, pl = resolve(workload, step, profile, device, config, plan)
     out = Breakdown(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
                     profiled=profiled, flops_per_step=wl.flops_per_step(cfg),
-                    items_per_step=wl.items_per_step(cfg), precision=roofline.precision_of(st.name))
+                    items_per_step=wl.items_per_step(cfg), precision=precision_of(st.name))
     if not_applicable(st, wl.name):
         out.status, out.reason = "n/a", not_applicable(st, wl.name)
         return out
@@ -319,7 +300,7 @@ def breakdown(workload: str = "gpt", step: str = "09_cuda_graphs", *, profile: s
     eff = resolve_autocast(settings_for(st.name), di)
     res = StepResult(workload=wl.name, step=st.name, profile=prof, device=out.device, status="ok",
                      config=dataclasses.asdict(cfg), seed=seed, check_steps=pl.check)
-    sess = Session(wl.name, cfg, eff, dev, seed)
+    sess = Session(wl.name, cfg, eff, dev, seed, step=st.name)
     try:
         n_params = sum(p.numel() for p in sess.model.parameters())
         start = timed_window(res, sess, pl)
@@ -438,7 +419,7 @@ def by_step(records: list[dict]) -> dict[str, dict]:
 
 def _fp8_head(step: str) -> bool:
     try:
-        return settings_for(step).fp8_head
+        return "26_fp8_head" in {s.name for s in chain(step)}
     except ValueError:    # a step name the ladder does not know (hand-made records)
         return False
 

@@ -6,7 +6,7 @@ casts: Triton kernels inductor wrote) far above their one-pass floor. Inductor h
 exactly that, off by default because they cost compile time: ``KNOBS`` holds the few that target it,
 each with the reason it could help this step. One knob is not an inductor option but a fusion of the
 lab's own, the residual add fused into the LayerNorm after it (``hwlib.ops.add_layernorm``, a
-``settings`` knob: its arms are built with ``Settings.fused_ln`` off and on), measured the same way to
+``step`` knob: the arm *with* has step 21's modules swapped in), measured the same way to
 answer whether inductor's kernels for that work leave anything to take.
 
 Each knob is a *rebuild* toggle of the ablation study (a session per arm, each model of its own
@@ -37,8 +37,8 @@ already answered whether its options gain anything here.
 
 The step (``best_step``): the fastest compiled bf16 step of the run's ladder (a series runs every
 ladder notebook before this study); in a run without ladder rows, 17 (the fused LM head) where it
-runs with its Triton row pass, else 09 (the recipe's last step). A ``settings`` knob whose change
-the step already has is ``n/a``: the ladder step that made it part of the chain measured it.
+runs with its Triton row pass, else 09 (the recipe's last step). A ``step`` knob whose step is
+already in the chain of the step measured is ``n/a``: the ladder step that made it part of the chain measured it.
 
 On a CPU, inductor writes C++ rather than Triton: the knobs that tune Triton kernels (max-autotune's
 GEMM templates, coordinate descent, multi-kernel reductions) are ``skipped`` with the reason, and the
@@ -54,7 +54,7 @@ import torch
 
 from .. import bench, noise
 from ..device import ChoiceError, Unavailable, info, resolve_device, supports_compile
-from ..steps import LADDER, get_step, not_applicable, settings_for, unavailable
+from ..steps import chain, get_step, not_applicable, settings_for, unavailable, uses_fp8
 from . import ablation
 
 NOTEBOOK = "20_inductor"
@@ -85,15 +85,21 @@ class Knob:
     # knobs this one combines: measured only where one of them was kept (a combination of options that
     # each measured no gain is minutes of compilation for a question the parts already answered)
     parts: tuple = ()
-    # "inductor": ``on``/``off`` are inductor options, patched around the arm; "settings": they are fields of
-    # the step's ``Settings``: a fusion of hwlib's own that takes work away from inductor (GPT only)
+    # "inductor": ``on``/``off`` are inductor options, patched around the arm; "step": the arm *with* has
+    # ladder step ``step``'s modules swapped in (its ``apply``): a fusion of hwlib's own that takes work away
+    # from inductor (GPT only); ``on``/``off`` are empty
     kind: str = "inductor"
+    step: str | None = None
 
     def __post_init__(self):
+        if self.kind == "step":
+            if not self.step or self.on or self.off:
+                raise ValueError(f"knob {self.name}: a 'step' knob names its step and sets no options")
+            return
         if set(self.on) != set(self.off) or self.on == self.off:
             raise ValueError(f"knob {self.name}: 'on' and 'off' must set the same options to different values")
-        if self.kind not in ("inductor", "settings"):
-            raise ValueError(f"knob {self.name}: kind must be 'inductor' or 'settings', got {self.kind!r}")
+        if self.kind != "inductor":
+            raise ValueError(f"knob {self.name}: kind must be 'inductor' or 'step', got {self.kind!r}")
 
 
 _AUTOTUNE_WHY = ("it times Triton GEMM templates against cuBLAS for each of the step's matmul shapes and, where "
@@ -132,23 +138,23 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          parts=("max_autotune", "coordinate_descent")),
     # Not an inductor option: the fusion inductor is said to leave (llm.c fuses it by hand), made by hwlib's
     # own op, so that the study answers whether inductor's kernels for it leave anything to take.
-    Knob("fused_residual_layernorm", {"fused_ln": True}, {"fused_ln": False},
+    Knob("fused_residual_layernorm", {}, {},
          "residual add + LayerNorm as one hwlib Triton kernel each way (hwlib.ops.add_layernorm)",
          "each block adds its attention and MLP outputs to the fp32 residual stream and normalises the sum; "
          "inductor fuses the add into the LayerNorm's forward, but in backward the LayerNorm's gradient, the "
          "residual gradient's add and cast and the gain and bias reductions can come out as several kernels "
          "that read the same rows again. hwlib's op does each direction in one pass over the rows (28 d bytes "
-         "a token and call, forward and backward together).", triton=False, kind="settings"),
+         "a token and call, forward and backward together).", triton=False, kind="step", step="21_fused_layernorm"),
     # The other fusion the breakdown points at, which inductor's Triton GEMM templates (max-autotune) would
     # have to make: the MLP's bias + GELU, and in backward the GELU's derivative, in the epilogues of
     # cuBLAS's own matmuls (cuBLASLt), through hwlib's op.
-    Knob("gelu_epilogue", {"fused_mlp": True}, {"fused_mlp": False},
+    Knob("gelu_epilogue", {}, {},
          "the MLP's bias + GELU and its derivative in cuBLASLt's matmul epilogues (hwlib.ops.gelu_mlp)",
          "the MLP's pre-activation and its gradient are the step's widest activations ([tokens, 4 d]); unfused, "
          "the GELU reads the first back after its matmul, and in backward the input gradient of the second "
          "matmul is written and read again beside the pre-activation: 24 d bytes a token and layer at one pass "
          "per op, forward and backward together, which the epilogues remove.",
-         triton=False, kind="settings"),
+         triton=False, kind="step", step="22_gelu_epilogue"),
 )}
 SMOKE_KNOB = "aggressive_fusion"
 
@@ -175,7 +181,7 @@ def _has_option(key: str) -> bool:
     return True
 
 
-def _compiles(workload, st, di):
+def _compiles(workload, st, di, step=None):
     if not (st.compile or st.cuda_graphs):
         return "the step does not compile: inductor's options change nothing"
     ok, why = supports_compile(di)
@@ -198,15 +204,14 @@ def _skips(knob: Knob):
     return why
 
 
-def _settings_applies(knob: Knob):
-    """Why a ``settings`` knob does not apply at a step: not GPT, not compiled, or the step already has
-    its change (a ladder step made it part of the chain and measured it against the step before)."""
-    def why(workload, st, di) -> str | None:
+def _step_applies(knob: Knob):
+    """Why a ``step`` knob does not apply at a step: not GPT, not compiled, or the step's chain already has
+    the knob's step (the ladder measured it there against the step before, in the same run)."""
+    def why(workload, st, di, step=None) -> str | None:
         if workload != "gpt":
             return f"a fusion inside GPT's blocks: {workload} does not use it"
-        if all(getattr(st, k) == v for k, v in knob.on.items()):
-            since = next(s.name for s in LADDER if any(k in s.change for k in knob.on))
-            return (f"already part of this step, since {since}: the ladder measured it there against the step "
+        if step is not None and knob.step in {s.name for s in chain(step)}:
+            return (f"already part of this step, since {knob.step}: the ladder measured it there against the step "
                     f"before, in the same run")
         return _compiles(workload, st, di)
     return why
@@ -214,11 +219,11 @@ def _settings_applies(knob: Knob):
 
 def knob_toggle(knob: Knob) -> ablation.Toggle:
     """The knob as an ablation toggle: a session per arm, each compiled under its own options (or,
-    for a ``settings`` knob, built with its own settings)."""
-    if knob.kind == "settings":
-        return ablation.Toggle(PREFIX + knob.name, knob.title, without=ablation.Arm(settings=dict(knob.off)),
-                               with_=ablation.Arm(settings=dict(knob.on)), rebuild=True, applies=_settings_applies(knob),
-                               fallible=True, same_math=True)
+    for a ``step`` knob, the arm *with* with the step's modules swapped in)."""
+    if knob.kind == "step":
+        return ablation.Toggle(PREFIX + knob.name, knob.title, without=ablation.Arm(),
+                               with_=ablation.Arm(model=get_step(knob.step).apply), rebuild=True,
+                               applies=_step_applies(knob), fallible=True, same_math=True)
     on, off = (", ".join(f"{k}={v!r}" for k, v in d.items()) for d in (knob.on, knob.off))
     return ablation.Toggle(PREFIX + knob.name, f"inductor {on} at compile (vs {off})",
                            without=ablation.Arm(context=InductorConfig(knob.off)),
@@ -238,7 +243,7 @@ def fastest_step(rows: list[dict]) -> str | None:
         if r.get("status") != "ok" or not isinstance(r.get("ms_per_step"), (int, float)) or r["ms_per_step"] <= 0:
             return False
         st = settings_for(r["step"])
-        return bool(st.compile or st.cuda_graphs) and st.autocast == "bf16" and not st.uses_fp8
+        return bool(st.compile or st.cuda_graphs) and st.autocast == "bf16" and not uses_fp8(r["step"])
     timed = [r for r in rows if fits(r)]
     return min(timed, key=lambda r: r["ms_per_step"])["step"] if timed else None
 

@@ -339,13 +339,13 @@ def head_prediction(n: int, d: int, vocab: int, vocab_padded: int, ceilings: dic
 
 def kernel_source() -> str:
     """The Triton row pass's kernel, read from the kernel file (no Triton import needed)."""
-    src = read_kernel_source("linear_ce_triton.py")
+    src = read_kernel_source("17_linear_ce_triton.py")
     start = src.index("@triton.jit")
     return src[start: src.index("\ndef ", src.index("def _ce_rows_kernel") + 1)].rstrip()
 
 
 def cuda_kernel_source() -> str:
-    """The CUDA row pass's kernel function, read from ``ce_rows.cu``."""
+    """The CUDA row pass's kernel function, read from ``17_ce_rows.cu``."""
     src = ce_rows_cuda.kernel_source()
     start = src.index("template <typename T, int THREADS>\n__global__")
     return src[start: src.index("\ntemplate", start + 1)].rstrip()

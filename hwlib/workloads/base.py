@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..steps import Settings
+from ..settings import Settings
 
 
 def init_lm_weights(model: torch.nn.Module, seed: int, vocab: int, n_layer: int, residual_out: tuple[str, ...]):

@@ -63,7 +63,7 @@ import torch.utils.checkpoint
 from ..data import nli as nli_data
 from ..data.loader import LoaderBatches, StepSampler
 from ..shapes import padded
-from ..steps import Settings
+from ..settings import Settings
 from .base import PeakMemory, Workload, check_finite_numbers, check_positive_ints
 from .checkpointing import parse_checkpointing
 

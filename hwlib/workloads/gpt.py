@@ -23,14 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..ops.add_layernorm import add_layer_norm
-from ..ops.linear_ce import fused_linear_cross_entropy
-from ..ops.linear_ce_fp8 import fused_linear_cross_entropy_fp8
-from ..ops.qkv_attention import attention_problem, fit_problem, qkv_attention
-from ..ops.sources import warn_fallback
-from ..precision import compute_dtype
 from ..shapes import padded
-from ..steps import Settings
+from ..settings import Settings
 from .checkpointing import HEAD_CHUNK, parse_checkpointing
 from .base import PeakMemory, TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
 from .blocks import PreNormBlock
@@ -71,93 +65,117 @@ PROFILES = {
 }
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, attention: str, fused_qkv: bool = False):
+class CausalHeads(nn.Module):
+    """softmax(Q K^T / sqrt(d_h), causal) V over the heads of the QKV projection's output, [B, T, C] in and
+    out: the textbook form ("manual": the [B, H, T, T] score matrix goes through memory three times) or
+    ``F.scaled_dot_product_attention`` ("sdpa"), the recipe's knob. Holds no parameters: the attention
+    hands it ``c_attn``, so that a step can swap in another way to compute the same function."""
+
+    def __init__(self, n_head: int, attention: str):
         super().__init__()
-        self.n_head, self.d = cfg.n_head, cfg.d_model
-        # fused_qkv: the QKV projection and the attention as one op (hwlib.ops.qkv_attention), whose
-        # backward packs dq, dk, dv into the projection's gradient and sums the bias's in one pass.
-        self.fused_qkv = fused_qkv
-        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.attention = attention
-        self.register_buffer("causal", torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril(),
-                             persistent=False)
+        self.n_head, self.attention = n_head, attention
 
-    def forward(self, x):
-        return self.c_proj(self._attend(x))
-
-    def forward_unbiased(self, x):
-        """(output before c_proj's bias, that bias): for a block that adds the bias where the branch
-        meets the residual stream (``PreNormBlock.branch_bias``)."""
-        return F.linear(self._attend(x), self.c_proj.weight), self.c_proj.bias
-
-    def _attend(self, x):
-        """The heads' outputs, [B, T, C], before the output projection."""
+    def forward(self, x, c_attn: nn.Module, causal: torch.Tensor):
         B, T, C = x.shape
-        if self.fused_qkv and self.attention == "sdpa":
-            dev = x.device.type
-            why = attention_problem(dev)
-            if why is None and fit_problem(dev, compute_dtype(x), C // self.n_head) is None:
-                return qkv_attention(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
-            if why:   # the machine cannot run it: say so; a call it does not fit takes the unfused path quietly
-                warn_fallback("fused_qkv", "qkv_attention", "F.scaled_dot_product_attention", dev, why)
-        q, k, v = self.c_attn(x).split(self.d, dim=2)
+        q, k, v = c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            # The textbook form: a [B, H, T, T] score matrix goes through memory three times.
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(~self.causal[:T, :T], float("-inf"))
+            att = att.masked_fill(~causal[:T, :T], float("-inf"))
             y = F.softmax(att, dim=-1) @ v
         return y.transpose(1, 2).contiguous().view(B, T, C)
 
 
-def gpt_block(cfg: GPTConfig, attention: str, fused_mlp: bool = False, branch_bias: bool = False,
-              fused_qkv: bool = False, fc_bias_column: bool = False) -> PreNormBlock:
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, attention: str):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.heads = CausalHeads(cfg.n_head, attention)
+        self.register_buffer("causal", torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril(),
+                             persistent=False)
+
+    def forward(self, x):
+        return self.c_proj(self.attend(x))
+
+    def attend(self, x):
+        """The heads' outputs, [B, T, C], before the output projection."""
+        return self.heads(x, self.c_attn, self.causal)
+
+
+def gpt_block(cfg: GPTConfig, attention: str) -> PreNormBlock:
     """A GPT-2 block: causal self-attention as the mixer of the shared pre-LayerNorm block."""
-    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention, fused_qkv), "attn", fused_mlp,
-                        branch_bias, fc_bias_column)
+    return PreNormBlock(cfg.d_model, lambda: CausalSelfAttention(cfg, attention), "attn")
+
+
+class Trunk(nn.Module):
+    """The blocks in order, then the final LayerNorm: the stream ``x`` in, ``ln_f(x_L)`` out. Blocks in
+    ``checkpointed`` keep only their input and recompute in backward; ``final_norm=False`` leaves ln_f to
+    a head that applies it per chunk (``CheckpointedHead``)."""
+
+    def __init__(self, checkpointed: frozenset = frozenset(), final_norm: bool = True):
+        super().__init__()
+        self.checkpointed, self.final_norm = checkpointed, final_norm
+
+    def forward(self, x, model: "GPT"):
+        for i, block in enumerate(model.blocks):
+            if i in self.checkpointed and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return model.ln_f(x) if self.final_norm else x
+
+
+class Head(nn.Module):
+    """The tied output projection: logits of ``h``, or their mean cross-entropy against ``targets``
+    (padded vocabulary rows sliced off first)."""
+
+    def forward(self, h, targets, model: "GPT"):
+        logits = model.logits(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, model.cfg.vocab), targets.reshape(-1))
+
+
+class CheckpointedHead(Head):
+    """The head with its loss computed in chunks of ``HEAD_CHUNK`` tokens whose logits are recomputed in
+    backward: the [tokens, V] logits are the largest activation, and at most one chunk's exists at a
+    time. Takes the stream before ln_f (``Trunk(final_norm=False)``): ln_f runs inside each chunk."""
+
+    def forward(self, x, targets, model: "GPT"):
+        if targets is None or not torch.is_grad_enabled():
+            return super().forward(model.ln_f(x), targets, model)
+        xs, ts = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+        total = sum(torch.utils.checkpoint.checkpoint(self._loss_sum, xs[i:i + HEAD_CHUNK], ts[i:i + HEAD_CHUNK],
+                                                      model, use_reentrant=False)
+                    for i in range(0, xs.size(0), HEAD_CHUNK))
+        return total / ts.numel()
+
+    @staticmethod
+    def _loss_sum(x, targets, model):
+        return F.cross_entropy(model.logits(model.ln_f(x)), targets, reduction="sum")
 
 
 class GPT(nn.Module):
+    """nanoGPT's shape: embeddings, the trunk of blocks with the final LayerNorm, the tied head. How the
+    trunk runs its blocks (``trunk``), how each block computes its MLP (``blocks[i].mlp``) and attention
+    (``blocks[i].attn.heads``), and how the head makes its loss (``head``) are parameterless modules that
+    the steps past the recipe swap (``hwlib.steps``); the parameters never move."""
+
     def __init__(self, cfg: GPTConfig, attention: str = "manual", vocab_multiple: int = 1,
-                 checkpointing: str = "none", fused_head: bool = False, fused_ln: bool = False,
-                 fused_mlp: bool = False, branch_bias: bool = False, fused_qkv: bool = False,
-                 fc_bias_column: bool = False, fp8_head: bool = False, bf16_stream: bool = False):
+                 checkpointing: str = "none"):
         super().__init__()
         self.cfg = cfg
-        # Each residual add fused into the LayerNorm after it (hwlib.ops.add_layernorm).
-        self.fused_ln = fused_ln
-        # LM head + cross-entropy as one chunked op (hwlib.ops.linear_ce): no [tokens, V] logits.
-        self.fused_head = fused_head
-        # The fused head's GEMMs in FP8 (hwlib.ops.linear_ce_fp8).
-        self.fp8_head = fp8_head
-        if fp8_head and not fused_head:
-            raise ValueError("fp8_head runs the fused LM head's GEMMs in FP8: it needs fused_head")
-        # The residual stream in autocast's dtype from the embeddings on (fp32 otherwise, as in the recipe).
-        self.bf16_stream = bf16_stream
-        # Checkpointed blocks keep only their input; their activations are recomputed in backward.
         self.checkpointed, self.checkpoint_head = parse_checkpointing(checkpointing, cfg.n_layer)
-        if fused_ln and (self.checkpointed or self.checkpoint_head):
-            raise ValueError(f"checkpointing={checkpointing!r} with fused_ln: a checkpointed block recomputes from "
-                             f"its whole input, which the fused blocks hand on unsummed; use one or the other")
-        if fused_qkv and attention != "sdpa":
-            raise ValueError(f"fused_qkv runs fused attention: it needs attention='sdpa', got {attention!r}")
-        if fc_bias_column and not fused_ln:
-            raise ValueError("fc_bias_column has the fused residual LayerNorm write a column of ones: it needs fused_ln")
-        if branch_bias and not fused_ln:
-            raise ValueError("branch_bias adds each branch's output bias inside the fused residual LayerNorm: "
-                             "it needs fused_ln")
         self.vocab_padded = padded(cfg.vocab, vocab_multiple)
         self.wte = nn.Embedding(self.vocab_padded, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
-        # fused_mlp: each MLP one op, its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp).
-        # branch_bias: each branch's output bias added, and its gradient summed, in the fused LayerNorm after it.
-        self.blocks = nn.ModuleList(gpt_block(cfg, attention, fused_mlp, branch_bias, fused_qkv, fc_bias_column)
-                                    for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(gpt_block(cfg, attention) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.trunk = Trunk(self.checkpointed, final_norm=not self.checkpoint_head)
+        self.head = CheckpointedHead() if self.checkpoint_head else Head()
 
     def init_weights(self, seed: int) -> "GPT":
         """GPT-2 initialisation (``base.init_lm_weights``), the same on every device."""
@@ -165,59 +183,20 @@ class GPT(nn.Module):
 
     def set_attention(self, attention: str) -> None:
         for b in self.blocks:
-            b.attn.attention = attention
+            b.attn.heads.attention = attention
 
     def forward(self, idx, targets=None):
         B, T = idx.shape
         if T > self.cfg.context:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.cfg.context}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        if self.bf16_stream:
-            x = x.to(compute_dtype(x))
-        if self.fused_ln:
-            return self._head(self._blocks_fused(x), targets)
-        for i, block in enumerate(self.blocks):
-            if i in self.checkpointed and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        if targets is not None and self.checkpoint_head and not self.fused_head and torch.is_grad_enabled():
-            # The [tokens, V] logits are the largest activation: compute loss in chunks whose logits
-            # are recomputed in backward, so at most one chunk's logits exist at a time.
-            xs, ts = x.reshape(-1, x.size(-1)), targets.reshape(-1)
-            total = sum(torch.utils.checkpoint.checkpoint(self._head_loss_sum, xs[i:i + HEAD_CHUNK],
-                                                          ts[i:i + HEAD_CHUNK], use_reentrant=False)
-                        for i in range(0, xs.size(0), HEAD_CHUNK))
-            return total / ts.numel()
-        return self._head(self.ln_f(x), targets)
+        return self.head(self.trunk(x, self), targets, self)
 
-    def _blocks_fused(self, x):
-        """The blocks with each residual add fused into the LayerNorm after it; returns ln_f's output."""
-        pending = None
-        for block in self.blocks:
-            x, pending = block.forward_fused(x, pending)
-        r, r_bias = pending
-        return add_layer_norm(x, r, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps, r_bias=r_bias)[1]
-
-    def _head(self, h, targets):
-        """Logits, or the mean loss, from ``h = ln_f(x)``."""
-        if targets is not None and self.fused_head:
-            # The tied head weight keeps its padded rows; the op masks them out of the softmax.
-            head = fused_linear_cross_entropy_fp8 if self.fp8_head else fused_linear_cross_entropy
-            return head(h, self.wte.weight, targets, vocab=self.cfg.vocab)
-        logits = self._logits(h)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
-
-    def _logits(self, h):
+    def logits(self, h):
         logits = F.linear(h, self.wte.weight)  # tied output projection
         if self.vocab_padded != self.cfg.vocab:
             logits = logits[..., : self.cfg.vocab]
         return logits
-
-    def _head_loss_sum(self, x, targets):
-        return F.cross_entropy(self._logits(self.ln_f(x)), targets, reduction="sum")
 
 
 class GPTWorkload(TokenLMWorkload):
@@ -226,21 +205,8 @@ class GPTWorkload(TokenLMWorkload):
     profiles = PROFILES
 
     def build(self, cfg: GPTConfig, settings: Settings, seed: int) -> GPT:
-        if settings.fp8 and settings.fused_mlp:
-            raise ValueError("fp8 and fused_mlp both replace the MLP's matmuls: use one or the other")
-        if settings.fp8 and settings.branch_bias:   # the unbiased branch calls F.linear on mlp_proj's weight
-            raise ValueError("fp8 and branch_bias: the branch without its bias would run mlp_proj's matmul in bf16, "
-                             "around its FP8 layer; use one or the other")
-        model = GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
-                    checkpointing=settings.checkpointing, fused_head=settings.fused_head,
-                    fused_ln=settings.fused_ln, fused_mlp=settings.fused_mlp,
-                    branch_bias=settings.branch_bias, fused_qkv=settings.fused_qkv,
-                    fc_bias_column=settings.fc_bias_column, fp8_head=settings.fp8_head,
-                    bf16_stream=settings.bf16_stream).init_weights(seed)
-        if settings.fp8:   # after the initialisation: the FP8 layers share the very same parameters
-            from ..ops.fp8 import swap_mlp_linears
-            swap_mlp_linears(model)
-        return model
+        return GPT(cfg, attention=settings.attention, vocab_multiple=settings.vocab_multiple,
+                   checkpointing=settings.checkpointing).init_weights(seed)
 
     def flops_per_step(self, cfg: GPTConfig) -> float:
         L, d, T, V = cfg.n_layer, cfg.d_model, cfg.context, cfg.vocab

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..shapes import padded
-from ..steps import Settings
+from ..settings import Settings
 from .base import PeakMemory, TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
 from .blocks import PreNormBlock
 

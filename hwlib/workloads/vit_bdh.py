@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..steps import Settings
+from ..settings import Settings
 from .base import PeakMemory, Workload, check_finite_numbers, check_positive_ints
 from .checkpointing import parse_checkpointing
 

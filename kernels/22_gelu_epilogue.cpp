@@ -1,6 +1,6 @@
 // GPT's MLP GELU inside the matmuls' epilogues, through cuBLASLt: host C++ that configures cuBLASLt's
 // own kernels (no device code of ours, hence .cpp, compiled by the host compiler against the CUDA
-// toolkit's cublasLt.h). No torch headers; its C ABI is declared once, in gelu_epilogue.h; the torch
+// toolkit's cublasLt.h). No torch headers; its C ABI is declared once, in 22_gelu_epilogue.h; the torch
 // binding lives in hwlib/ops/gelu_mlp.py and hwlib/ops/build.py loads both with load_inline.
 //
 // Math, bf16 operands, fp32 accumulation, g(u) = 0.5 u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3))):
@@ -49,7 +49,7 @@
 // Every leading dimension must be a multiple of 8 elements (16 bytes) and every pointer 16-byte
 // aligned: the binding checks both.
 
-#include "gelu_epilogue.h"
+#include "22_gelu_epilogue.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>

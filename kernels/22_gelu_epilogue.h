@@ -1,4 +1,4 @@
-// The C ABI of gelu_epilogue.cpp, declared once. gelu_epilogue.cpp includes it (so its definitions are
+// The C ABI of 22_gelu_epilogue.cpp, declared once. 22_gelu_epilogue.cpp includes it (so its definitions are
 // checked against it by the compiler) and so does the torch binding in hwlib/ops/gelu_mlp.py. Plain
 // C types only: no CUDA, cuBLAS or torch headers are needed to include it.
 //

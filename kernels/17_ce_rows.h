@@ -1,4 +1,4 @@
-// The C ABI of ce_rows.cu, declared once: ce_rows.cu includes it (the compiler checks its definitions
+// The C ABI of 17_ce_rows.cu, declared once: 17_ce_rows.cu includes it (the compiler checks its definitions
 // against it) and so does the torch binding in hwlib/ops/ce_rows_cuda.py. Plain C types only.
 //
 // z: [rows, V_pad] logits (row stride `stride` elements, 16-byte aligned rows), bf16 (dtype 0) or fp16

@@ -1,6 +1,6 @@
 // BK-Core in plain CUDA C++: G_i = [(T - zI)^-1]_ii for a batch of tridiagonal T, and its exact
-// gradient. No torch headers: CI checks it with `nvcc -arch=sm_90 -c hwlib/kernels/bk_core.cu`; its
-// C ABI is declared once, in bk_core.h (included below, so the compiler holds the definitions to
+// gradient. No torch headers: CI checks it with `nvcc -arch=sm_90 -c kernels/12_bk_core.cu`; its
+// C ABI is declared once, in 12_bk_core.h (included below, so the compiler holds the definitions to
 // it); the torch binding lives in hwlib/ops/bk_cuda.py and hwlib/ops/build.py loads both with
 // load_inline.
 //
@@ -114,7 +114,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bk_core.h"
+#include "12_bk_core.h"
 
 #define BK_HD __host__ __device__ __forceinline__
 
@@ -963,7 +963,7 @@ template <int T, int L, int M> constexpr int tile_positions() { return T * L; }
 #endif
 #define BK_BWD_F64 BK_BWD_F64_T, BK_BWD_F64_L, 1
 
-// --- C ABI (declared in bk_core.h): raw pointers, row-major, the stream as void* -------------------
+// --- C ABI (declared in 12_bk_core.h): raw pointers, row-major, the stream as void* -------------------
 
 extern "C" {
 

@@ -5,7 +5,7 @@ Loaded from this folder by ``hwlib.ops.sources``; the Python face (the chunk loo
 the one-hot part, the autograd op, the float64 reference) is ``hwlib/ops/linear_ce_fp8.py``.
 
 For the rows n of a chunk (logits z [C, V_pad] in bf16, each row's log-sum-exp already computed by
-``linear_ce_triton.py``'s row pass), per column v:
+``17_linear_ce_triton.py``'s row pass), per column v:
 
     p_nv  = exp(z_nv - lse_n) * w_n                            v < V, v != t_n; 0 at v = t_n and V <= v < V_pad
     w_n   = 1; 0 where t_n = ignore_index; NaN where t_n is neither a class nor ignore_index
@@ -66,7 +66,7 @@ def _ce_grad_fp8_kernel(z_ptr, stride_z, lse_ptr, t_ptr, g_ptr, stride_g, gt_ptr
     tl.store(g_ptr + r64[:, None] * stride_g + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
     # P^T: the same tile loaded transposed ([BLOCK_V, BLOCK_M], served by L1/L2) and computed again, not
     # made with tl.trans: a tl.trans-ed tile stored transposed wrote wrong elements on an H100 (Triton 3.6.0)
-    # whenever the sizes were multiples of 16 (hwlib/kernels/fp8_cast_triton.py; the tests check P^T).
+    # whenever the sizes were multiples of 16 (kernels/26_fp8_cast_triton.py; the tests check P^T).
     mask_t = cmask[:, None] & rmask[None, :]
     xt = tl.load(z_ptr + r64[None, :] * stride_z + c64[:, None], mask=mask_t, other=0.0).to(tl.float32)
     gt = tl.where(cols[:, None] < V, tl.exp(xt - lse[None, :]), 0.0) * w[None, :]

@@ -1,7 +1,7 @@
 """The target entries of the FP8 LM head's gradient, kept out of FP8, in Triton.
 
 Loaded from this folder by ``hwlib.ops.sources``; the Python face (the chunk loop, the FP8 GEMMs,
-``ce_grad_fp8_triton.py``'s pass for the other entries, the autograd op) is
+``26_ce_grad_fp8_triton.py``'s pass for the other entries, the autograd op) is
 ``hwlib/ops/linear_ce_fp8.py``, whose ``_add_target_terms`` is this kernel's math in torch ops.
 
 The gradient of the mean cross-entropy is (softmax - onehot(t)) / #targets. The FP8 matmuls take the

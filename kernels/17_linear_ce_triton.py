@@ -49,7 +49,7 @@ import triton.language as tl
 # H100, bf16 logits, V_pad = 50304: 512 threads per row, 16 columns each per tile. Notebook 17 sweeps
 # the alternatives (CONFIGS) and records them: 8192 x 16 warps was the fastest in two reference runs
 # on 4,096 rows (0.440 ms against 0.466 for 4096 x 16; 0.432 against 0.461 at 23e9da7). This pass is
-# what 'auto' runs where the CUDA row pass (ce_rows.cu, which reads each row once) cannot.
+# what 'auto' runs where the CUDA row pass (17_ce_rows.cu, which reads each row once) cannot.
 DEFAULT_BLOCK_V, DEFAULT_WARPS = 8192, 16
 CONFIGS = ((2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32))
 

@@ -5,7 +5,7 @@ notebook 14's rounding-tie rule) and timed; then the lab's earlier best, ``decod
 (rung 14d_static_own), timed the way notebook 14 times it. Writes rows (JSON) and records
 (``hwlib.results``) as it goes, so that a run cut short keeps what it measured.
 
-    python -m hwlib.workloads.polychromic.decode_bench --sizes qwen3_0.6b qwen3_8b --out DIR
+    python -m hwlib.studies.decode_bench --sizes qwen3_0.6b qwen3_8b --out DIR
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ... import bench, ceilings
-from ...results import pack
-from ...studies import generation as G
-from . import build, decode, fused_decode as fd
-from .config import config
+from .. import bench, ceilings
+from ..results import pack
+from ..workloads.polychromic import build, decode, fused_decode
+from ..workloads.polychromic.config import config
+from . import generation
 
 
 def _log(msg: str) -> None:
@@ -31,7 +31,7 @@ def _log(msg: str) -> None:
 def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int, check_tokens: int,
              baseline: bool, variants: bool, out: Path, records: list, seed: int = 0,
              overrides: dict | None = None, profile: tuple = (),
-             rungs: tuple = fd.RUNGS) -> list[dict]:
+             rungs: tuple = fused_decode.RUNGS) -> list[dict]:
     """The LM of ``model_size`` built (random weights, LoRA), its prompts drawn, then ``ladder``."""
     cfg = config(model_size, **(overrides or {}))
     t0 = time.perf_counter()
@@ -51,7 +51,7 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
 
 def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float | None, *, model_size: str,
            reps: int, check_tokens: int, baseline: bool = True, variants: bool = False, out: Path | None = None,
-           records: list | None = None, seed: int = 0, profile: tuple = (), rungs: tuple = fd.RUNGS) -> list[dict]:
+           records: list | None = None, seed: int = 0, profile: tuple = (), rungs: tuple = fused_decode.RUNGS) -> list[dict]:
     """Every fused rung in ``rungs`` (and, with ``variants``, rung rope_cache under other SDPA
     backends; with ``baseline``, ``decode.OwnDecodeLoop``) for the LM ``pm`` and its P prompts: greedy
     check against Hugging Face's batched greedy ``generate`` of ``check_tokens`` tokens, then the
@@ -72,12 +72,12 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
         plan[i + 1:i + 1] = [("rope_cache", "cudnn"), ("rope_cache", "math")]
     for rung, backend in plan:
         name = rung if backend is None else f"{rung}[{backend}]"
-        row = {"rung": name, "batch": B, "model_size": model_size, "change": fd.CHANGES[rung], "status": "ok"}
+        row = {"rung": name, "batch": B, "model_size": model_size, "change": fused_decode.CHANGES[rung], "status": "ok"}
         try:
-            dec = fd.FusedDecoder(pm, cfg, B, L + T, dev, rung=rung, sdpa_backend=backend)
-            chk, toks = G.decode_check(dec, prompts, ref, ref_logits, check_tokens, prev)
+            dec = fused_decode.FusedDecoder(pm, cfg, B, L + T, dev, rung=rung, sdpa_backend=backend)
+            chk, toks = generation.decode_check(dec, prompts, ref, ref_logits, check_tokens, prev)
             row.update(chk)
-            row.update(G.fused_rung_row(dec, prompts, T, reps, copy_gbps))
+            row.update(generation.fused_rung_row(dec, prompts, T, reps, copy_gbps))
             if backend is None:
                 prev = toks
             if profile and rung in profile:
@@ -94,27 +94,27 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
         _log(f"{model_size} {name}: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "decode_floor_ms", "agreement",
             "agreement_vs_prev", "divergences", "divergences_at_ties", "first_call_s", "reason")}))
-        records.extend(G.decode_records([row], model_size=model_size, device=dev.type, params=params))
+        records.extend(generation.decode_records([row], model_size=model_size, device=dev.type, params=params))
         if out is not None:
             _flush(out, rows, records)
     if baseline:
         row = {"rung": "14d_static_own", "batch": B, "model_size": model_size, "status": "ok",
-               "change": G.RUNGS["14d_static_own"][1]}
+               "change": generation.RUNGS["14d_static_own"][1]}
         try:
             loop = decode.OwnDecodeLoop(pm, cfg, B, L + T, dev)
             first, gb = bench.wall_s(lambda: loop(prompts, greedy=True, new_tokens=T), dev)
             gb = gb[..., :check_tokens].cpu()
             same = (gb == ref).long().cumprod(-1)
             row.update(first_call_s=first, agreement=float(same.float().mean()),
-                       **G.divergence_ties(same[:, 0], None, ref_logits,
+                       **generation.divergence_ties(same[:, 0], None, ref_logits,
                                            noise=max((r.get("logit_noise") or 0.0) for r in rows) or None))
-            full = G.time_decoder(lambda: loop(prompts, new_tokens=T), T, reps, dev)
-            one = G.time_decoder(lambda: loop(prompts, new_tokens=1), 1, reps, dev)
+            full = generation.time_decoder(lambda: loop(prompts, new_tokens=T), T, reps, dev)
+            one = generation.time_decoder(lambda: loop(prompts, new_tokens=1), 1, reps, dev)
             ms = 1e3 * (full["gen_s"] - one["gen_s"]) / (T - 1)
-            nbytes = fd.generation_step_bytes(cfg, B, L, T)
+            nbytes = fused_decode.generation_step_bytes(cfg, B, L, T)
             row.update(decode_ms_per_step=ms, gen_s=full["gen_s"], gen_tokens_per_s=B * T / full["gen_s"],
                        bytes_per_step=nbytes["total"], bytes_parts=nbytes,
-                       **{f"decode_{k}": v for k, v in fd.bandwidth(nbytes["total"], ms, copy_gbps).items()},
+                       **{f"decode_{k}": v for k, v in fused_decode.bandwidth(nbytes["total"], ms, copy_gbps).items()},
                        timing="(median generation of T tokens - median of 1 token) / (T - 1), wall clock")
             del loop
         except Exception as e:
@@ -125,7 +125,7 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
         _log(f"{model_size} 14d_static_own: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "agreement", "divergences",
             "divergences_at_ties", "first_call_s", "reason")}))
-        records.extend(G.decode_records([row], model_size=model_size, device=dev.type, params=params))
+        records.extend(generation.decode_records([row], model_size=model_size, device=dev.type, params=params))
         if out is not None:
             _flush(out, rows, records)
     return rows
@@ -169,7 +169,7 @@ def main(argv=None) -> None:
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--variants", action="store_true")
-    ap.add_argument("--rungs", nargs="+", default=list(fd.RUNGS), help="fused rungs to run, in order (default: the measured ones; "
+    ap.add_argument("--rungs", nargs="+", default=list(fused_decode.RUNGS), help="fused rungs to run, in order (default: the measured ones; "
                                                                    "fused_decode.ALL_RUNGS lists every rung)")
     ap.add_argument("--profile", nargs="*", default=[], help="rungs whose kernels to list (torch.profiler)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same code eagerly (a dry run: its "

@@ -1,6 +1,6 @@
 // Cross-entropy of one chunk of logits rows, and its gradient written over the logits, reading each
 // row from memory once: the CUDA row pass of the fused LM head (hwlib/ops/linear_ce.py). The Triton
-// row pass (linear_ce_triton.py) computes the same formulas in two passes over the row in memory.
+// row pass (17_linear_ce_triton.py) computes the same formulas in two passes over the row in memory.
 //
 // For the rows n of z [C, V_pad] (only the first V columns are classes), targets t_n, and s the
 // mean's weight (1 / #{n : t_n != ignore_index}, on the device):
@@ -42,7 +42,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "ce_rows.h"
+#include "17_ce_rows.h"
 
 namespace ce {
 

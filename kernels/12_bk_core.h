@@ -1,4 +1,4 @@
-// The C ABI of bk_core.cu, declared once. bk_core.cu includes it (so its definitions are checked
+// The C ABI of 12_bk_core.cu, declared once. 12_bk_core.cu includes it (so its definitions are checked
 // against it by the compiler), the torch binding in hwlib/ops/bk_cuda.py includes it, and the
 // ctypes binding of the host launchers is read from it (hwlib.ops.bk_cuda.prototypes), so the
 // three cannot drift apart. Plain C types only: no CUDA or torch headers are needed to include it.

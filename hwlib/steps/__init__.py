@@ -1,0 +1,16 @@
+"""The optimizations: the shared recipe's knobs (steps 01-12) and one folder per step past it.
+
+``LADDER`` is every step in order; a step past the recipe is ``hwlib/steps/sNN_name/``: its ``STEP``
+(name, the step it builds on, tolerance and reason, where it applies), its ``apply(model)`` that swaps
+modules in, and its roofline ``predict``. The helpers below find a step, its chain and its settings.
+"""
+
+from ..settings import Settings
+from .ladder import (LADDER, RECIPE_NAMES, STEP_NAMES, apply_chain, chain, contexts, describe, get_step,
+                     not_applicable, previous, resolve_autocast, runs_here, settings_for, unavailable, uses_fp8)
+from .prediction import floor_ms, precision_of, predict
+from .step import Precondition, Step
+
+__all__ = ["LADDER", "RECIPE_NAMES", "STEP_NAMES", "Precondition", "Settings", "Step", "apply_chain", "chain",
+           "contexts", "describe", "floor_ms", "get_step", "not_applicable", "precision_of", "predict", "previous", "resolve_autocast", "runs_here",
+           "settings_for", "unavailable", "uses_fp8"]

@@ -1,0 +1,14 @@
+"""Step 17_fused_lm_head: see ``apply.py`` for what it swaps in and ``predict.py`` for what it removes."""
+
+from ..step import Step
+from . import apply as _apply, predict as _predict
+
+STEP = Step("17_fused_lm_head", "LM head + cross-entropy fused, logits never materialised", tolerance=1e-2,
+    why_tolerance="same function from the same bf16 logits; the log-sum-exp runs online over vocabulary "
+                  "tiles in fp32, and dh, dW are summed in fp32 and rounded once (unfused: to bf16): "
+                  "other rounding under bf16",
+    workloads=("gpt",), beyond_recipe=True,
+    why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the fused head is measured on GPT-2",
+            **{w: "its head has no large vocabulary: the logits are a few classes wide"
+               for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}},
+    apply=_apply.apply, predict=_predict.predict, folder="s17_fused_lm_head", kernels=("17_linear_ce_triton.py", "17_ce_rows.cu"))
