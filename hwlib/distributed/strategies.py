@@ -103,7 +103,9 @@ class Options:
     reduce_dtype: str = "fp32"
     cuda_graph: bool = True
     # graphed_zero1: the all-gathers of the updated parameters run behind the next step's forward
-    # (each block waits for its own buckets) instead of ending the step.
+    # (each block waits for its own buckets) instead of ending the step. GPT-2 small, strong scaling
+    # on two H200s (8 rows a GPU; one launch each, same machine): at the step's end 21.55 ms a step
+    # with 1.59 ms of communication exposed, behind the forward 21.13 ms with 1.02 (graphed: 20.98, 0.68).
     overlap_gather: bool = False
 
     def __post_init__(self):
