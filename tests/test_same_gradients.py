@@ -2,6 +2,7 @@
 agrees with the step it builds on to its tolerance, and the check fails on each planted bug that the
 loss-curve check let through (issue 51), each planted only in the code path of the step under check."""
 
+import importlib
 import math
 
 import pytest
@@ -13,9 +14,12 @@ from hwlib.ladder import gradients as G
 from hwlib.ladder import session
 from hwlib.steps import LADDER, not_applicable, unavailable
 from hwlib.workloads import WORKLOADS
-from hwlib.workloads import blocks as blocks_mod
 from hwlib.workloads import encoder_nli as nli_mod
-from hwlib.workloads import gpt as gpt_mod
+
+# The modules of the steps past the recipe whose ops a bug is planted in (by module: a step's package
+# exports its apply function under the same name as the module).
+HEAD_17 = importlib.import_module("hwlib.steps.s17_fused_lm_head.apply")
+TRUNK_21 = importlib.import_module("hwlib.steps.s21_fused_layernorm.apply")
 
 pytestmark = pytest.mark.filterwarnings("ignore:synthetic NLI set")
 
@@ -116,26 +120,25 @@ def _head_label_smoothing(monkeypatch):
     def smoothed(h, weight, targets, vocab, **kw):
         logits = F.linear(h, weight)[..., :vocab]
         return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), label_smoothing=0.1)
-    monkeypatch.setattr(gpt_mod, "fused_linear_cross_entropy", smoothed)
+    monkeypatch.setattr(HEAD_17, "fused_linear_cross_entropy", smoothed)
 
 
 def _head_gradient_doubled(monkeypatch):
-    orig = gpt_mod.fused_linear_cross_entropy
+    orig = HEAD_17.fused_linear_cross_entropy
 
     def doubled(h, weight, targets, **kw):
         w = weight * 1.0
         w.register_hook(lambda g: 2 * g)   # the head's share of the tied embedding's gradient, twice
         return orig(h, w, targets, **kw)
-    monkeypatch.setattr(gpt_mod, "fused_linear_cross_entropy", doubled)
+    monkeypatch.setattr(HEAD_17, "fused_linear_cross_entropy", doubled)
 
 
 def _layernorm_bias_left_out(monkeypatch):
-    orig = blocks_mod.add_layer_norm
+    orig = TRUNK_21.add_layer_norm
 
     def no_bias(x, r, weight, bias, *a, **kw):
         return orig(x, r, weight, torch.zeros_like(bias), *a, **kw)
-    monkeypatch.setattr(blocks_mod, "add_layer_norm", no_bias)
-    monkeypatch.setattr(gpt_mod, "add_layer_norm", no_bias)
+    monkeypatch.setattr(TRUNK_21, "add_layer_norm", no_bias)
 
 
 def _packed_pairs_see_each_other(monkeypatch):
