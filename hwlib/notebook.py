@@ -29,7 +29,7 @@ from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf
 from .ops.sources import read_kernel_source
 from .paths import apply_compile_cache_env, compile_cache_env, run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
-from .steps import STEP_NAMES, chain, describe, get_step
+from .steps import STEP_NAMES, chain, describe, get_step, previous
 
 
 def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
@@ -204,7 +204,7 @@ def check_math(res: StepResult, run=None) -> MathCheck:
         if needs_bf16_floor(res):
             floor = bf16_floor(query.saved_curve(res.workload, BF16_STEP, key, run),
                                query.saved_curve(res.workload, BF16_BEFORE, key, run))
-        if res.step == BF16_STEP and against == BF16_BEFORE:
+        if get_step(res.step).bound_from_tf32 and against == BF16_BEFORE:
             bound = bf16_bound(curve, query.saved_curve(res.workload, STEP_NAMES[0], key, run))
     return same_math(res, against, curve, floor, bound)
 
@@ -251,7 +251,7 @@ def assert_same_math(measured: dict[str, tuple[StepResult, MathCheck]]) -> None:
         if r.status != "ok":
             continue
         assert len(r.check_losses) == r.check_steps and all(math.isfinite(v) for v in r.losses), f"{w}: {r.losses}"
-        assert chk.against is not None or r.step == STEP_NAMES[0], \
+        assert chk.against is not None or previous(r.step) is None, \
             f"{w} {r.step}: no earlier step's curve to compare with, so its math was not checked"
 
 

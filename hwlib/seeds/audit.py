@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..paths import REPO_ROOT
+from ..steps import STEP_NAMES, get_step
 from . import lookup
 
 STATUSES = ("on", "off", "n/a", "unknown")
@@ -469,7 +470,9 @@ def _gain(records, workload: str | None, closest: str, opt: str, step: str) -> t
     closest workload's stand-ins that measured it (named in the text)."""
     if workload is None:
         return None, "no reference results"
-    chain = (workload, *_STAND_INS.get(closest, ()), *(("resnet_bk",) if step == "12_bk_core" else ()))
+    # a step that applies to one workload alone (12, the BK-Core) is measured on that workload
+    only = get_step(step).workloads if step in STEP_NAMES else None
+    chain = (workload, *_STAND_INS.get(closest, ()), *(only if only and len(only) == 1 else ()))
     chain = tuple(dict.fromkeys(chain))
     if opt in _TECHNIQUE:
         t = _TECHNIQUE[opt]

@@ -39,6 +39,9 @@ class Step:
     # The roofline prediction: predict(ctx) -> hwlib.roofline.Prediction, or None for "nothing counted".
     predict: Callable | None = None
     fp8: bool = False               # runs matmuls in FP8 (needs FP8 tensor cores)
+    # Its curve check may widen to how far this workload's training amplifies rounding, scaled from TF32's
+    # move of the curve (ladder.same_math.bf16_bound): the step that changes the precision to bf16.
+    bound_from_tf32: bool = False
     # What notebook 16's floors (studies.breakdown.gpt_floors) do not count for a chain with this step.
     floor_caveat: str = ""
     folder: str | None = None       # the step's folder under hwlib/steps (past the recipe)
