@@ -23,12 +23,13 @@ import torch
 from . import ceilings, query, results, roofline, runs, steps
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
+from .ladder.gradients import GradCheck, assert_same_gradients, same_gradients
 from .ladder.run import StepResult, run_step
 from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps,
                                needs_bf16_floor, same_math)
 from .ops.sources import read_kernel_source
 from .paths import apply_compile_cache_env, compile_cache_env, run_dir
-from .profiles import Plan, auto_profile, choose_profile, plan as plan_for
+from .profiles import Plan, auto_profile, choose_profile, plan as plan_for, resolve_profile
 from .steps import STEP_NAMES, chain, describe, get_step, previous
 
 
@@ -209,14 +210,37 @@ def check_math(res: StepResult, run=None) -> MathCheck:
     return same_math(res, against, curve, floor, bound)
 
 
+# Rows of the same-gradients check on a GPU: two fp32 models of the step's widths stepped once each; a
+# batch of two keeps them inside a 16 GiB card at the full profile, and every kernel sees its real shapes.
+GRAD_CHECK_BATCH = 2
+
+
+def grad_check(workload: str, step: str, *, profile: str = "auto", device="auto", seed: int = 0,
+               config: dict | None = None) -> GradCheck:
+    """The same-gradients check of ``step`` against the step it builds on (``hwlib.ladder.gradients``):
+    one training step of each in fp32 from the same weights and batch, at this run's profile (on a GPU
+    at ``GRAD_CHECK_BATCH`` rows of it); seconds, before the step is timed."""
+    dev = resolve_device(device)
+    prof = resolve_profile(profile, dev)
+    cfg = dict(config or {})
+    if dev.type == "cuda":
+        cfg.setdefault("batch", GRAD_CHECK_BATCH)
+    return same_gradients(workload, step, profile=prof, device=dev.type, seed=seed, config=cfg)
+
+
 def measure(workload: str, step: str, *, notebook: str, profile: str = "auto", device="auto", run=None,
             seed: int = 0, progress: bool = True, config: dict | None = None) -> tuple[StepResult, MathCheck]:
-    """Run ``step`` for ``workload``, check its math against the step before, record both.
+    """Check ``step``'s gradients against the step before (``grad_check``), run it for ``workload``, check
+    its loss curve against the step before, and record all three.
     The check's verdict is recorded before the caller asserts on it, so a failing check still
     leaves its numbers in the run."""
+    grads = grad_check(workload, step, profile=profile, device=device, seed=seed, config=config)
     res = run_step(workload, step, profile=profile, device=device, seed=seed, progress=progress, config=config)
     check = check_math(res, run)
+    check.grads = grads
     record_mod.record(res, notebook=notebook, check=check, ceilings=query.ceilings(run), run=run)
+    results.append([results.make_record(notebook=notebook, workload=res.workload, step=res.step, profile=res.profile,
+                                        device=res.device, **grads.record_fields())], run)
     if res.status == "nonfinite":
         warnings.warn(f"{workload} {step}: {res.reason}", stacklevel=2)
     return res, check
@@ -233,18 +257,23 @@ def measure_all(workloads: list[str], step: str, *, notebook: str, profile: str 
         t = res.timing
         print(f"{w}: {res.status}" + (f" ({res.reason})" if res.reason else "")
               + (f", {t.median_ms:.2f} ms/step (p20 {t.p20_ms:.2f}, p80 {t.p80_ms:.2f})" if t else "") + f" | {check}")
+        print(f"  {check.grads}")
         for note in res.notes:
             print(f"  note: {note}")
     return out
 
 
 def assert_same_math(measured: dict[str, tuple[StepResult, MathCheck]]) -> None:
-    """Every workload's step computes the same function as the step before (within its tolerance):
+    """Every workload's step computes the same function as the step before: the same gradients and
+    update over one fp32 step (``grad_check``), and the same loss curve within its tolerance:
     each step that ran was compared with an earlier step's curve (only the baseline has none), over
     all its check losses, all finite."""
     assert measured, "nothing measured: give at least one workload"
     failed = [str(chk) for _, chk in measured.values() if not chk.ok]
     assert not failed, "math changed: " + "; ".join(failed)
+    grads = [chk.grads for _, chk in measured.values() if chk.grads is not None]
+    if grads:
+        assert_same_gradients(grads)
     bad = [f"{w}: {r.status}: {r.reason}" for w, (r, _) in measured.items() if r.status not in ("ok", "skipped", "n/a")]
     assert not bad, "; ".join(bad)
     for w, (r, chk) in measured.items():

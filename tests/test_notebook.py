@@ -47,6 +47,25 @@ def test_measure_records_the_step_and_saves_its_curve(isolated_run):
     assert saved == pytest.approx(res.check_losses) and len(saved) == res.check_steps
     rows = query.ladder_rows(query.load(), "gpt")
     assert [r["step"] for r in rows] == ["03_bf16_autocast"] and rows[0]["ms_per_step"] == res.timing.median_ms
+    # the same-gradients check ran before the timing, against step 01 (02, TF32, is GPU-only and changes
+    # nothing on a CPU), and is recorded with the step
+    assert check.grads.against == "01_baseline_fp32" and check.grads.status == "ok"
+    (g,) = query.select(query.load(), metric="same_gradients_max_rel")
+    assert g["step"] == "03_bf16_autocast" and g["value"] == check.grads.max_rel_diff and g["status"] == "ok"
+
+
+def test_assert_same_math_fails_on_a_gradient_check_that_failed(isolated_run, monkeypatch):
+    real = notebook.same_gradients
+
+    def planted(*a, **k):   # the check as it reads a step whose gradients moved
+        return dataclasses.replace(real(*a, **k), status="failed", max_rel_diff=0.5, worst="grad wte.weight")
+    monkeypatch.setattr(notebook, "same_gradients", planted)
+    measured = notebook.measure_all(["gpt"], "03_bf16_autocast", notebook="t", profile="smoke", device="cpu")
+    assert measured["gpt"][1].ok                      # the loss curves agree: only the gradients tell
+    with pytest.raises(AssertionError, match="gradients changed: gpt 03_bf16_autocast vs 01_baseline_fp32"):
+        notebook.assert_same_math(measured)
+    (g,) = query.select(query.load(), metric="same_gradients_max_rel")
+    assert g["status"] == "failed" and g["value"] == 0.5
 
 
 def test_check_passes_against_the_saved_curve_of_the_step_before(isolated_run, calls):

@@ -25,6 +25,7 @@ class MathCheck:
     k: int
     ok: bool
     detail: str = ""
+    grads: object = None   # the same step's same-gradients check (hwlib.ladder.gradients.GradCheck), if run
 
     def __str__(self) -> str:
         if self.against is None:
