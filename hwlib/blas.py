@@ -16,7 +16,7 @@ How the size is set. torch 2.13 and later: ``torch.backends.cuda.cublas_workspac
 ``CUBLAS_WORKSPACE_CONFIG`` (cuBLASLt's size capped at cuBLAS's) when it hands a handle its workspace:
 torch 2.11, on which this was measured, reads it on every call; older versions may read it once, and
 there the setting may not take (the notebook's table says so). hwlib's plain cuBLASLt matmul
-(``hwlib.ops.gelu_mlp``'s input gradient) takes ``lt_workspace_bytes()``; its two GELU epilogue matmuls
+(``hwlib.steps.s22_gelu_epilogue.op``'s input gradient) takes ``lt_workspace_bytes()``; its two GELU epilogue matmuls
 keep their workspace, without which cuBLASLt has no fused DGELU kernel (``gelu_mlp.workspace_bytes``).
 A CUDA graph keeps the kernels it captured: the setting must hold while a graph is recorded, not
 while it replays.

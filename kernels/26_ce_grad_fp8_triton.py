@@ -2,7 +2,7 @@
 layouts the backward's FP8 matmuls need, in Triton.
 
 Loaded from this folder by ``hwlib.ops.sources``; the Python face (the chunk loop, the FP8 GEMMs,
-the one-hot part, the autograd op, the float64 reference) is ``hwlib/ops/linear_ce_fp8.py``.
+the one-hot part, the autograd op, the float64 reference) is ``hwlib/steps/s26_fp8_head/op.py``.
 
 For the rows n of a chunk (logits z [C, V_pad] in bf16, each row's log-sum-exp already computed by
 ``17_linear_ce_triton.py``'s row pass), per column v:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hwlib import steps
-from hwlib.ops.add_layernorm import traffic_bytes
+from hwlib.steps.s21_fused_layernorm.op import traffic_bytes
 from hwlib.report import recipe
 from hwlib.steps import chain, get_step, previous, uses_fp8
 from hwlib.studies import bf16_stream as S

@@ -1,4 +1,4 @@
-"""FP8 linear layers (hwlib.ops.fp8) on CPU: torch._scaled_mm runs there too, so the forward and both
+"""FP8 linear layers (hwlib.steps.s18_fp8.op) on CPU: torch._scaled_mm runs there too, so the forward and both
 gradients are checked against float64 matmuls of the same FP8-rounded operands (tight) and of the
 unrounded ones (within FP8's rounding), on fresh random inputs of odd sizes; the capability gate
 and the layer swap of the GPT model."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hwlib.device import ChoiceError, DeviceInfo, Unavailable
-from hwlib.ops import fp8
+from hwlib.steps.s18_fp8 import op as fp8
 from hwlib.steps import get_step, unavailable, uses_fp8
 from hwlib.workloads import get_workload
 

@@ -160,7 +160,7 @@ def test_a_workspace_first_made_without_a_size_is_not_used_after():
 
 
 def test_the_gelu_epilogues_keep_their_workspace_and_the_plain_matmul_follows_the_setting():
-    from hwlib.ops import gelu_mlp as G
+    from hwlib.steps.s22_gelu_epilogue import op as G
     for free in (False, True):
         with blas.no_workspace(free):
             assert G.workspace_bytes("forward") == G.workspace_bytes("backward") == blas.LT_WORKSPACE_BYTES

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from hwlib.device import ChoiceError, Unavailable
-from hwlib.ops import ce_rows_cuda as C
-from hwlib.ops import linear_ce as L
-from hwlib.ops.linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference, unfused_linear_cross_entropy
+from hwlib.steps.s17_fused_lm_head import ce_rows_cuda as C
+from hwlib.steps.s17_fused_lm_head import op as L
+from hwlib.steps.s17_fused_lm_head.op import (fused_linear_cross_entropy, linear_cross_entropy_reference,
+                                            unfused_linear_cross_entropy)
 
 
 def _gen(*key) -> torch.Generator:

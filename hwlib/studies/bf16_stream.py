@@ -1,6 +1,6 @@
 """Notebook 27's study: GPT-2's residual stream in bf16 (``hwlib.steps.s27_bf16_stream``).
 
-The fused residual LayerNorm (``hwlib.ops.add_layernorm``) is the same op with a narrower stream; its
+The fused residual LayerNorm (``hwlib.steps.s21_fused_layernorm.op``) is the same op with a narrower stream; its
 correctness and its kernels alone are ``hwlib.studies.layernorm``'s (``stream=torch.bfloat16``). What
 is this step's own: the forward kernel's source, where the sum is rounded into the stream's dtype and
 normalised as rounded, and the loss curves past the 10-step check, trained as notebook 26 trains the FP8
@@ -9,7 +9,7 @@ head's (``hwlib.studies.fp8_head.long_curves``) and bounded the same way (``fp8_
 
 from __future__ import annotations
 
-from ..ops import add_layernorm as A
+from ..steps.s21_fused_layernorm import op as A
 from ..ops.sources import read_kernel_source
 from . import fp8_head
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .. import bench
-from ..ops import gelu_mlp as G
-from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
+from ..steps.s21_fused_layernorm.op import BIAS_COLUMNS, with_bias_column
+from ..steps.s22_gelu_epilogue import op as G
 from .kernel_records import kernel_records as records_of, not_timed_words
 
 NOTEBOOK = "25_bias_column"

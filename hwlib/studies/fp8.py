@@ -7,7 +7,7 @@ matmuls of one step from the high-precision x, W and dy (``hwlib.bench.time_fn``
 * ``bf16``: three ``torch.mm``; cuBLAS reads transposed operands in place (no copies);
 * ``fp8, quantize + transposing copies``: each operand quantized (amax, scale, cast), then the
   backward's operands made K-major with ``.t().contiguous()`` copies of the FP8 tensors, eagerly;
-* ``fp8, quantized into each layout``: ``hwlib.ops.fp8.quantize`` writes each layout from the
+* ``fp8, quantized into each layout``: ``hwlib.steps.s18_fp8.op.quantize`` writes each layout from the
   high-precision tensor, compiled on a GPU so that inductor fuses scale, cast and transposed write;
 * ``fp8, matmuls only``: operands quantized beforehand, in their layouts: the most FP8 can give.
 
@@ -22,7 +22,7 @@ import torch
 
 from .. import bench, results
 from ..device import ChoiceError, fp8_missing, info, resolve_device
-from ..ops.fp8 import E4M3, E5M2, quantize, quantize_both
+from ..steps.s18_fp8.op import E4M3, E5M2, quantize, quantize_both
 from ..profiles import GPU_PROFILES
 from ..shapes import padded
 from ..workloads import gpt

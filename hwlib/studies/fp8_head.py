@@ -1,4 +1,4 @@
-"""Notebook 26's study of the FP8 LM head (``hwlib.ops.linear_ce_fp8``): the op against float64 at odd
+"""Notebook 26's study of the FP8 LM head (``hwlib.steps.s26_fp8_head.op``): the op against float64 at odd
 sizes, and the head alone at GPT-2 small's shape, in bf16 (step 25's) and in FP8, with the passes
 the FP8 head adds over the logits timed alone against their bytes.
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from .. import bench
-from ..ops import linear_ce as L
-from ..ops import linear_ce_fp8 as L8
-from ..ops.fp8 import E4M3, scale_for, scaled_mm
 from ..ops.sources import read_kernel_source
+from ..steps.s17_fused_lm_head import op as L
+from ..steps.s18_fp8.op import E4M3, scale_for, scaled_mm
+from ..steps.s26_fp8_head import op as L8
 from .kernel_records import kernel_records as records_of
 from .kernel_records import not_timed_words, timed_row
 from .lm_head import peak_extra_gib

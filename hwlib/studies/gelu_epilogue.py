@@ -1,4 +1,4 @@
-"""Notebook 22's study of the MLP with its GELU in cuBLASLt's epilogues (``hwlib.ops.gelu_mlp``): the op
+"""Notebook 22's study of the MLP with its GELU in cuBLASLt's epilogues (``hwlib.steps.s22_gelu_epilogue.op``): the op
 against float64 at odd sizes, and each epilogue matmul alone at GPT-2 small's MLP against the unfused
 kernels it replaces (the weight and bias gradients are the same kernels either way).
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import bench
-from ..ops import gelu_mlp as G
+from ..steps.s22_gelu_epilogue import op as G
 from .kernel_records import kernel_records as records_of, not_timed_words
 
 NOTEBOOK = "22_gelu_epilogue"

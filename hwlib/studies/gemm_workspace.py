@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import bench, blas, results, trace
-from ..ops import gelu_mlp as G
-from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
+from ..steps.s21_fused_layernorm.op import BIAS_COLUMNS, with_bias_column
+from ..steps.s22_gelu_epilogue import op as G
 from .kernel_records import kernel_records, not_timed_words
 
 NOTEBOOK = "28_gemm_workspace"

@@ -1,4 +1,4 @@
-"""Notebooks 21's, 23's and 27's study of the fused residual add + LayerNorm (``hwlib.ops.add_layernorm``):
+"""Notebooks 21's, 23's and 27's study of the fused residual add + LayerNorm (``hwlib.steps.s21_fused_layernorm.op``):
 the op against float64 at odd sizes, and its two kernels alone at GPT-2 small's shape against the bytes
 they must move; for 23, the same with the branch's output bias (``r_bias``) and the column sum that its
 gradient no longer needs; for 27, the same with the residual stream in bf16 (``stream``).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import bench
-from ..ops import add_layernorm as A
+from ..steps.s21_fused_layernorm import op as A
 from .kernel_records import alone_words, timed_row
 from .kernel_records import kernel_records as records_of
 

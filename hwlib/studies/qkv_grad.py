@@ -1,4 +1,4 @@
-"""Notebook 24's study of the QKV projection + attention op (``hwlib.ops.qkv_attention``): the op
+"""Notebook 24's study of the QKV projection + attention op (``hwlib.steps.s24_qkv_grad.op``): the op
 against float64 at odd sizes, and its packing kernel alone at GPT-2 small's shape against the two
 kernels inductor writes for the same work (the packing copy, then the bias gradient's reduction).
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import bench
-from ..ops import qkv_attention as Q
+from ..steps.s24_qkv_grad import op as Q
 from .kernel_records import alone_words, timed_row
 from .kernel_records import kernel_records as records_of
 

@@ -38,8 +38,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from ..device import Unavailable
-from ..precision import compute_dtype
+from ...device import Unavailable
+from ...precision import compute_dtype
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
