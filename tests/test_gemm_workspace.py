@@ -10,7 +10,7 @@ import torch
 from hwlib import blas, steps
 from hwlib.ladder.session import Session
 from hwlib.steps import chain, get_step, previous, settings_for, uses_fp8
-from hwlib.studies import gemm_workspace as S
+from hwlib.steps.s28_gemm_workspace import study as S
 
 GPU = torch.cuda.is_available()
 

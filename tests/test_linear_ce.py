@@ -441,7 +441,7 @@ def test_cut_cross_entropy_is_asked_for_its_exact_variant_as_the_release_names_i
     import enum
     import types
 
-    from hwlib.studies.lm_head import cce_exact_options
+    from hwlib.steps.s17_fused_lm_head.study import cce_exact_options
 
     old = types.SimpleNamespace(LinearCrossEntropyImpl=enum.IntEnum("I", "CCE CCE_EXACT TORCH_COMPILE"))
     new = types.SimpleNamespace(LinearCrossEntropyImpl=enum.IntEnum("I", "CCE TORCH_COMPILE"))
@@ -451,7 +451,7 @@ def test_cut_cross_entropy_is_asked_for_its_exact_variant_as_the_release_names_i
 
 
 def test_other_projects_kernels_are_rows_with_a_reason_off_cuda():
-    from hwlib.studies.lm_head import OTHERS, implementations
+    from hwlib.steps.s17_fused_lm_head.study import OTHERS, implementations
 
     rows = {name: (fn, why) for name, fn, why in implementations(torch.device("cpu"), 50, OTHERS)}
     assert set(rows) == set(OTHERS)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from hwlib.device import DeviceInfo, Unavailable
-from hwlib.steps.s26_fp8_head import op as L8
-from hwlib.steps.s18_fp8.op import E4M3, E5M2, cast_scaled, scale_for
 from hwlib.ops.sources import load_python_kernel
 from hwlib.steps import chain, get_step, unavailable, uses_fp8
-from hwlib.studies import fp8_head as S
+from hwlib.steps.s18_fp8.op import E4M3, E5M2, cast_scaled, scale_for
+from hwlib.steps.s26_fp8_head import op as L8
+from hwlib.steps.s26_fp8_head import study as S
 
 from test_linear_ce import make, ref, run
 

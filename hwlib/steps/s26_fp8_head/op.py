@@ -14,7 +14,7 @@ gradients, with FP8 operands for ``torch._scaled_mm``. For each chunk c of C row
 The gradient is softmax - onehot(t); its target entries p_t - 1 (p_t = exp(-loss_n), from the row
 pass) stay out of FP8: a row of W (of h) per token, gathered (scattered) from the same e4m3 operands
 and weighted in fp32. In e5m2 they would round on a grid 1/7 apart near -1, and trained that way
-GPT-2's loss fell far behind the bf16 head's (the kernel's doc; ``hwlib.studies.fp8_head``).
+GPT-2's loss fell far behind the bf16 head's (the kernel's doc; ``hwlib.steps.s26_fp8_head.study``).
 
 Scales: h and W one each (per tensor), from their amax on the device; the probabilities a static
 one, since every entry lies in [0, 1] (no amax pass over the logits, no sync). The
@@ -40,7 +40,7 @@ same memory, found neither SMs nor bandwidth to spare: profiled in 4 chunks, the
 chunk and the row pass 210, against 308 and 143 for a quarter of their one-chunk times in step 26.
 
 Precision (measured on GPUs by notebook 26 against float64): e4m3 keeps 3 mantissa bits, so the
-logits move by a few percent of their size (``hwlib.studies.fp8``'s head matmuls: 3.8% relative
+logits move by a few percent of their size (``hwlib.steps.s18_fp8.study``'s head matmuls: 3.8% relative
 Frobenius against 0.17% in bf16); e5m2 probabilities keep 2. The backward's GEMMs accumulate in fp32:
 with fast accumulation there (K = 50,304 and 16,384 at GPT-2's shape) GPT-2's loss fell far behind
 the bf16 head's over 300 steps on an H100, as with the target entries in e5m2. The step that uses
@@ -158,7 +158,7 @@ def _cast_both_torch(x, scale, dtype):
 
 def passes(backend: str) -> Passes:
     """The four passes the chunk loop runs outside its GEMMs, for ``backend`` ("triton" or "torch"): what the
-    op calls, and what a study times alone (``hwlib.studies.fp8_head``)."""
+    op calls, and what a study times alone (``hwlib.steps.s26_fp8_head.study``)."""
     if backend not in ("triton", "torch"):
         raise ChoiceError("backend", backend, ("triton", "torch"))
     if backend == "triton":

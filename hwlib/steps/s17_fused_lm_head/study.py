@@ -28,18 +28,18 @@ import math
 
 import torch
 
-from .. import bench, precision, results, roofline
-from ..steps.s17_fused_lm_head import ce_rows_cuda
-from ..steps.s17_fused_lm_head.op import (chunk_rows, fused_linear_cross_entropy, linear_cross_entropy_reference,
-                                          select_backend, traffic_bytes, unfused_linear_cross_entropy)
-from ..ops.sources import read_kernel_source
-from ..device import Unavailable, info, supports_bf16
-from ..shapes import padded
+from ... import bench, precision, results, roofline
+from ...device import Unavailable, info, supports_bf16
+from ...ops.sources import read_kernel_source
+from ...shapes import padded
+from . import STEP, ce_rows_cuda
+from .op import (chunk_rows, fused_linear_cross_entropy, linear_cross_entropy_reference, select_backend, traffic_bytes,
+                 unfused_linear_cross_entropy)
 
 IMPLS = ("unfused, compiled", "unfused, eager", "hwlib fused", "hwlib fused, Triton row pass", "liger",
          "cut-cross-entropy")
 OTHERS = ("liger", "cut-cross-entropy")     # other projects' kernels: a failure there is a row, not a crash
-NOTEBOOK = "17_fused_lm_head"
+NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its name
 IGNORED_SHARE = 0.01          # a few ignore_index targets, as padding or masked prompts would give
 
 
@@ -278,7 +278,7 @@ def kernel_config_rows(n_rows: int, vocab: int, vocab_padded: int, device, confi
     on the bytes each moves: the Triton pass two reads of V columns and one write of V_pad per row,
     the CUDA pass one read and one write of V_pad. ``default``: the launch ``auto`` makes. CUDA only:
     the interpreter's times mean nothing."""
-    from ..steps.s17_fused_lm_head.op import _kernel
+    from .op import _kernel
     kern = _kernel()
     auto = select_backend("auto", device, torch.bfloat16, vocab_padded)
     device = torch.device(device)

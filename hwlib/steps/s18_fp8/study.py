@@ -1,4 +1,4 @@
-"""The LM head's three matmuls in bf16 and in FP8 (notebook 18): where FP8 pays and what the layouts cost.
+"""Step 18's study: the LM head's three matmuls in bf16 and in FP8, where FP8 pays and what the layouts cost.
 
 At GPT-2 small's head (M = 16,384 tokens, K = 768 wide, N = 50,304 vocabulary) one training step
 runs y = x W^T, dx = dy W and dW = dy^T x: 3 x 2 M N K FLOPs. Variants, each timed as the three
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench, results
-from ..device import ChoiceError, fp8_missing, info, resolve_device
-from ..steps.s18_fp8.op import E4M3, E5M2, quantize, quantize_both
-from ..profiles import GPU_PROFILES
-from ..shapes import padded
-from ..workloads import gpt
+from ... import bench, results
+from ...device import ChoiceError, fp8_missing, info, resolve_device
+from ...profiles import GPU_PROFILES
+from ...shapes import padded
+from ...workloads import gpt
+from .op import E4M3, E5M2, quantize, quantize_both
 
 # (M, K, N) per profile: GPT-2 small's head at each GPU-sized profile's ladder batch (M = batch x
-# context tokens; N the vocabulary padded to a multiple of 64, as notebook 07 pads it), so that mid's
+# context tokens; N the vocabulary padded to a multiple of 64, as step 07 pads it), so that mid's
 # M is a quarter of full's as its batch is. The float64 reference of y = x W^T and the float64
 # copies each error takes hold M N x 8 B apiece (6.1 GiB at full's M): the study's tensors peaked
 # at 23.8 GiB at full's M on an H100, more than a 16 GB GPU has, and at 6.4 GiB at mid's.
