@@ -8,7 +8,7 @@ of GPT-2's step 25 on an H100, 130 memsets a step (one before most matmuls and t
 came with 0.56 ms of gaps around them and 0.10 ms of their own, in a 31.7 ms step. Without a
 workspace cuBLAS picks the same tiles with a scheduler that needs no counters (``ssched`` in the
 kernel's name) and no memset. The products are computed in the same tiles and precision; notebook
-28 measures what it changes (``hwlib.studies.gemm_workspace``), and its table of memsets per call
+28 measures what it changes (``hwlib.steps.s28_gemm_workspace.study``), and its table of memsets per call
 shows whether the setting took on the torch at hand.
 
 How the size is set. torch 2.13 and later: ``torch.backends.cuda.cublas_workspace_size`` and
@@ -16,7 +16,7 @@ How the size is set. torch 2.13 and later: ``torch.backends.cuda.cublas_workspac
 ``CUBLAS_WORKSPACE_CONFIG`` (cuBLASLt's size capped at cuBLAS's) when it hands a handle its workspace:
 torch 2.11, on which this was measured, reads it on every call; older versions may read it once, and
 there the setting may not take (the notebook's table says so). hwlib's plain cuBLASLt matmul
-(``hwlib.ops.gelu_mlp``'s input gradient) takes ``lt_workspace_bytes()``; its two GELU epilogue matmuls
+(``hwlib.steps.s22_gelu_epilogue.op``'s input gradient) takes ``lt_workspace_bytes()``; its two GELU epilogue matmuls
 keep their workspace, without which cuBLASLt has no fused DGELU kernel (``gelu_mlp.workspace_bytes``).
 A CUDA graph keeps the kernels it captured: the setting must hold while a graph is recorded, not
 while it replays.

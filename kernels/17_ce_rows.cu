@@ -1,5 +1,5 @@
 // Cross-entropy of one chunk of logits rows, and its gradient written over the logits, reading each
-// row from memory once: the CUDA row pass of the fused LM head (hwlib/ops/linear_ce.py). The Triton
+// row from memory once: the CUDA row pass of the fused LM head (hwlib/steps/s17_fused_lm_head/op.py). The Triton
 // row pass (17_linear_ce_triton.py) computes the same formulas in two passes over the row in memory.
 //
 // For the rows n of z [C, V_pad] (only the first V columns are classes), targets t_n, and s the

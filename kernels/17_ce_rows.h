@@ -1,5 +1,5 @@
 // The C ABI of 17_ce_rows.cu, declared once: 17_ce_rows.cu includes it (the compiler checks its definitions
-// against it) and so does the torch binding in hwlib/ops/ce_rows_cuda.py. Plain C types only.
+// against it) and so does the torch binding in hwlib/steps/s17_fused_lm_head/ce_rows_cuda.py. Plain C types only.
 //
 // z: [rows, V_pad] logits (row stride `stride` elements, 16-byte aligned rows), bf16 (dtype 0) or fp16
 // (dtype 1); t: [rows] int64 targets; loss: [rows] float32; scale: one float32 on the device. The

@@ -2,7 +2,7 @@
 
 Loaded from this folder by ``hwlib.ops.sources`` (imported by path, not as a package module); the
 Python face (the chunk loop, the GEMMs on cuBLAS, the autograd op, the float64 reference) is
-``hwlib/ops/linear_ce.py``.
+``hwlib/steps/s17_fused_lm_head/op.py``.
 
 The fused LM head computes, for the rows n of a chunk of hidden states h [C, D] and the head weight
 W [V_pad, D] (only the first V rows are classes; the rest pad the GEMM to full tiles):

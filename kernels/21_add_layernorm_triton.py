@@ -2,7 +2,7 @@
 
 Loaded from this folder by ``hwlib.ops.sources`` (imported by path, not as a package module); the
 Python face (the autograd op, the torch backend, the float64 reference) is
-``hwlib/ops/add_layernorm.py``.
+``hwlib/steps/s21_fused_layernorm/op.py``.
 
 A pre-LayerNorm block adds a branch's output to the residual stream and normalises the sum for the
 next branch. For rows n of the stream x [M, D] (fp32 under autocast) and the branch output r [M, D]
@@ -18,10 +18,10 @@ stream; zero where s has no other use), with s_hat = (s - mu) rstd and g = dy w:
     ds   = ds_in + rstd (g - mean(g) - s_hat mean(g s_hat))     -> dx = ds (fp32), dr = ds (r's dtype)
     dw   = sum_n dy_n s_hat_n,   db = sum_n dy_n                  (partial sums per program, then one sum of both)
 
-With the bias column (``ones_column``), y is written PAD wider (``hwlib.ops.add_layernorm.BIAS_COLUMNS``):
+With the bias column (``ones_column``), y is written PAD wider (``hwlib.steps.s21_fused_layernorm.op.BIAS_COLUMNS``):
 y_n, then 1, then zeros. A
 matmul of the next linear's output gradient with these rows gives that linear's bias gradient as one
-more column of its weight gradient (``hwlib.ops.gelu_mlp``), instead of a column sum of its own. The
+more column of its weight gradient (``hwlib.steps.s22_gelu_epilogue.op``), instead of a column sum of its own. The
 backward reads dy's first D columns (the column is a constant; its gradient is not needed).
 
 With the branch's output bias c [D] passed in (``r_bias``: the branch's last matmul then runs without
@@ -42,7 +42,7 @@ and the dw/db reductions each read their inputs again. GPT-2 small (M = 16,384, 
 forward, 201 MB backward per call; 24 calls a step (two per block), 8.4 GB. FLOPs ~10 D a row: no
 compute limit anywhere near.
 
-With the stream in the branch's 16-bit dtype (``hwlib.ops.add_layernorm``'s bf16 stream), every stream
+With the stream in the branch's 16-bit dtype (``hwlib.steps.s21_fused_layernorm.op``'s bf16 stream), every stream
 term halves and dr is dx itself, not written:
 
     forward   read x 2D + r 2D, write s 2D + y 2D, + 8                      =  8 D

@@ -1,7 +1,7 @@
 // GPT's MLP GELU inside the matmuls' epilogues, through cuBLASLt: host C++ that configures cuBLASLt's
 // own kernels (no device code of ours, hence .cpp, compiled by the host compiler against the CUDA
 // toolkit's cublasLt.h). No torch headers; its C ABI is declared once, in 22_gelu_epilogue.h; the torch
-// binding lives in hwlib/ops/gelu_mlp.py and hwlib/ops/build.py loads both with load_inline.
+// binding lives in hwlib/steps/s22_gelu_epilogue/op.py and hwlib/ops/build.py loads both with load_inline.
 //
 // Math, bf16 operands, fp32 accumulation, g(u) = 0.5 u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3))):
 //   forward      pre = x W^T + b,  out = g(pre)          x [M, K], W [N, K], b [N]; out, pre [M, N]
@@ -16,7 +16,7 @@
 //   * the bias gradients in cuBLASLt's epilogues: DGELU_BGRAD (fc's, in the input-gradient matmul) took
 //     490 us against the plain matmul's 126; BGRADB (each bias gradient in its weight-gradient matmul)
 //     took 160 us against 145 for the plain matmul and inductor's column sum (fc's), 133 against 121
-//     (proj's). The column sums stay with inductor (hwlib/ops/gelu_mlp.py's backward formula);
+//     (proj's). The column sums stay with inductor (hwlib/steps/s22_gelu_epilogue/op.py's backward formula);
 //   * timing the heuristic's first 16 kernels on each shape's first call and keeping the fastest: the
 //     DGELU matmul went from 168-170 us to 161 us, the others moved by less than their spread, and the
 //     step within noise (notebook 20's gelu_epilogue knob at step 21: 1.022x, 1.007-1.037, against
@@ -37,7 +37,7 @@
 // At GPT-2 small's MLP each MN term is 100 MB: 6 MN bytes fewer per layer and step (302 MB, ~0.1 ms of a
 // 3 TB/s HBM) at one pass per op.
 //
-// With the bias column (hwlib.ops.gelu_mlp's bias_column): x's rows are K + 16 wide, the LayerNorm's output
+// With the bias column (hwlib.steps.s22_gelu_epilogue.op's bias_column): x's rows are K + 16 wide, the LayerNorm's output
 // beside a column of ones and zeros (ldx K + 16; the forward reads the first K); the input gradient
 // dx = dpre W_fc is a plain matmul written into rows K + 16 wide (lddx), the gradient of that wider tensor, and
 // the bias gradient comes out of the weight-gradient matmul dpre^T [x, 1] (in torch, outside this file).

@@ -1,5 +1,5 @@
 // The C ABI of 22_gelu_epilogue.cpp, declared once. 22_gelu_epilogue.cpp includes it (so its definitions are
-// checked against it by the compiler) and so does the torch binding in hwlib/ops/gelu_mlp.py. Plain
+// checked against it by the compiler) and so does the torch binding in hwlib/steps/s22_gelu_epilogue/op.py. Plain
 // C types only: no CUDA, cuBLAS or torch headers are needed to include it.
 //
 // Matrices are raw pointers to bf16, row-major. handle is a cublasLtHandle_t, stream a cudaStream_t,

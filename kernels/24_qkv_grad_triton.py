@@ -3,7 +3,7 @@ gradient summed in the same pass. One Triton kernel.
 
 Loaded from this folder by ``hwlib.ops.sources`` (imported by path, not as a package module); the
 Python face (the autograd op, the torch backend, the float64 reference) is
-``hwlib/ops/qkv_attention.py``.
+``hwlib/steps/s24_qkv_grad/op.py``.
 
 GPT's attention projects its input x [N, C] (N = B T tokens) to qkv = x W^T + b [N, 3C] and reads q,
 k and v out of it as [B, H, T, D] views (C = H D). The attention's backward returns dq, dk, dv as

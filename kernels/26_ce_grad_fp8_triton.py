@@ -2,7 +2,7 @@
 layouts the backward's FP8 matmuls need, in Triton.
 
 Loaded from this folder by ``hwlib.ops.sources``; the Python face (the chunk loop, the FP8 GEMMs,
-the one-hot part, the autograd op, the float64 reference) is ``hwlib/ops/linear_ce_fp8.py``.
+the one-hot part, the autograd op, the float64 reference) is ``hwlib/steps/s26_fp8_head/op.py``.
 
 For the rows n of a chunk (logits z [C, V_pad] in bf16, each row's log-sum-exp already computed by
 ``17_linear_ce_triton.py``'s row pass), per column v:
@@ -15,7 +15,7 @@ The gradient is softmax - onehot(t). Its target entry, p_t - 1, stays out of FP8
 (p_t - 1) W's row t_n to dh_n and (p_t - 1) h_n to dW's row t_n, in fp32, with p_t = exp(-loss_n) from
 the row pass. In e5m2 the target entry would round on a grid 1/7 apart near -1 (every p_t below 0.07
 reads as 0), the largest error of the row and the same sign wherever p_t sits on a step: trained that
-way, GPT-2's loss fell far behind step 25's (``hwlib.studies.fp8_head``'s long curves). Rounding p - 1
+way, GPT-2's loss fell far behind step 25's (``hwlib.steps.s26_fp8_head.study``'s long curves). Rounding p - 1
 as p and 1 apart would trade that for another: a p_t near 1 rounds by up to 2^-3 of 1, larger than
 the 1 - p_t it stands for. The other entries are probabilities alone, each rounded by at most 2^-3
 of itself.

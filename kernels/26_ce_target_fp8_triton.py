@@ -2,7 +2,7 @@
 
 Loaded from this folder by ``hwlib.ops.sources``; the Python face (the chunk loop, the FP8 GEMMs,
 ``26_ce_grad_fp8_triton.py``'s pass for the other entries, the autograd op) is
-``hwlib/ops/linear_ce_fp8.py``, whose ``_add_target_terms`` is this kernel's math in torch ops.
+``hwlib/steps/s26_fp8_head/op.py``, whose ``_add_target_terms`` is this kernel's math in torch ops.
 
 The gradient of the mean cross-entropy is (softmax - onehot(t)) / #targets. The FP8 matmuls take the
 off-target probabilities (``P``, e5m2); each row's target entry, c_n = (p_t - 1) w_n / #targets (w_n:

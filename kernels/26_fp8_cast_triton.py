@@ -1,6 +1,6 @@
 """One tensor cast to FP8 in both layouts from one read, in Triton.
 
-Loaded from this folder by ``hwlib.ops.sources``; its Python face is ``hwlib.ops.linear_ce_fp8``,
+Loaded from this folder by ``hwlib.ops.sources``; its Python face is ``hwlib.steps.s26_fp8_head.op``,
 which quantizes the LM head's hidden states and weight with it (outside torch.compile's graph, where
 inductor cannot fuse the casts).
 

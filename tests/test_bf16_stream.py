@@ -1,15 +1,15 @@
 """Step 27, the residual stream in bf16: its settings and chain, the roofline's count, the breakdown's
-caveat, notebook 27's study (the kernel it prints, its words) and the band it reads back (report.recipe)."""
+caveat, its study (the kernel it prints, its words) and the band it reads back (report.recipe)."""
 
 from __future__ import annotations
 
 import pytest
 
 from hwlib import steps
-from hwlib.ops.add_layernorm import traffic_bytes
 from hwlib.report import recipe
 from hwlib.steps import chain, get_step, previous, uses_fp8
-from hwlib.studies import bf16_stream as S
+from hwlib.steps.s21_fused_layernorm.op import traffic_bytes
+from hwlib.steps.s27_bf16_stream import study as S
 from hwlib.studies import breakdown as bd
 from hwlib.workloads import get_workload
 

@@ -10,8 +10,9 @@ from torch._inductor import exc as inductor_exc
 from torch._inductor import lowering as L
 
 from hwlib.ladder.session import compile_model
-from hwlib.ops import add_layernorm as A
-from hwlib.ops import fallbacks, linear_ce  # noqa: F401  (registers its op)
+from hwlib.ops import fallbacks
+from hwlib.steps.s17_fused_lm_head import op as linear_ce  # noqa: F401  (registers its op)
+from hwlib.steps.s21_fused_layernorm import op as A
 
 OPS = (torch.ops.hwlib.add_layer_norm.default, torch.ops.hwlib.add_layer_norm_backward.default,
        torch.ops.hwlib.linear_cross_entropy.default)

@@ -1,4 +1,4 @@
-"""FP8 linear layers (hwlib.ops.fp8) on CPU: torch._scaled_mm runs there too, so the forward and both
+"""FP8 linear layers (hwlib.steps.s18_fp8.op) on CPU: torch._scaled_mm runs there too, so the forward and both
 gradients are checked against float64 matmuls of the same FP8-rounded operands (tight) and of the
 unrounded ones (within FP8's rounding), on fresh random inputs of odd sizes; the capability gate
 and the layer swap of the GPT model."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hwlib.device import ChoiceError, DeviceInfo, Unavailable
-from hwlib.ops import fp8
+from hwlib.steps.s18_fp8 import op as fp8
 from hwlib.steps import get_step, unavailable, uses_fp8
 from hwlib.workloads import get_workload
 
@@ -143,7 +143,7 @@ def test_the_fp8_step_is_skipped_with_the_reason_where_fp8_is_missing():
 
 
 def test_head_matmuls_rows_on_cpu():
-    from hwlib.studies import fp8 as study
+    from hwlib.steps.s18_fp8 import study
     rows = study.head_matmuls("smoke", "cpu", shape=(48, 32, 80), iters=2)
     assert [r["variant"] for r in rows] == list(study.VARIANTS) and all(r["status"] == "ok" for r in rows)
     bf16, fp8_rows = rows[0], rows[1:]
@@ -155,7 +155,7 @@ def test_head_matmuls_rows_on_cpu():
 
 
 def test_block_matmuls_time_every_linear_of_a_block_and_check_it_against_float64():
-    from hwlib.studies import fp8 as study
+    from hwlib.steps.s18_fp8 import study
     from hwlib.workloads import gpt
     cfg = gpt.PROFILES["smoke"]
     M, d = cfg.batch * cfg.context, cfg.d_model
@@ -178,7 +178,7 @@ def test_block_matmuls_time_every_linear_of_a_block_and_check_it_against_float64
 
 
 def test_matmul_headroom_is_the_layers_savings_plus_the_heads():
-    from hwlib.studies import fp8 as study
+    from hwlib.steps.s18_fp8 import study
     fp8 = study.VARIANTS[3]
 
     def row(variant, ms, linear=None, status="ok"):
@@ -198,7 +198,7 @@ def test_matmul_headroom_is_the_layers_savings_plus_the_heads():
 
 
 def test_matmul_records_and_headroom_words():
-    from hwlib.studies import fp8 as study
+    from hwlib.steps.s18_fp8 import study
     ok = {"variant": "bf16", "linear": "mlp_fc", "M": 16, "K": 32, "N": 48, "status": "ok", "reason": None,
           "ms": 0.5, "p20_ms": 0.4, "p80_ms": 0.6, "err_y": 1e-3, "err_dx": 2e-3, "err_dw": 3e-3, "tflops": 9.0}
     skipped = {**{k: ok[k] for k in ("linear", "M", "K", "N")}, "variant": study.VARIANTS[3], "status": "skipped",

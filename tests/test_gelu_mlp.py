@@ -1,4 +1,4 @@
-"""The MLP with its GELU in the matmuls' epilogues (hwlib.ops.gelu_mlp): forward and every gradient
+"""The MLP with its GELU in the matmuls' epilogues (hwlib.steps.s22_gelu_epilogue.op): forward and every gradient
 against the float64 reference on fresh random inputs of odd sizes, on each backend that runs here;
 bad input; torch.compile; GPT's blocks with the op against the unfused blocks."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hwlib.blas import LT_WORKSPACE_BYTES
 from hwlib.device import ChoiceError, Unavailable
 from hwlib.ops import fallbacks
-from hwlib.ops import gelu_mlp as gm
+from hwlib.steps.s22_gelu_epilogue import op as gm
 
 GPU = torch.cuda.is_available()
 
@@ -77,7 +77,7 @@ def test_with_the_bias_column(backend):
     """bias_column: x carries a column of ones and zeros after its K columns (as add_layer_norm's
     ones_column writes it); the output, dW_fc and db_fc (now a column of one matmul) against float64,
     and x's gradient as wide as x, zero in the extra columns."""
-    from hwlib.ops.add_layernorm import BIAS_COLUMNS as P, with_bias_column
+    from hwlib.steps.s21_fused_layernorm.op import BIAS_COLUMNS as P, with_bias_column
     dev, dt = ("cuda", torch.bfloat16) if backend == "cublaslt" else ("cpu", torch.float32)
     leaves, dy = _inputs(67, 16, 64, 24, seed=19, device=dev, dtype=dt)
     x = leaves[0].detach()
@@ -217,7 +217,7 @@ def test_gpt_blocks_with_the_op_compute_the_unfused_model():
 def test_fp8_and_the_epilogue_are_one_or_the_other():
     from conftest import gpt_with
     from hwlib.steps import Precondition
-    with pytest.raises(Precondition, match="22_gelu_epilogue .* not after 18_fp8"):
+    with pytest.raises(Precondition, match=r"22_gelu_epilogue .*\(not after 18_fp8\)"):
         gpt_with("18_fp8", "22_gelu_epilogue")
     with pytest.raises(Precondition, match="18_fp8 .* needs the plain MLP"):
         gpt_with("22_gelu_epilogue", "18_fp8")

@@ -10,7 +10,7 @@ import torch
 from hwlib import blas, steps
 from hwlib.ladder.session import Session
 from hwlib.steps import chain, get_step, previous, settings_for, uses_fp8
-from hwlib.studies import gemm_workspace as S
+from hwlib.steps.s28_gemm_workspace import study as S
 
 GPU = torch.cuda.is_available()
 
@@ -163,7 +163,7 @@ def test_a_workspace_first_made_without_a_size_is_not_used_after():
 
 
 def test_the_gelu_epilogues_keep_their_workspace_and_the_plain_matmul_follows_the_setting():
-    from hwlib.ops import gelu_mlp as G
+    from hwlib.steps.s22_gelu_epilogue import op as G
     for free in (False, True):
         with blas.no_workspace(free):
             assert G.workspace_bytes("forward") == G.workspace_bytes("backward") == blas.LT_WORKSPACE_BYTES

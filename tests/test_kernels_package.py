@@ -157,7 +157,8 @@ def test_importing_the_notebook_helpers_imports_no_compiler():
     """``from hwlib import notebook`` (every notebook's first import) stays clear of torch._dynamo and
     triton: about a second of import per process, and Triton's interpreter mode must be settable
     after it (``sources.triton_interpreter_mismatch``)."""
-    code = "import sys, hwlib.notebook, hwlib.ops.linear_ce_fp8, hwlib.ops.gelu_mlp, hwlib.ops.qkv_attention\n" \
+    code = "import sys, hwlib.notebook, hwlib.steps.s26_fp8_head.op, hwlib.steps.s22_gelu_epilogue.op, " \
+           "hwlib.steps.s24_qkv_grad.op\n" \
            "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})

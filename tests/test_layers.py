@@ -4,6 +4,7 @@ Every import is read from the source (module level and inside functions alike), 
 hide behind a function-local import."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,10 @@ LAYERS = {
     "edge": {"query", "report", "seeds", "dashboard", "notebook", "cli", "runs", "release", "series"},
 }
 ORDER = ["base", "core", "runners", "edge"]
+# A step folder's study (hwlib/steps/sNN_name/study.py) times the step's op alone, drives the runner for
+# its long curves and writes records: a runner, although its folder is in the core. So the core (the
+# step's op, apply and predict, the ladder's list) never imports it; a notebook or a test does.
+STUDY = re.compile(r"hwlib\.steps\.s\d\d_[a-z0-9_]+\.study")
 # memory/ holds primitives the ladder's session uses (accumulation, offload, checkpoint): it sits
 # with the runners but imports nothing from them.
 
@@ -31,6 +36,8 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
+    if STUDY.fullmatch(module):
+        return "runners"
     parts = module.split(".")
     top = parts[1] if len(parts) > 1 else "__init__"
     for name, tops in LAYERS.items():
@@ -131,6 +138,15 @@ def test_the_checks_can_fail():
     with pytest.raises(AssertionError):
         layer_of("hwlib.nowhere")
     assert ORDER.index(layer_of("hwlib.cli")) > ORDER.index(layer_of("hwlib.results"))
+    assert layer_of("hwlib.steps.s25_bias_column.study") == "runners"
+    assert layer_of("hwlib.steps.s25_bias_column.apply") == layer_of("hwlib.steps.s25_bias_column") == "core"
+
+
+def test_step_folders_hold_their_studies():
+    """Each study.py under hwlib/steps is a step folder's, so the layer rule above sees it."""
+    studies = [m for m in graph() if m.rpartition(".")[2] == "study"]
+    assert studies, "no step folder holds a study"
+    assert all(STUDY.fullmatch(m) for m in studies), studies
 
 
 def test_the_core_a_ladder_notebook_imports_stays_within_its_budget():

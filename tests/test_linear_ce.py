@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from hwlib.device import ChoiceError, Unavailable
-from hwlib.ops import ce_rows_cuda as C
-from hwlib.ops import linear_ce as L
-from hwlib.ops.linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference, unfused_linear_cross_entropy
+from hwlib.steps.s17_fused_lm_head import ce_rows_cuda as C
+from hwlib.steps.s17_fused_lm_head import op as L
+from hwlib.steps.s17_fused_lm_head.op import (fused_linear_cross_entropy, linear_cross_entropy_reference,
+                                            unfused_linear_cross_entropy)
 
 
 def _gen(*key) -> torch.Generator:
@@ -440,7 +441,7 @@ def test_cut_cross_entropy_is_asked_for_its_exact_variant_as_the_release_names_i
     import enum
     import types
 
-    from hwlib.studies.lm_head import cce_exact_options
+    from hwlib.steps.s17_fused_lm_head.study import cce_exact_options
 
     old = types.SimpleNamespace(LinearCrossEntropyImpl=enum.IntEnum("I", "CCE CCE_EXACT TORCH_COMPILE"))
     new = types.SimpleNamespace(LinearCrossEntropyImpl=enum.IntEnum("I", "CCE TORCH_COMPILE"))
@@ -450,7 +451,7 @@ def test_cut_cross_entropy_is_asked_for_its_exact_variant_as_the_release_names_i
 
 
 def test_other_projects_kernels_are_rows_with_a_reason_off_cuda():
-    from hwlib.studies.lm_head import OTHERS, implementations
+    from hwlib.steps.s17_fused_lm_head.study import OTHERS, implementations
 
     rows = {name: (fn, why) for name, fn, why in implementations(torch.device("cpu"), 50, OTHERS)}
     assert set(rows) == set(OTHERS)

@@ -1,4 +1,4 @@
-"""The FP8 LM head (hwlib.ops.linear_ce_fp8): loss and gradients against float64, from the same
+"""The FP8 LM head (hwlib.steps.s26_fp8_head.op): loss and gradients against float64, from the same
 FP8-rounded operands and exact, at odd sizes (padded to 16 inside); its Triton kernels (compiled on a
 GPU, interpreted on CPU tensors: conftest.py sets TRITON_INTERPRET=1) against the torch backend, both
 FP8 layouts element by element; ignore_index, bad input, no_grad, torch.compile, opcheck; GPT's head
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from hwlib.device import DeviceInfo, Unavailable
-from hwlib.ops import linear_ce_fp8 as L8
-from hwlib.ops.fp8 import E4M3, E5M2, cast_scaled, scale_for
 from hwlib.ops.sources import load_python_kernel
 from hwlib.steps import chain, get_step, unavailable, uses_fp8
-from hwlib.studies import fp8_head as S
+from hwlib.steps.s18_fp8.op import E4M3, E5M2, cast_scaled, scale_for
+from hwlib.steps.s26_fp8_head import op as L8
+from hwlib.steps.s26_fp8_head import study as S
 
 from test_linear_ce import make, ref, run
 

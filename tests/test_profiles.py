@@ -115,7 +115,8 @@ def test_an_unknown_profile_is_a_choice_error_naming_where_it_came_from(monkeypa
 
 def test_gpu_sized_and_every_table_keyed_by_profile_knows_mid():
     from hwlib.distributed import request
-    from hwlib.studies import ablation, fp8
+    from hwlib.steps.s18_fp8 import study as fp8
+    from hwlib.studies import ablation
     assert [gpu_sized(p) for p in ("full", "mid", "smoke", "auto")] == [True, True, False, False]
     for p in ("full", "mid", "smoke"):
         assert isinstance(profiles.plan(p), profiles.Plan) and p in ablation.WINDOWS and p in fp8.HEAD_SHAPE

@@ -1,4 +1,4 @@
-"""The QKV projection + causal attention op (hwlib.ops.qkv_attention): the heads' output and the
+"""The QKV projection + causal attention op (hwlib.steps.s24_qkv_grad.op): the heads' output and the
 gradients of x, the weight and the bias against float64 on fresh random inputs of odd sizes, for both
 packing backends (the Triton kernel compiled on CUDA where a GPU is visible, else interpreted on CPU
 tensors); the packing kernel alone on strided inputs; under torch.compile; GPT with the op against
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hwlib.device import ChoiceError
-from hwlib.ops import qkv_attention as Q
+from hwlib.steps.s24_qkv_grad import op as Q
 
 GPU = torch.cuda.is_available()
 

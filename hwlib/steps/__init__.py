@@ -2,7 +2,10 @@
 
 ``LADDER`` is every step in order; a step past the recipe is ``hwlib/steps/sNN_name/``: its ``STEP``
 (name, the step it builds on, tolerance and reason, where it applies), its ``apply(model)`` that swaps
-modules in, and its roofline ``predict``. The helpers below find a step, its chain and its settings.
+modules in, its roofline ``predict``, the op it introduces (``op.py``; later steps import it from
+there) and its study (``study.py``: the op against float64 and its kernels alone). A study is a runner:
+nothing in the core, this package's ``__init__``, ``apply``, ``predict`` and ``op`` included, imports
+one. The helpers below find a step, its chain and its settings.
 """
 
 from ..settings import Settings

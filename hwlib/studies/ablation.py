@@ -277,7 +277,7 @@ def _needs_sdpa(workload, st, di, step=None):
     if workload not in ("gpt", "encoder_nli", "vit_bdh"):
         return f"{workload} has no softmax attention for SDPA to run"
     if workload == "gpt" and step is not None and "24_qkv_grad" in {s.name for s in chain(step)}:
-        # hwlib.ops.qkv_attention calls the device's fused kernel itself: sdpa_kernel never reaches it,
+        # hwlib.steps.s24_qkv_grad.op calls the device's fused kernel itself: sdpa_kernel never reaches it,
         # and both arms would time the same kernel
         return "the step's attention is hwlib's QKV op (step 24), which calls its kernel directly, not through SDPA"
     return None

@@ -5,7 +5,7 @@ near the matmul ceiling, the LayerNorm / elementwise kernels (LayerNorm, bias + 
 casts: Triton kernels inductor wrote) far above their one-pass floor. Inductor has options aimed at
 exactly that, off by default because they cost compile time: ``KNOBS`` holds the few that target it,
 each with the reason it could help this step. One knob is not an inductor option but a fusion of the
-lab's own, the residual add fused into the LayerNorm after it (``hwlib.ops.add_layernorm``, a
+lab's own, the residual add fused into the LayerNorm after it (``hwlib.steps.s21_fused_layernorm.op``, a
 ``step`` knob: the arm *with* has step 21's modules swapped in), measured the same way to
 answer whether inductor's kernels for that work leave anything to take.
 
@@ -258,7 +258,7 @@ def best_step(workload: str = "gpt", device: str | torch.device = "auto",
     fastest = fastest_step(rows) if rows else None
     if fastest is not None:
         return fastest, None
-    from ..ops import linear_ce   # the fused head's own check of its Triton backend
+    from ..steps.s17_fused_lm_head import op as linear_ce   # the fused head's own check of its Triton backend
 
     di = info(resolve_device(device))
     st = get_step(STEP)

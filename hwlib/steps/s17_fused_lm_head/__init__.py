@@ -1,4 +1,5 @@
-"""Step 17_fused_lm_head: see ``apply.py`` for what it swaps in and ``predict.py`` for what it removes."""
+"""Step 17_fused_lm_head: see ``op.py`` for its op (its CUDA row pass in ``ce_rows_cuda.py``),
+``apply.py`` for what it swaps in, ``predict.py`` for what it removes and ``study.py`` for its kernels alone."""
 
 from ..step import Step
 from . import apply as _apply, predict as _predict

@@ -1,11 +1,11 @@
-"""Step 17: the LM head and its cross-entropy as one chunked op (``hwlib.ops.linear_ce``): the
+"""Step 17: the LM head and its cross-entropy as one chunked op (``hwlib.steps.s17_fused_lm_head.op``): the
 [tokens, V] logits are never written to memory."""
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ...ops.linear_ce import fused_linear_cross_entropy
+from .op import fused_linear_cross_entropy
 from ..step import require
 
 

@@ -1,11 +1,11 @@
-"""Step 18: the MLP's two linears as FP8 matmuls (``hwlib.ops.fp8``: e4m3 forward, e5m2 gradients,
+"""Step 18: the MLP's two linears as FP8 matmuls (``hwlib.steps.s18_fp8.op``: e4m3 forward, e5m2 gradients,
 per-tensor scales), sharing the very same parameters."""
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ...ops.fp8 import swap_mlp_linears
+from .op import swap_mlp_linears
 from ...workloads.blocks import MLP
 from ..step import require
 

@@ -1,4 +1,5 @@
-"""Step 21_fused_layernorm: see ``apply.py`` for what it swaps in and ``predict.py`` for what it removes."""
+"""Step 21_fused_layernorm: see ``op.py`` for its op, ``apply.py`` for what it swaps in,
+``predict.py`` for what it removes and ``study.py`` for its kernels alone."""
 
 from ..step import Step
 from . import apply as _apply, predict as _predict

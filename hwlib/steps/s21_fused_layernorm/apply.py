@@ -1,4 +1,4 @@
-"""Step 21: each residual add fused into the LayerNorm after it (``hwlib.ops.add_layernorm``: one
+"""Step 21: each residual add fused into the LayerNorm after it (``hwlib.steps.s21_fused_layernorm.op``: one
 Triton kernel each way), in a trunk that hands each branch's output on unsummed.
 
     x_{i+1} = x_i + r_i,  h = LN(x_{i+1})   ->   (x_{i+1}, h) = add_layer_norm(x_i, r_i, LN)
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...ops.add_layernorm import add_layer_norm
+from .op import add_layer_norm
 from ...precision import compute_dtype
 from ..step import require
 

@@ -1,11 +1,11 @@
-"""Step 22: each block's MLP as one op (``hwlib.ops.gelu_mlp``) whose bias + GELU and GELU
+"""Step 22: each block's MLP as one op (``hwlib.steps.s22_gelu_epilogue.op``) whose bias + GELU and GELU
 derivative run in its matmuls' cuBLASLt epilogues, on the block's own parameters."""
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ...ops.gelu_mlp import gelu_mlp
+from .op import gelu_mlp
 from ...workloads.blocks import MLP
 from ..step import require
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...ops.gelu_mlp import bytes_removed
+from .op import bytes_removed
 
 
 def predict(ctx):

@@ -1,11 +1,11 @@
-"""Step 24: the QKV projection and the attention as one op (``hwlib.ops.qkv_attention``), whose
+"""Step 24: the QKV projection and the attention as one op (``hwlib.steps.s24_qkv_grad.op``), whose
 backward packs dq, dk, dv into the projection's gradient and sums the QKV bias's in the same pass."""
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ...ops.qkv_attention import attention_problem, fit_problem, qkv_attention
+from .op import attention_problem, fit_problem, qkv_attention
 from ...ops.sources import warn_fallback
 from ...precision import compute_dtype
 from ...workloads.gpt import CausalHeads

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...ops.qkv_attention import traffic_bytes
+from .op import traffic_bytes
 
 
 def predict(ctx):

@@ -1,4 +1,5 @@
-"""Step 26_fp8_head: see ``apply.py`` for what it swaps in and ``predict.py`` for what it removes."""
+"""Step 26_fp8_head: see ``op.py`` for its op, ``apply.py`` for what it swaps in,
+``predict.py`` for what it removes and ``study.py`` for its kernels alone."""
 
 from ..step import Step
 from . import apply as _apply, predict as _predict
@@ -12,7 +13,7 @@ FP8_HEAD_TOLERANCE = (
     "notebook 26 (curve_move) on every run. The 10 steps cannot see a gradient error that only steers "
     "training (a head that rounded p_t - 1 into e5m2 passed them and then fell far behind), so notebook 26 also "
     "trains steps 09, 25 and 26 for 300 steps and bounds the FP8 step's end against step 25's "
-    "(hwlib.studies.fp8_head.LONG_TOL)")
+    "(hwlib.steps.s26_fp8_head.study.LONG_TOL)")
 
 STEP = Step("26_fp8_head", "the fused LM head's three matmuls in FP8 (e4m3 forward; the gradient's probabilities in e5m2, "
     "in both layouts, its target entries in fp32)", tolerance=1e-2, gpu_only=True, after="25_bias_column",

@@ -1,11 +1,11 @@
-"""Step 26: the fused LM head's three matmuls in FP8 (``hwlib.ops.linear_ce_fp8``: e4m3 forward; the
+"""Step 26: the fused LM head's three matmuls in FP8 (``hwlib.steps.s26_fp8_head.op``: e4m3 forward; the
 gradient's probabilities in e5m2, in both layouts, its target entries in fp32)."""
 
 from __future__ import annotations
 
 import torch.nn as nn
 
-from ...ops.linear_ce_fp8 import fused_linear_cross_entropy_fp8
+from .op import fused_linear_cross_entropy_fp8
 from ..s17_fused_lm_head.apply import FusedLinearCEHead
 from ..step import require
 

@@ -1,4 +1,5 @@
-"""Step 27_bf16_stream: see ``apply.py`` for what it swaps in and ``predict.py`` for what it removes."""
+"""Step 27_bf16_stream: see ``apply.py`` for what it swaps in, ``predict.py`` for what it removes
+and ``study.py`` for its kernel's source and its long curves."""
 
 from ..step import Step
 from . import apply as _apply, predict as _predict
@@ -10,7 +11,7 @@ BF16_STREAM_TOLERANCE = (
     "as before. The bound is the one the FP8 steps are held to, 1e-2, a third of bf16 autocast's own (step 03: "
     "3e-2); notebook 27 measures the move on every run (curve_move) and, as notebook 26 does for the FP8 head, "
     "trains it 300 steps beside the steps before it and bounds its end against step 26's "
-    "(hwlib.studies.fp8_head.LONG_TOL)")
+    "(hwlib.steps.s26_fp8_head.study.LONG_TOL)")
 
 STEP = Step("27_bf16_stream", "the residual stream in bf16 (the sum of each residual add rounded once; LayerNorm "
     "statistics and every matmul as before)", tolerance=1e-2, gpu_only=True,

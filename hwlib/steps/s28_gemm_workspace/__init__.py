@@ -1,4 +1,5 @@
-"""Step 28_gemm_workspace: see ``apply.py`` for what it swaps in and ``predict.py`` for what it removes."""
+"""Step 28_gemm_workspace: see ``apply.py`` for the context it runs in,
+``predict.py`` for what it removes and ``study.py`` for its kernels alone."""
 
 from ..step import Step
 from . import apply as _apply, predict as _predict

@@ -1,4 +1,4 @@
-"""The fused LM head + cross-entropy (``hwlib.ops.linear_ce``) with its three GEMMs in FP8.
+"""The fused LM head + cross-entropy (``hwlib.steps.s17_fused_lm_head.op``) with its three GEMMs in FP8.
 
 ``fused_linear_cross_entropy_fp8(h, weight, targets)`` computes what ``fused_linear_cross_entropy``
 does, the mean of ``F.cross_entropy(h @ weight[:vocab].T, targets, ignore_index=...)`` and its
@@ -14,14 +14,14 @@ gradients, with FP8 operands for ``torch._scaled_mm``. For each chunk c of C row
 The gradient is softmax - onehot(t); its target entries p_t - 1 (p_t = exp(-loss_n), from the row
 pass) stay out of FP8: a row of W (of h) per token, gathered (scattered) from the same e4m3 operands
 and weighted in fp32. In e5m2 they would round on a grid 1/7 apart near -1, and trained that way
-GPT-2's loss fell far behind the bf16 head's (the kernel's doc; ``hwlib.studies.fp8_head``).
+GPT-2's loss fell far behind the bf16 head's (the kernel's doc; ``hwlib.steps.s26_fp8_head.study``).
 
 Scales: h and W one each (per tensor), from their amax on the device; the probabilities a static
 one, since every entry lies in [0, 1] (no amax pass over the logits, no sync). The
 mean's weight 1 / #targets and the inverse scales go to ``_scaled_mm``. FP8 tensor cores on Hopper
 take K-major operands only, so the backward's matmuls need W^T, h_c^T and P_c^T laid out with the
 reduction dimension contiguous: W is quantized into both layouts once a call, h_c once a chunk, and
-P_c written in both by the gradient kernel (see ``hwlib.ops.fp8`` for the same layouts in a linear).
+P_c written in both by the gradient kernel (see ``hwlib.steps.s18_fp8.op`` for the same layouts in a linear).
 
 Bytes a logit (bf16 z): the GEMM writes 2; the row pass reads 2; the gradient pass reads 2 and
 writes 1 + 1; the two backward GEMMs read 1 each. The bf16 head (``linear_ce`` with its CUDA row
@@ -40,7 +40,7 @@ same memory, found neither SMs nor bandwidth to spare: profiled in 4 chunks, the
 chunk and the row pass 210, against 308 and 143 for a quarter of their one-chunk times in step 26.
 
 Precision (measured on GPUs by notebook 26 against float64): e4m3 keeps 3 mantissa bits, so the
-logits move by a few percent of their size (``hwlib.studies.fp8``'s head matmuls: 3.8% relative
+logits move by a few percent of their size (``hwlib.steps.s18_fp8.study``'s head matmuls: 3.8% relative
 Frobenius against 0.17% in bf16); e5m2 probabilities keep 2. The backward's GEMMs accumulate in fp32:
 with fast accumulation there (K = 50,304 and 16,384 at GPT-2's shape) GPT-2's loss fell far behind
 the bf16 head's over 300 steps on an H100, as with the target entries in e5m2. The step that uses
@@ -65,10 +65,11 @@ import torch
 
 from hwlib.device import ChoiceError, Unavailable, fp8_missing, info
 
-from . import fallbacks
-from .fp8 import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for, scaled_mm
-from .linear_ce import chunk_rows, fake_outputs, prepare, rows_torch, save_grads, scale_saved_grads
-from .sources import constant_result, load_python_kernel, note_backend, select_triton_backend
+from hwlib.ops import fallbacks
+from hwlib.ops.sources import constant_result, load_python_kernel, note_backend, select_triton_backend
+
+from ..s17_fused_lm_head.op import chunk_rows, fake_outputs, prepare, rows_torch, save_grads, scale_saved_grads
+from ..s18_fp8.op import E4M3, E5M2, CUDA_MULTIPLE, cast_scaled, scale_for, scaled_mm
 
 BACKENDS = ("auto", "triton", "torch")
 GRAD_KERNEL_FILE = "26_ce_grad_fp8_triton.py"
@@ -157,7 +158,7 @@ def _cast_both_torch(x, scale, dtype):
 
 def passes(backend: str) -> Passes:
     """The four passes the chunk loop runs outside its GEMMs, for ``backend`` ("triton" or "torch"): what the
-    op calls, and what a study times alone (``hwlib.studies.fp8_head``)."""
+    op calls, and what a study times alone (``hwlib.steps.s26_fp8_head.study``)."""
     if backend not in ("triton", "torch"):
         raise ChoiceError("backend", backend, ("triton", "torch"))
     if backend == "triton":
@@ -255,7 +256,7 @@ fallbacks.register(_linear_ce_fp8_op)
 def fused_linear_cross_entropy_fp8(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                                    vocab: int | None = None, ignore_index: int = -100, chunk: int | None = None,
                                    backend: str = "auto") -> torch.Tensor:
-    """``hwlib.ops.linear_ce.fused_linear_cross_entropy`` with FP8 GEMMs (see the module doc): the same
+    """``hwlib.steps.s17_fused_lm_head.op.fused_linear_cross_entropy`` with FP8 GEMMs (see the module doc): the same
     arguments, checks and errors. The logits come out of their GEMM in autocast's dtype when autocast
     is on, else in h's; ``chunk``: rows per chunk (default: as many as ``CHUNK_BYTES`` allows)."""
     a = prepare(h, weight, targets, vocab, ignore_index, chunk)
@@ -273,7 +274,7 @@ def linear_cross_entropy_fp8_reference(h: torch.Tensor, w: torch.Tensor, t: torc
     """(loss, dh, dW) in float64 from the FP8-rounded operands the op uses, where only the rounding of
     the logits (to bf16) and of the gradient's entries (to e5m2) is left out: what the op computes
     when its accumulation is exact. Per-tensor scales for h and W, the static one for the gradient."""
-    from .fp8 import fake_quantize
+    from ..s18_fp8.op import fake_quantize
     vocab = w.shape[0] if vocab is None else vocab
     h2, t2 = h.reshape(-1, h.shape[-1]), t.reshape(-1).long()
     hq, wq = fake_quantize(h2, E4M3), fake_quantize(w, E4M3)

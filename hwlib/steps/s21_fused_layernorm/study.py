@@ -1,7 +1,7 @@
-"""Notebooks 21's, 23's and 27's study of the fused residual add + LayerNorm (``hwlib.ops.add_layernorm``):
+"""Step 21's study of the fused residual add + LayerNorm (``op``), which steps 23 and 27 use too:
 the op against float64 at odd sizes, and its two kernels alone at GPT-2 small's shape against the bytes
-they must move; for 23, the same with the branch's output bias (``r_bias``) and the column sum that its
-gradient no longer needs; for 27, the same with the residual stream in bf16 (``stream``).
+they must move; for step 23, the same with the branch's output bias (``r_bias``) and the column sum that
+its gradient no longer needs; for step 27, the same with the residual stream in bf16 (``stream``).
 
 Kernel timing: each sample is ``LAUNCHES`` back-to-back launches (``bench.time_fn``'s group), over
 input sets that rotate (together larger than L2): one launch of a ~50 us kernel per sample would time
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench
-from ..ops import add_layernorm as A
-from .kernel_records import alone_words, timed_row
-from .kernel_records import kernel_records as records_of
+from ... import bench
+from ...studies.kernel_records import alone_words, timed_row
+from ...studies.kernel_records import kernel_records as records_of
+from . import STEP, op
 
-NOTEBOOK = "21_fused_layernorm"
+NOTEBOOK = STEP.name   # the records' notebook unless one is given: the step's own, which bears its name
 LAUNCHES = 20
 INPUT_SETS = 4          # 4 x (x, r, s, y, ds, dy ...) at 16,384 x 768: ~1.4 GB, far beyond a 50 MB L2
 ODD_SIZES = ((37, 71), (130, 96), (257, 200), (5, 768))
@@ -73,15 +73,15 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = Fa
     device = torch.device(device)
     tol = _stream_tol(stream)
     gen = torch.Generator().manual_seed(seed)
-    backend = A.select_backend("auto", device)
+    backend = op.select_backend("auto", device)
     rows = []
     for m, d in sizes:
         x, r, w, b, ds, dy, c = _draw(m, d, gen, device, torch.float32, torch.float32)
         x, r, ds, dy = (t.to(stream) for t in (x, r, ds, dy))
         ins = [x, r, w, b, ds, dy]
         c = c if branch_bias else None
-        got = _grads(A.add_layer_norm, *ins, c, backend=backend)
-        ref = _grads(A.add_layer_norm_reference, *(t.double().cpu() for t in ins),
+        got = _grads(op.add_layer_norm, *ins, c, backend=backend)
+        ref = _grads(op.add_layer_norm_reference, *(t.double().cpu() for t in ins),
                      None if c is None else c.double().cpu())
         err = {k: float((got[k].double().cpu() - ref[k]).norm() / ref[k].norm()) for k in ref}
         worst = max(err.values())
@@ -102,7 +102,7 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
     _stream_tol(stream)
     if device.type != "cuda":
         raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
-    k = A._kernel()
+    k = op._kernel()
     gen = torch.Generator().manual_seed(seed)
     same = stream == torch.bfloat16
     sets = []
@@ -114,13 +114,13 @@ def kernel_rows(m: int, d: int, device, ceilings: dict | None, iters: int = 20, 
         k.add_ln_fwd(x, r, w, b, 1e-5, s, y, mean, rstd, c)
         sets.append(dict(x=x, r=r, w=w, b=b, c=c, ds=ds, dy=dy.to(torch.bfloat16), s=s, y=y, mean=mean, rstd=rstd,
                          dx=torch.empty_like(x), dr=None if same else torch.empty_like(r)))
-    programs = A._programs(m, d, device)
+    programs = op._programs(m, d, device)
     fwd = lambda i, S=sets: k.add_ln_fwd(*(S[i % INPUT_SETS][n] for n in ("x", "r", "w", "b")), 1e-5,
                                            *(S[i % INPUT_SETS][n] for n in ("s", "y", "mean", "rstd", "c")))
     bwd = lambda i, S=sets: k.add_ln_bwd(*(S[i % INPUT_SETS][n] for n in ("dy", "ds", "s", "w", "mean", "rstd",
                                                                           "dx", "dr")), programs,
                                          r_bias=branch_bias)
-    nbytes = A.traffic_bytes(m, d, stream_bytes=stream.itemsize)
+    nbytes = op.traffic_bytes(m, d, stream_bytes=stream.itemsize)
     return [timed_row(name + (" with the branch bias" if branch_bias else "") + (", bf16 stream" if same else ""),
                       bench.time_fn(fn, device, warmup=1, iters=iters, group=LAUNCHES, cuda_graph=True), nbytes[name],
                       ceilings,

@@ -1,4 +1,4 @@
-"""Notebook 28's study: the matmuls of one GPT-2 block, each captured in a CUDA graph with and without
+"""Step 28's study: the matmuls of one GPT-2 block, each captured in a CUDA graph with and without
 cuBLAS's workspace (``hwlib.blas``): the memset nodes a call brings into the graph, the kernel cuBLAS
 picked, and the time per call.
 
@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import bench, blas, results, trace
-from ..ops import gelu_mlp as G
-from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
-from .kernel_records import kernel_records, not_timed_words
+from ... import bench, blas, results, trace
+from ...studies.kernel_records import kernel_records, not_timed_words
+from ..s21_fused_layernorm.op import BIAS_COLUMNS, with_bias_column
+from ..s22_gelu_epilogue import op as gelu_epilogue_op
+from . import STEP
 
-NOTEBOOK = "28_gemm_workspace"
+NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its name
 CALLS = 8
 INPUT_SETS = 3      # 3 x a block's operands at GPT-2 small's full profile: ~1 GB, far beyond a 50 MB L2
 WORKSPACES = ("32 MiB", "none")
@@ -44,9 +45,10 @@ def _sets(M: int, d: int, device, seed: int) -> list[dict]:
 def block_matmuls(M: int, d: int, device, seed: int = 0) -> list[tuple[str, str, str | None, object]]:
     """(name, library, hwlib's call or None for torch's, fn(i)) for the matmuls of one block of step 25 at M
     tokens and width d, each as the step calls it; ``fn(i)`` uses input set ``i`` mod ``INPUT_SETS``."""
-    sets, mod = _sets(M, d, device, seed), G.module()
+    sets, mod = _sets(M, d, device, seed), gelu_epilogue_op.module()
     S = lambda i: sets[i % INPUT_SETS]
-    ws = G.workspace_bytes   # read at each call, as the op does: the setting in force while the graph is captured
+    # read at each call, as the op does: the setting in force while the graph is captured
+    ws = gelu_epilogue_op.workspace_bytes
     return [
         ("QKV forward, x W^T + b", "torch (cuBLASLt, bias epilogue)", None,
          lambda i: F.linear(S(i)["x"], S(i)["w_qkv"], S(i)["b_qkv"])),
@@ -98,7 +100,7 @@ def matmul_rows(M: int, d: int, device, iters: int = 20, seed: int = 0, calls: i
                            "would run without it")
     rows = []
     for name, lib, call, fn in block_matmuls(M, d, device, seed):
-        follows = call is None or call in G.FOLLOW_BLAS   # torch's matmuls all follow hwlib.blas
+        follows = call is None or call in gelu_epilogue_op.FOLLOW_BLAS   # torch's matmuls all follow hwlib.blas
         for ws in WORKSPACES:
             with blas.no_workspace(ws == "none"):
                 graph = _captured(fn, device, calls)

@@ -2,7 +2,7 @@
 Python face.
 
 ``ce_rows_`` has the signature of the Triton row pass (``linear_ce_triton.ce_rows_``), so the chunk
-loop of ``hwlib.ops.linear_ce`` calls either: per-row cross-entropy of a chunk of logits, and its
+loop of ``hwlib.steps.s17_fused_lm_head.op`` calls either: per-row cross-entropy of a chunk of logits, and its
 gradient written over the logits. The CUDA pass reads each row once (into shared memory) where the
 Triton pass reads it twice; the formulas, bytes and FLOPs are in the ``.cu`` header.
 ``fit_problem`` says where it cannot take a chunk (dtype, width, alignment, shared memory); the
@@ -17,7 +17,7 @@ import torch
 
 from hwlib.device import Unavailable, info, supports_cp_async
 
-from .sources import read_kernel_source
+from hwlib.ops.sources import read_kernel_source
 
 KERNEL_FILE = "17_ce_rows.cu"
 # Two blocks an SM at GPT-2's width. Notebook 17 on an H100 (4,096 x 50,304 bf16 logits, at 23e9da7):

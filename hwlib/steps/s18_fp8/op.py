@@ -20,7 +20,7 @@ saves the transposed FP8 copies of x and W that the backward uses, not x and W. 
 ``torch.compile`` (the ladder's steps 06+) inductor fuses the amax reduction's consumer, the scale,
 the cast and the transposed write into its quantization kernels, so no pass copies an FP8 tensor;
 in eager mode the transposed cast is an elementwise op followed by a copy (the naive cost, which
-``hwlib.studies.fp8`` measures against the compiled one).
+``hwlib.steps.s18_fp8.study`` measures against the compiled one).
 
 Scales are computed on the device from each tensor's amax (no host sync, CUDA-graph safe):
 scale = fmax / amax, and ``_scaled_mm`` gets the inverse. e4m3 (``torch.float8_e4m3fn``) keeps 3
@@ -38,8 +38,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from ..device import Unavailable
-from ..precision import compute_dtype
+from ...device import Unavailable
+from ...precision import compute_dtype
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}

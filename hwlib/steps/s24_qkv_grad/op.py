@@ -34,11 +34,11 @@ import functools
 
 import torch
 
-from ..device import Unavailable, info, supports_cudnn_attention
-from ..precision import compute_dtype
-from . import fallbacks
-from .sources import (TRITON_BACKENDS, constant_result, load_python_kernel, read_kernel_source, resolve_triton_backend,
-                      select_triton_backend)
+from ...device import Unavailable, info, supports_cudnn_attention
+from ...ops import fallbacks
+from ...ops.sources import (TRITON_BACKENDS, constant_result, load_python_kernel, read_kernel_source,
+                            resolve_triton_backend, select_triton_backend)
+from ...precision import compute_dtype
 
 BACKENDS = TRITON_BACKENDS
 KERNEL_FILE = "24_qkv_grad_triton.py"

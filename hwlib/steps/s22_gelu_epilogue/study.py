@@ -1,4 +1,4 @@
-"""Notebook 22's study of the MLP with its GELU in cuBLASLt's epilogues (``hwlib.ops.gelu_mlp``): the op
+"""Step 22's study of the MLP with its GELU in cuBLASLt's epilogues (``op``): the op
 against float64 at odd sizes, and each epilogue matmul alone at GPT-2 small's MLP against the unfused
 kernels it replaces (the weight and bias gradients are the same kernels either way).
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import bench
-from ..ops import gelu_mlp as G
-from .kernel_records import kernel_records as records_of, not_timed_words
+from ... import bench
+from ...studies.kernel_records import kernel_records as records_of, not_timed_words
+from . import STEP, op
 
-NOTEBOOK = "22_gelu_epilogue"
+NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its name
 LAUNCHES = 20
 INPUT_SETS = 2          # 2 x (pre, a, ...) at 16,384 x 3,072 bf16: ~0.5 GB, far beyond a 50 MB L2
 # (M, K, N, C): rows that are multiples of nothing; widths multiples of 8, as cuBLASLt needs (the torch
@@ -50,19 +50,19 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     bound. Each row: the largest relative error over y and the five gradients."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
-    backend = G.select_backend("auto", device)
+    backend = op.select_backend("auto", device)
     dtype = torch.bfloat16 if backend == "cublaslt" else torch.float32
     rows = []
     for M, K, N, C in sizes:
         *args, dy = _draw(M, K, N, C, gen, device, dtype)
-        ref = _grads(G.gelu_mlp_reference, *(t.double().cpu() for t in args), dy.double().cpu())
-        err = _errors(_grads(lambda *a: G.gelu_mlp(*a, backend=backend), *args, dy), ref)
+        ref = _grads(op.gelu_mlp_reference, *(t.double().cpu() for t in args), dy.double().cpu())
+        err = _errors(_grads(lambda *a: op.gelu_mlp(*a, backend=backend), *args, dy), ref)
         row = {"M": M, "K": K, "N": N, "C": C, "backend": backend, "dtype": str(dtype).split(".")[-1],
                **{f"{k} rel err": v for k, v in err.items()}, "worst": max(err.values())}
         if backend == "cublaslt":
-            unf = _errors(_grads(lambda *a: G.gelu_mlp(*a, backend="torch"), *args, dy), ref)
+            unf = _errors(_grads(lambda *a: op.gelu_mlp(*a, backend="torch"), *args, dy), ref)
             row["unfused worst"] = max(unf.values())
-            row["within tolerance"] = all(G.no_worse_than_unfused(err[k], unf[k]) for k in err)
+            row["within tolerance"] = all(op.no_worse_than_unfused(err[k], unf[k]) for k in err)
         else:
             row["within tolerance"] = row["worst"] < FP32_TOL
         rows.append(row)
@@ -76,21 +76,21 @@ def kernel_rows(M: int, K: int, N: int, C: int, device, iters: int = 20, seed: i
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
-    m = G.module()
+    m = op.module()
     gen = torch.Generator().manual_seed(seed)
     sets = []
     for _ in range(INPUT_SETS):
         x, w_fc, b_fc, w_proj, _, dy = _draw(M, K, N, C, gen, device, torch.bfloat16)
-        a, pre = m.gelu_forward(x, w_fc, b_fc, G.workspace_bytes("forward"))
+        a, pre = m.gelu_forward(x, w_fc, b_fc, op.workspace_bytes("forward"))
         sets.append(dict(x=x, w_fc=w_fc, b_fc=b_fc, w_proj=w_proj, dy=dy, a=a, pre=pre))
     gelu = torch.compile(lambda p: F.gelu(p, approximate="tanh"))
     dgelu = torch.compile(lambda d, p: torch.ops.aten.gelu_backward(d, p, approximate="tanh"))
     S = lambda i, n: sets[i % INPUT_SETS][n]
     pairs = (
         ("forward: x W_fc^T + b, GELU", "unfused", lambda i: gelu(F.linear(S(i, "x"), S(i, "w_fc"), S(i, "b_fc")))),
-        ("forward: x W_fc^T + b, GELU", "epilogue", lambda i: m.gelu_forward(S(i, "x"), S(i, "w_fc"), S(i, "b_fc"), G.workspace_bytes("forward"))),
+        ("forward: x W_fc^T + b, GELU", "epilogue", lambda i: m.gelu_forward(S(i, "x"), S(i, "w_fc"), S(i, "b_fc"), op.workspace_bytes("forward"))),
         ("backward: dy W_proj, GELU'", "unfused", lambda i: dgelu(S(i, "dy") @ S(i, "w_proj"), S(i, "pre"))),
-        ("backward: dy W_proj, GELU'", "epilogue", lambda i: m.gelu_backward(S(i, "dy"), S(i, "w_proj"), S(i, "pre"), G.workspace_bytes("backward"))),
+        ("backward: dy W_proj, GELU'", "epilogue", lambda i: m.gelu_backward(S(i, "dy"), S(i, "w_proj"), S(i, "pre"), op.workspace_bytes("backward"))),
     )
     rows = []
     for part, impl, fn in pairs:

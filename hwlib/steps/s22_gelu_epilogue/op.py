@@ -38,9 +38,10 @@ from hwlib.blas import LT_WORKSPACE_BYTES, lt_workspace_bytes
 from hwlib.device import ChoiceError, Unavailable, info, supports_bf16
 from hwlib.precision import compute_dtype
 
-from . import fallbacks
-from .add_layernorm import BIAS_COLUMNS
-from .sources import constant_result, note_backend, read_kernel_source, warn_fallback
+from hwlib.ops import fallbacks
+from hwlib.ops.sources import constant_result, note_backend, read_kernel_source, warn_fallback
+
+from ..s21_fused_layernorm.op import BIAS_COLUMNS
 
 BACKENDS = ("auto", "cublaslt", "torch")
 KERNEL_FILE = "22_gelu_epilogue.cpp"
@@ -346,7 +347,7 @@ def mlp_backward(ctx, dy, _da, _dpre):
     """The MLP's gradients: dpre from the op (the GELU's derivative in the matmul's epilogue), then
     dx = dpre W_fc, dW_fc = dpre^T x, db_fc and db_proj as column sums, dW_proj = dy^T a (no db_proj
     when the op ran without b_proj: the bias was added, and its gradient summed, where the branch's
-    output meets the residual stream, ``hwlib.ops.add_layernorm``). With the bias column (x = [x, 1, 0...]),
+    output meets the residual stream, ``hwlib.steps.s21_fused_layernorm.op``). With the bias column (x = [x, 1, 0...]),
     dW_fc and db_fc are the first K columns and the next of one matmul, dpre^T x, and dx has x's width."""
     x, w_fc, w_proj, a, pre = ctx.saved_tensors
     dy = dy.contiguous()

@@ -26,7 +26,7 @@ unfused path rounds both GEMM outputs to bf16 before autocast's casts take them 
 Backends (chosen once per call from the device, never switched on failure):
 
 ===========  ===========================================================================
-``cuda``     the row pass in CUDA (``hwlib.ops.ce_rows_cuda``): Ampere or newer GPUs, bf16 or
+``cuda``     the row pass in CUDA (``hwlib.steps.s17_fused_lm_head.ce_rows_cuda``): Ampere or newer GPUs, bf16 or
              fp16 logits whose padded width is a multiple of 8 and fits a block's shared memory
 ``triton``   the row pass in Triton: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
 ``torch``    the same chunk loop with the row pass in torch ops: any device (CPU: the smoke
@@ -53,8 +53,10 @@ import torch.nn.functional as F
 
 from hwlib.device import ChoiceError, Unavailable
 
-from . import ce_rows_cuda, fallbacks
-from .sources import constant_result, load_python_kernel, note_backend, select_triton_backend, warn_fallback
+from hwlib.ops import fallbacks
+from hwlib.ops.sources import constant_result, load_python_kernel, note_backend, select_triton_backend, warn_fallback
+
+from . import ce_rows_cuda
 
 BACKENDS = ("auto", "cuda", "triton", "torch")
 KERNEL_FILE = "17_linear_ce_triton.py"

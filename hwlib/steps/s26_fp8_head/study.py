@@ -1,4 +1,4 @@
-"""Notebook 26's study of the FP8 LM head (``hwlib.ops.linear_ce_fp8``): the op against float64 at odd
+"""Step 26's study of the FP8 LM head (``op``): the op against float64 at odd
 sizes, and the head alone at GPT-2 small's shape, in bf16 (step 25's) and in FP8, with the passes
 the FP8 head adds over the logits timed alone against their bytes.
 
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench
-from ..ops import linear_ce as L
-from ..ops import linear_ce_fp8 as L8
-from ..ops.fp8 import E4M3, scale_for, scaled_mm
-from ..ops.sources import read_kernel_source
-from .kernel_records import kernel_records as records_of
-from .kernel_records import not_timed_words, timed_row
-from .lm_head import peak_extra_gib
+from ... import bench
+from ...ops.sources import read_kernel_source
+from ...studies.kernel_records import kernel_records as records_of
+from ...studies.kernel_records import not_timed_words, timed_row
+from ..s17_fused_lm_head import op as fused_lm_head_op
+from ..s17_fused_lm_head.study import peak_extra_gib
+from ..s18_fp8.op import E4M3, scale_for, scaled_mm
+from . import STEP, op
 
-NOTEBOOK = "26_fp8_head"
+NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its name
 # (rows, width, classes, weight rows): rows, widths and vocabularies that are multiples of nothing
 # (padded to 16 inside the op), one with the weight padded past the vocabulary as GPT's is.
 ODD_SIZES = ((1003, 200, 3001, 3008), (77, 40, 517, 517), (300, 96, 1000, 1024))
@@ -39,7 +39,7 @@ IGNORE_EVERY = 7        # every 7th target is ignore_index: those rows add no lo
 
 def kernel_source() -> str:
     """The gradient pass's Triton kernel, read from its file (no Triton import needed)."""
-    src = read_kernel_source(L8.GRAD_KERNEL_FILE)
+    src = read_kernel_source(op.GRAD_KERNEL_FILE)
     start = src.index("@triton.jit")
     return src[start: src.index("\ndef ce_grad_fp8(")].rstrip()
 
@@ -74,18 +74,18 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     rows = []
     for n, d, vocab, rows_w in sizes:
         h, w, t = _draw(n, d, vocab, rows_w, gen, device)
-        loss, dh, dw = _run(L8.fused_linear_cross_entropy_fp8, h, w, t, vocab, device)
-        lq, dhq, dwq = L8.linear_cross_entropy_fp8_reference(h.double(), w.double(), t, vocab=vocab)
+        loss, dh, dw = _run(op.fused_linear_cross_entropy_fp8, h, w, t, vocab, device)
+        lq, dhq, dwq = op.linear_cross_entropy_fp8_reference(h.double(), w.double(), t, vocab=vocab)
         h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
-        le = L.linear_cross_entropy_reference(h64, w64, t, vocab=vocab)
+        le = fused_lm_head_op.linear_cross_entropy_reference(h64, w64, t, vocab=vocab)
         le.backward()
-        row = {"rows": n, "D": d, "vocab": vocab, "backend": L8.select_backend("auto", device),
+        row = {"rows": n, "D": d, "vocab": vocab, "backend": op.select_backend("auto", device),
                "loss rel err (FP8 operands)": abs(float(loss) - float(lq)) / abs(float(lq)),
                "dh rel err (FP8 operands)": _rel(dh, dhq), "dW rel err (FP8 operands)": _rel(dw, dwq),
                "loss rel err (exact)": abs(float(loss) - le.item()) / abs(le.item()),
                "dh rel err (exact)": _rel(dh, h64.grad), "dW rel err (exact)": _rel(dw, w64.grad)}
         if device.type == "cuda":
-            _, bdh, bdw = _run(L.fused_linear_cross_entropy, h, w, t, vocab, device)
+            _, bdh, bdw = _run(fused_lm_head_op.fused_linear_cross_entropy, h, w, t, vocab, device)
             row["bf16 head dh rel err (exact)"] = _rel(bdh, h64.grad)
             row["bf16 head dW rel err (exact)"] = _rel(bdw, w64.grad)
         ok = (row["loss rel err (FP8 operands)"] <= LOSS_TOL_FQ
@@ -111,8 +111,8 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
     w = (torch.randn(rows_w, D, generator=gen, device=device) * (2.0 / D ** 0.5)).requires_grad_()
     t = torch.randint(0, vocab, (M,), generator=gen, device=device)
     rows = []
-    for name, fn in (("bf16 head (step 25's)", L.fused_linear_cross_entropy),
-                     ("FP8 head", L8.fused_linear_cross_entropy_fp8)):
+    for name, fn in (("bf16 head (step 25's)", fused_lm_head_op.fused_linear_cross_entropy),
+                     ("FP8 head", op.fused_linear_cross_entropy_fp8)):
         def step(i, fn=fn):
             with torch.autocast("cuda", torch.bfloat16):
                 loss = fn(hs[i % 2], w, t, vocab=vocab)
@@ -121,7 +121,7 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
         rows.append({"kernel": name, "M": M, "D": D, "V": rows_w, "ms": tm.median_ms, "p20": tm.p20_ms,
                      "p80": tm.p80_ms, "peak extra GiB": peak_extra_gib(lambda: step(0), device)})
     # The FP8 head's own passes, alone, on the step's tensors, launched as the op launches them.
-    ps = L8.passes("triton")
+    ps = op.passes("triton")
     wd, h = w.detach(), hs[0].detach()
     s_w, s_h = scale_for(wd.abs().amax(), E4M3), scale_for(h.abs().amax(), E4M3)
     w8, _ = ps.cast_both(wd, s_w, E4M3)
@@ -129,8 +129,8 @@ def kernel_rows(M: int, D: int, vocab: int, rows_w: int, device, ceilings: dict 
     z = scaled_mm(h8, s_h.reciprocal(), w8, s_w.reciprocal(), torch.bfloat16, fast_accum=True)
     lse, loss = torch.empty(M, device=device), torch.empty(M, device=device)
     one = torch.ones(1, device=device)
-    g = torch.empty(M, rows_w, dtype=L8.E5M2, device=device)
-    gt = torch.empty(rows_w, M, dtype=L8.E5M2, device=device)
+    g = torch.empty(M, rows_w, dtype=op.E5M2, device=device)
+    gt = torch.empty(rows_w, M, dtype=op.E5M2, device=device)
     dh = torch.zeros(M, D, dtype=torch.bfloat16, device=device)
     dw = torch.zeros(rows_w, D, device=device)
     coef = -torch.rand(M, generator=gen, device=device) / M
@@ -193,8 +193,8 @@ def long_curves(device, profile: str, steps=(*LONG_BF16, LONG_FP8), n: int = LON
                 progress: bool = True) -> dict[str, list[float]]:
     """GPT-2's loss at every one of ``n`` steps under each of ``steps`` from ``seed`` (untimed,
     ``run_step(check_only=True)``): a step the device cannot run is left out."""
-    from ..ladder.run import run_step
-    from ..profiles import Plan
+    from ...ladder.run import run_step
+    from ...profiles import Plan
     if not isinstance(n, int) or isinstance(n, bool) or n < 10:
         raise ValueError(f"n must be an int >= 10 (steps to train), got {n!r}")
     out = {}

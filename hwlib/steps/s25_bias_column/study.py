@@ -1,21 +1,22 @@
-"""Notebook 25's study of the bias column (``add_layer_norm(..., ones_column=True)`` feeding
+"""Step 25's study of the bias column (``add_layer_norm(..., ones_column=True)`` feeding
 ``gelu_mlp(..., bias_column=True)``): the MLP with the column against float64 at odd sizes, and the
 matmuls it changes alone at GPT-2 small's shape against the kernels they replace.
 
-Kernel timing as notebook 21's (``hwlib.studies.layernorm``): each sample is ``LAUNCHES`` back-to-back
-calls over input sets that rotate (together larger than L2).
+Kernel timing as step 21's (``hwlib.steps.s21_fused_layernorm.study``): each sample is ``LAUNCHES``
+back-to-back calls over input sets that rotate (together larger than L2).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import bench
-from ..ops import gelu_mlp as G
-from ..ops.add_layernorm import BIAS_COLUMNS, with_bias_column
-from .kernel_records import kernel_records as records_of, not_timed_words
+from ... import bench
+from ...studies.kernel_records import kernel_records as records_of, not_timed_words
+from ..s21_fused_layernorm.op import BIAS_COLUMNS, with_bias_column
+from ..s22_gelu_epilogue import op as gelu_epilogue_op
+from . import STEP
 
-NOTEBOOK = "25_bias_column"
+NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its name
 LAUNCHES = 20
 INPUT_SETS = 4          # 4 x (dpre, x) at GPT-2 small's MLP: ~500 MB, far beyond a 50 MB L2
 ODD_SIZES = ((67, 16, 64, 24), (129, 64, 256, 64), (5, 8, 8, 8))   # (rows, K, N, C): widths multiples of 8
@@ -45,23 +46,24 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     for M, K, N, C in sizes:
         (x, *ws), dy = _draw(M, K, N, C, gen, device, dtype)
         ref64 = [t.double().requires_grad_() for t in (x, *ws)]
-        y64 = G.gelu_mlp_reference(*ref64)
+        y64 = gelu_epilogue_op.gelu_mlp_reference(*ref64)
         ref = [y64.detach(), *torch.autograd.grad(y64, ref64, dy.double())]
 
         def run(xin, column):
             leaves = [xin.detach().clone().requires_grad_()] + [t.detach().clone().requires_grad_() for t in ws]
-            y = G.gelu_mlp(*leaves, bias_column=column)
+            y = gelu_epilogue_op.gelu_mlp(*leaves, bias_column=column)
             return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
 
         got = run(with_bias_column(x), True)
         pad_zero = float(got[1][:, K:].abs().max()) == 0.0
         got[1] = got[1][:, :K]
         err = [float((g.double() - r).norm() / r.norm()) for g, r in zip(got, ref)]
-        row = {"rows": M, "K": K, "N": N, "C": C, "backend": G.select_backend("auto", device, dtype, (K, N, C)),
+        row = {"rows": M, "K": K, "N": N, "C": C,
+               "backend": gelu_epilogue_op.select_backend("auto", device, dtype, (K, N, C)),
                **{f"{n} rel err": e for n, e in zip(names, err)}, "dx's extra columns zero": pad_zero}
         if device.type == "cuda":
             base = [float((g.double() - r).norm() / r.norm()) for g, r in zip(run(x, False), ref)]
-            ok = all(G.no_worse_than_unfused(e, b) for e, b in zip(err, base))
+            ok = all(gelu_epilogue_op.no_worse_than_unfused(e, b) for e, b in zip(err, base))
         else:
             ok = max(err) < FP32_TOL
         rows.append({**row, "within tolerance": ok and pad_zero})
@@ -83,7 +85,7 @@ def kernel_rows(M: int, K: int, N: int, device, iters: int = 20, seed: int = 0) 
         sets.append(dict(dpre=torch.randn(M, N, generator=gen, **bf), x=x, xc=with_bias_column(x),
                          w=torch.randn(N, K, generator=gen, **bf) / K ** 0.5))
     colsum = torch.compile(lambda t: t.sum(0), fullgraph=True)
-    mod = G.module()
+    mod = gelu_epilogue_op.module()
     S = lambda i, k: sets[i % INPUT_SETS][k]
     cases = (("weight gradient, dpre^T x", lambda i: S(i, "dpre").t() @ S(i, "x")),
              (f"weight and bias gradient, dpre^T [x, 1] ({K} + {BIAS_COLUMNS} columns)",
@@ -91,7 +93,8 @@ def kernel_rows(M: int, K: int, N: int, device, iters: int = 20, seed: int = 0) 
              ("bias gradient's own column sum (inductor)", lambda i: colsum(S(i, "dpre"))),
              ("input gradient, dpre W_fc", lambda i: S(i, "dpre") @ S(i, "w")),
              (f"input gradient written {K} + {BIAS_COLUMNS} wide (cuBLASLt)",
-              lambda i: mod.input_grad_padded(S(i, "dpre"), S(i, "w"), K + BIAS_COLUMNS, G.workspace_bytes("input_grad"))))
+              lambda i: mod.input_grad_padded(S(i, "dpre"), S(i, "w"), K + BIAS_COLUMNS,
+                                              gelu_epilogue_op.workspace_bytes("input_grad"))))
     rows = []
     for name, fn in cases:
         t = bench.time_fn(fn, device, warmup=2, iters=iters, group=LAUNCHES)

@@ -20,7 +20,7 @@ s_hat from the stored s, differentiates the function the forward computed); the 
 backward stay fp32, and the stream's gradient is rounded into its dtype. Where r and the stream share
 a dtype the branch's gradient is the stream's, the same tensor: the kernel writes it once.
 
-Backends (chosen once per call from the device, never switched on failure), as ``hwlib.ops.linear_ce``:
+Backends (chosen once per call from the device, never switched on failure), as ``hwlib.steps.s17_fused_lm_head.op``:
 
 ===========  ===========================================================================
 ``triton``   the two Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1
@@ -39,15 +39,15 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from ..precision import compute_dtype
-from . import fallbacks
-from .sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
-                      select_triton_backend)
+from ...ops import fallbacks
+from ...ops.sources import (TRITON_BACKENDS, load_python_kernel, read_kernel_source, resolve_triton_backend,
+                            select_triton_backend)
+from ...precision import compute_dtype
 
 BACKENDS = TRITON_BACKENDS
 KERNEL_FILE = "21_add_layernorm_triton.py"
 # The bias column's width: a one and 15 zeros after each row of y, so that a matmul of y's rows gives the
-# next linear's bias gradient beside its weight gradient (hwlib.ops.gelu_mlp). 16 keeps the rows a multiple
+# next linear's bias gradient beside its weight gradient (hwlib.steps.s22_gelu_epilogue.op). 16 keeps the rows a multiple
 # of 32 bytes apart in bf16: Triton vectorizes stores at strides it knows are multiples of 16 elements,
 # and cuBLASLt's leading dimensions must be multiples of 16 bytes.
 BIAS_COLUMNS = 16

@@ -10,7 +10,7 @@ compared with a float64 reference on the same inputs.
 ``unfused, compiled``    ``F.linear`` + slice + ``F.cross_entropy`` under torch.compile (what
                          ladder step 09 runs); on CPU skipped (compile time, nothing to learn)
 ``unfused, eager``       the same without compile: every logits-sized intermediate exists
-``hwlib fused``          ``hwlib.ops.linear_ce.fused_linear_cross_entropy`` (Triton on CUDA)
+``hwlib fused``          ``hwlib.steps.s17_fused_lm_head.op.fused_linear_cross_entropy`` (Triton on CUDA)
 ``liger``                Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (CUDA, when installed)
 ``cut-cross-entropy``    Apple's ``cut_cross_entropy.linear_cross_entropy``, its exact variant
                          (no gradient filtering; CUDA, when installed)
@@ -28,18 +28,18 @@ import math
 
 import torch
 
-from .. import bench, precision, results, roofline
-from ..ops import ce_rows_cuda
-from ..ops.linear_ce import (chunk_rows, fused_linear_cross_entropy, linear_cross_entropy_reference, select_backend,
-                             traffic_bytes, unfused_linear_cross_entropy)
-from ..ops.sources import read_kernel_source
-from ..device import Unavailable, info, supports_bf16
-from ..shapes import padded
+from ... import bench, precision, results, roofline
+from ...device import Unavailable, info, supports_bf16
+from ...ops.sources import read_kernel_source
+from ...shapes import padded
+from . import STEP, ce_rows_cuda
+from .op import (chunk_rows, fused_linear_cross_entropy, linear_cross_entropy_reference, select_backend, traffic_bytes,
+                 unfused_linear_cross_entropy)
 
 IMPLS = ("unfused, compiled", "unfused, eager", "hwlib fused", "hwlib fused, Triton row pass", "liger",
          "cut-cross-entropy")
 OTHERS = ("liger", "cut-cross-entropy")     # other projects' kernels: a failure there is a row, not a crash
-NOTEBOOK = "17_fused_lm_head"
+NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its name
 IGNORED_SHARE = 0.01          # a few ignore_index targets, as padding or masked prompts would give
 
 
@@ -278,7 +278,7 @@ def kernel_config_rows(n_rows: int, vocab: int, vocab_padded: int, device, confi
     on the bytes each moves: the Triton pass two reads of V columns and one write of V_pad per row,
     the CUDA pass one read and one write of V_pad. ``default``: the launch ``auto`` makes. CUDA only:
     the interpreter's times mean nothing."""
-    from ..ops.linear_ce import _kernel
+    from .op import _kernel
     kern = _kernel()
     auto = select_backend("auto", device, torch.bfloat16, vocab_padded)
     device = torch.device(device)

@@ -1,4 +1,4 @@
-"""The LM head's three matmuls in bf16 and in FP8 (notebook 18): where FP8 pays and what the layouts cost.
+"""Step 18's study: the LM head's three matmuls in bf16 and in FP8, where FP8 pays and what the layouts cost.
 
 At GPT-2 small's head (M = 16,384 tokens, K = 768 wide, N = 50,304 vocabulary) one training step
 runs y = x W^T, dx = dy W and dW = dy^T x: 3 x 2 M N K FLOPs. Variants, each timed as the three
@@ -7,7 +7,7 @@ matmuls of one step from the high-precision x, W and dy (``hwlib.bench.time_fn``
 * ``bf16``: three ``torch.mm``; cuBLAS reads transposed operands in place (no copies);
 * ``fp8, quantize + transposing copies``: each operand quantized (amax, scale, cast), then the
   backward's operands made K-major with ``.t().contiguous()`` copies of the FP8 tensors, eagerly;
-* ``fp8, quantized into each layout``: ``hwlib.ops.fp8.quantize`` writes each layout from the
+* ``fp8, quantized into each layout``: ``hwlib.steps.s18_fp8.op.quantize`` writes each layout from the
   high-precision tensor, compiled on a GPU so that inductor fuses scale, cast and transposed write;
 * ``fp8, matmuls only``: operands quantized beforehand, in their layouts: the most FP8 can give.
 
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import bench, results
-from ..device import ChoiceError, fp8_missing, info, resolve_device
-from ..ops.fp8 import E4M3, E5M2, quantize, quantize_both
-from ..profiles import GPU_PROFILES
-from ..shapes import padded
-from ..workloads import gpt
+from ... import bench, results
+from ...device import ChoiceError, fp8_missing, info, resolve_device
+from ...profiles import GPU_PROFILES
+from ...shapes import padded
+from ...workloads import gpt
+from .op import E4M3, E5M2, quantize, quantize_both
 
 # (M, K, N) per profile: GPT-2 small's head at each GPU-sized profile's ladder batch (M = batch x
-# context tokens; N the vocabulary padded to a multiple of 64, as notebook 07 pads it), so that mid's
+# context tokens; N the vocabulary padded to a multiple of 64, as step 07 pads it), so that mid's
 # M is a quarter of full's as its batch is. The float64 reference of y = x W^T and the float64
 # copies each error takes hold M N x 8 B apiece (6.1 GiB at full's M): the study's tensors peaked
 # at 23.8 GiB at full's M on an H100, more than a 16 GB GPU has, and at 6.4 GiB at mid's.

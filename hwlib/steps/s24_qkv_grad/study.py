@@ -1,9 +1,9 @@
-"""Notebook 24's study of the QKV projection + attention op (``hwlib.ops.qkv_attention``): the op
+"""Step 24's study of the QKV projection + attention op (``op``): the op
 against float64 at odd sizes, and its packing kernel alone at GPT-2 small's shape against the two
 kernels inductor writes for the same work (the packing copy, then the bias gradient's reduction).
 
-Kernel timing as notebook 21's (``hwlib.studies.layernorm``): each sample is ``LAUNCHES`` back-to-back
-launches over input sets that rotate (together larger than L2).
+Kernel timing as step 21's (``hwlib.steps.s21_fused_layernorm.study``): each sample is ``LAUNCHES``
+back-to-back launches over input sets that rotate (together larger than L2).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import bench
-from ..ops import qkv_attention as Q
-from .kernel_records import alone_words, timed_row
-from .kernel_records import kernel_records as records_of
+from ... import bench
+from ...studies.kernel_records import alone_words, timed_row
+from ...studies.kernel_records import kernel_records as records_of
+from . import STEP, op
 
-NOTEBOOK = "24_qkv_grad"
+NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its name
 LAUNCHES = 20
 INPUT_SETS = 4          # 4 x (dq, dk, dv, dqkv) at 16,384 x 3 x 768 bf16: ~600 MB, far beyond a 50 MB L2
 # (B, T, C, heads): T a multiple of nothing; head widths 16, 32 and 64, which cuDNN's kernels take
@@ -52,21 +52,21 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
     worse than the unfused path's error on the same operands (``ERROR_FACTOR`` x it + ``ERROR_SLACK``)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
-    backend = Q.select_backend("auto", device)
+    backend = op.select_backend("auto", device)
     rows = []
     for B, T, C, H in sizes:
         leaves, dy = _draw(B, T, C, gen, device)
-        ref = _grads(Q.qkv_attention_reference, [t.double() for t in leaves], dy.double(), H)
+        ref = _grads(op.qkv_attention_reference, [t.double() for t in leaves], dy.double(), H)
         err = lambda got: {k: float((got[k].double() - ref[k]).norm() / ref[k].norm()) for k in ref}
         if device.type == "cuda":
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                ours, theirs = err(_grads(Q.qkv_attention, leaves, dy, H)), err(_grads(unfused, leaves, dy, H))
+                ours, theirs = err(_grads(op.qkv_attention, leaves, dy, H)), err(_grads(unfused, leaves, dy, H))
             ok = all(ours[k] <= ERROR_FACTOR * theirs[k] + ERROR_SLACK for k in ours)
             rows.append({"B": B, "T": T, "C": C, "heads": H, "backend": backend, "precision": "bf16 autocast",
                          **{f"{k} rel err": v for k, v in ours.items()},
                          **{f"{k} unfused": v for k, v in theirs.items()}, "within tolerance": ok})
         else:
-            ours = err(_grads(Q.qkv_attention, leaves, dy, H, backend=backend))
+            ours = err(_grads(op.qkv_attention, leaves, dy, H, backend=backend))
             rows.append({"B": B, "T": T, "C": C, "heads": H, "backend": backend, "precision": "fp32",
                          **{f"{k} rel err": v for k, v in ours.items()},
                          "within tolerance": max(ours.values()) < FP32_TOL})
@@ -82,7 +82,7 @@ def kernel_rows(B: int, T: int, C: int, n_head: int, device, ceilings: dict | No
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"kernel_rows times CUDA kernels; device is {device}")
-    k = Q._kernel()
+    k = op._kernel()
     D, N = C // n_head, B * T
     gen = torch.Generator(device).manual_seed(seed)
     sets = [[torch.randn(B, n_head, T, D, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(3)]
@@ -95,7 +95,7 @@ def kernel_rows(B: int, T: int, C: int, n_head: int, device, ceilings: dict | No
     compiled = torch.compile(pack_and_sum, fullgraph=True)
     ours = lambda i: k.pack_qkv_grad(*sets[i % INPUT_SETS])
     theirs = lambda i: compiled(*sets[i % INPUT_SETS][:3])
-    nbytes = Q.traffic_bytes(N, C)
+    nbytes = op.traffic_bytes(N, C)
     return [timed_row(name, bench.time_fn(fn, device, warmup=2, iters=iters, group=LAUNCHES), nb, ceilings,
                       tokens=N, C=C)
             for name, fn, nb in (("packed and summed in one pass (Triton)", ours, nbytes["fused"]),
