@@ -607,6 +607,8 @@ def readme_cmd(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hwlib", description=__doc__.split("\n\n")[0])
+    from . import __version__
+    ap.add_argument("--version", action="version", version=f"hwlib {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     run_help = "run name under outputs/ (default: $HWLIB_RUN, else latest)"
     r = sub.add_parser("reproduce", help="run the notebook series through papermill")
