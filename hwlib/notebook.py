@@ -261,10 +261,19 @@ def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
     rows = ladder_rows_with_noise(query.load(run), workload)
     markdown(f"**{workload}**, run `{run_dir(run).name}`\n\n" + markdown_table(rows))
     if figure and any(r["throughput"] for r in rows):
-        import matplotlib.pyplot as plt
-        ladder_figure(rows, workload, query.ceilings(run))
-        plt.show()
+        show_figure(ladder_figure(rows, workload, query.ceilings(run)))
     return rows
+
+
+def show_figure(fig, dpi: int = 110) -> None:
+    """A figure made outside pyplot (``matplotlib.figure.Figure``) shown as a PNG: IPython renders a
+    bare Figure as its text repr unless pyplot's inline integration happens to be loaded, so the
+    image is given to it; the same in JupyterLab, an executed copy and a headless run."""
+    import io
+    from IPython.display import Image, display
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    display(Image(data=buf.getvalue(), format="png"))
 
 
 # --- the roofline's prediction, and the measurement against it -------------------------------------

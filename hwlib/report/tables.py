@@ -171,13 +171,14 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
     Right: time per step split into the speed-of-light floor (the step's model FLOPs at the measured
     16-bit matmul ceiling) and the gap above it, with the gap as a multiple of the floor: where the
     bars say how fast, this says how far from the limit. Without ceilings the right panel says so.
-    Returns the matplotlib figure; saved when ``path`` is given."""
-    import matplotlib
-    if path is not None:
-        matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    Returns the matplotlib figure; saved when ``path`` is given. The figure is made with the
+    object-oriented API (``matplotlib.figure.Figure``), outside pyplot: it draws and saves without a
+    display, leaves the kernel's backend as it was, and is never shown twice (``notebook.show_figure``
+    shows it)."""
+    from matplotlib.figure import Figure
     ok = [r for r in rows if r["throughput"]]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig = Figure(figsize=(13, 4.6))
+    ax, ax2 = fig.subplots(1, 2)
     labels = [_short(r["step"]) for r in ok]
     vals = [r["throughput"] for r in ok]
     unit = ok[0]["unit"] if ok else "items/s"
@@ -360,9 +361,7 @@ def write_all(run=None) -> dict:
                                                   + "\n" + what_we_saw(rows, w) + "\n")
         written[f"{w}.csv"] = results.write_atomic(d / "tables" / f"{w}_ladder.csv", csv_table(rows))
         if any(r["throughput"] for r in rows):
-            import matplotlib.pyplot as plt
-            fig = ladder_figure(rows, w, ceil, path=d / "figures" / f"{w}_ladder.png")
-            plt.close(fig)
+            ladder_figure(rows, w, ceil, path=d / "figures" / f"{w}_ladder.png")
             written[f"{w}.png"] = d / "figures" / f"{w}_ladder.png"
     written["claims.md"] = results.write_atomic(d / "tables" / "claims.md", "# The seeds' claims beside this run's measurements\n\n"
                                                 + claims.run_markdown(d, level=2))
