@@ -257,9 +257,9 @@ def assert_same_math(measured: dict[str, tuple[StepResult, MathCheck]]) -> None:
 
 def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
     """The cumulative table (and figure) of ``workload`` from this run's results; returns the rows."""
-    from .report.tables import ladder_figure, ladder_rows_with_noise, markdown_table
+    from .report.tables import caveat_line, ladder_figure, ladder_rows_with_noise, markdown_table, rows_caveat
     rows = ladder_rows_with_noise(query.load(run), workload)
-    markdown(f"**{workload}**, run `{run_dir(run).name}`\n\n" + markdown_table(rows))
+    markdown(f"**{workload}**, run `{run_dir(run).name}`\n\n" + caveat_line(rows_caveat(rows)) + markdown_table(rows))
     if figure and any(r["throughput"] for r in rows):
         show_figure(ladder_figure(rows, workload, query.ceilings(run)))
     return rows
@@ -297,8 +297,19 @@ def predict(step: str, workloads: list[str], profile: str, run=None) -> dict[str
     if ceil is None:
         markdown("_No ceilings in this run: the predicted times need notebook 00's ceilings "
                  "(the counts below stand without them)._")
+    _say_caveat(recs, profile)
     table([p.to_row() for p in out.values()])
     return out
+
+
+def _say_caveat(recs: list[dict], profile: str | None = None) -> str | None:
+    """Say above a table when this run's times are not meaningful as performance (a CPU, the smoke
+    profile); returns the reason."""
+    from .report.tables import caveat_line, records_caveat
+    why = records_caveat(recs + ([{"profile": profile}] if profile else []))
+    if why:
+        markdown(caveat_line(why).strip())
+    return why
 
 
 def outcome_rows(predicted: dict[str, roofline.Prediction], run=None) -> list[dict]:
@@ -321,6 +332,7 @@ def outcome_rows(predicted: dict[str, roofline.Prediction], run=None) -> list[di
 def outcome(predicted: dict[str, roofline.Prediction], run=None) -> list[dict]:
     """``outcome_rows`` as a table; returns the rows."""
     rows = outcome_rows(predicted, run)
+    _say_caveat(query.load(run))
     table(rows)
     return rows
 
