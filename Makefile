@@ -44,7 +44,7 @@ setup: $(SETUP_STAMP)
 $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned: pyproject.toml $(if $(PIN),$(CONSTRAINTS))
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q $(PIP_PIN) "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q $(PIP_PIN) -e ".[test,lab]"
+	$(VENV)/bin/python -m pip install -q $(PIP_PIN) -e ".[all,test]"
 	rm -f $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned
 	touch $@
 

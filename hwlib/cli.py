@@ -457,14 +457,27 @@ def reproduce(args) -> int:
 
 def _orphans_note(run: Path) -> str | None:
     """Why nothing may be timed now: notebook processes of a killed ``hwlib reproduce`` of another run
-    still live on this machine (``runs.orphans``), else None."""
+    under the same outputs folder still live on this machine (``runs.orphans``), else None. Those of
+    runs under another outputs folder (another checkout, or a test's scratch folder) are said on stderr
+    once: they may be another person's, whose run a refusal here would not help."""
     found = runs.orphans(exclude=run)
-    if not found:
+    root = outputs_root()
+    ours = {f: p for f, p in found.items() if root in Path(f).parents}
+    elsewhere = {f: p for f, p in found.items() if f not in ours and f not in _SAID}
+    if elsewhere:
+        _SAID.update(elsewhere)
+        what = "; ".join(f"pids {pids} of a run in {folder}" for folder, pids in elsewhere.items())
+        print(f"hwlib reproduce: warning: processes of a killed `hwlib reproduce` under another outputs folder "
+              f"still run on this machine ({what}); timings beside them may be wrong", file=sys.stderr)
+    if not ours:
         return None
-    what = "; ".join(f"pids {pids} of a run in {folder}" for folder, pids in found.items())
+    what = "; ".join(f"pids {pids} of a run in {folder}" for folder, pids in ours.items())
     return (f"processes of a killed `hwlib reproduce` still run on this machine ({what}): timed beside them, "
             f"this run's numbers would be wrong; end them (kill -9 <pids>), or run `hwlib reproduce` on that "
             f"run again, which ends them first")
+
+
+_SAID: set = set()   # leftovers under other outputs folders already warned about by this process
 
 
 def _entry(status: str, seconds: float, reason: str, params: dict | None = None) -> dict:
@@ -607,6 +620,8 @@ def readme_cmd(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hwlib", description=__doc__.split("\n\n")[0])
+    from . import __version__
+    ap.add_argument("--version", action="version", version=f"hwlib {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     run_help = "run name under outputs/ (default: $HWLIB_RUN, else latest)"
     r = sub.add_parser("reproduce", help="run the notebook series through papermill")

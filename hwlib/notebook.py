@@ -28,7 +28,7 @@ from .ladder.run import StepResult, run_step
 from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf16_floor, earlier_steps,
                                needs_bf16_floor, same_math)
 from .ops.sources import read_kernel_source
-from .paths import apply_compile_cache_env, compile_cache_env, run_dir
+from .paths import apply_compile_cache_env, compile_cache_env, read_dir, run_dir
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for, resolve_profile
 from .steps import STEP_NAMES, chain, describe, get_step, previous
 
@@ -286,14 +286,44 @@ def assert_same_math(measured: dict[str, tuple[StepResult, MathCheck]]) -> None:
 
 def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
     """The cumulative table (and figure) of ``workload`` from this run's results; returns the rows."""
-    from .report.tables import ladder_figure, ladder_rows_with_noise, markdown_table
+    from .report.tables import caveat_line, ladder_figure, ladder_rows_with_noise, markdown_table, rows_caveat
     rows = ladder_rows_with_noise(query.load(run), workload)
-    markdown(f"**{workload}**, run `{run_dir(run).name}`\n\n" + markdown_table(rows))
+    # read_dir: a committed reference is read where it is committed, and no folder is made for it
+    markdown(f"**{workload}**, run `{read_dir(run).name}`\n\n" + caveat_line(rows_caveat(rows)) + markdown_table(rows))
     if figure and any(r["throughput"] for r in rows):
-        import matplotlib.pyplot as plt
-        ladder_figure(rows, workload, query.ceilings(run))
-        plt.show()
+        show_figure(ladder_figure(rows, workload, query.ceilings(run)))
     return rows
+
+
+REFERENCE = "reference/h100"   # what a reader sees before measuring anything (run_or_reference)
+
+
+def run_or_reference(run=None, reference: str = REFERENCE):
+    """``run`` when it has ladder rows; else ``reference`` (a committed run, read where it is
+    committed and never written), said in a line: notebook 99 opened on its own shows the lab's
+    results rather than failing on an empty run."""
+    if query.workloads_in(query.load(run)):
+        return run
+    if not query.workloads_in(query.load(reference)):
+        raise FileNotFoundError(
+            f"run {read_dir(run).name!r} has no ladder rows, and the reference {reference!r} is not here "
+            f"({read_dir(reference)}): run the ladder notebooks (01-11) into this run first, or open this "
+            f"notebook in a clone of the repository, which commits outputs/{reference}")
+    markdown(f"_Run `{read_dir(run).name}` has no ladder rows yet, so this notebook shows the committed "
+             f"reference `outputs/{reference}` (nothing is written there). Run the ladder notebooks (01-11) into "
+             f"this run, or `hwlib reproduce`, and open it again to see your own._")
+    return reference
+
+
+def show_figure(fig, dpi: int = 110) -> None:
+    """A figure made outside pyplot (``matplotlib.figure.Figure``) shown as a PNG: IPython renders a
+    bare Figure as its text repr unless pyplot's inline integration happens to be loaded, so the
+    image is given to it; the same in JupyterLab, an executed copy and a headless run."""
+    import io
+    from IPython.display import Image, display
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    display(Image(data=buf.getvalue(), format="png"))
 
 
 # --- the roofline's prediction, and the measurement against it -------------------------------------
@@ -317,8 +347,19 @@ def predict(step: str, workloads: list[str], profile: str, run=None) -> dict[str
     if ceil is None:
         markdown("_No ceilings in this run: the predicted times need notebook 00's ceilings "
                  "(the counts below stand without them)._")
+    _say_caveat(recs, profile)
     table([p.to_row() for p in out.values()])
     return out
+
+
+def _say_caveat(recs: list[dict], profile: str | None = None) -> str | None:
+    """Say above a table when this run's times are not meaningful as performance (a CPU, the smoke
+    profile); returns the reason."""
+    from .report.tables import caveat_line, records_caveat
+    why = records_caveat(recs + ([{"profile": profile}] if profile else []))
+    if why:
+        markdown(caveat_line(why).strip())
+    return why
 
 
 def outcome_rows(predicted: dict[str, roofline.Prediction], run=None) -> list[dict]:
@@ -341,6 +382,7 @@ def outcome_rows(predicted: dict[str, roofline.Prediction], run=None) -> list[di
 def outcome(predicted: dict[str, roofline.Prediction], run=None) -> list[dict]:
     """``outcome_rows`` as a table; returns the rows."""
     rows = outcome_rows(predicted, run)
+    _say_caveat(query.load(run))
     table(rows)
     return rows
 

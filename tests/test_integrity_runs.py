@@ -218,3 +218,16 @@ def test_devices_and_the_memory_cap_are_checked_on_every_device(device, env, say
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert says.lstrip("-") in err and "Traceback" not in err and not (outputs / "r" / "00.txt").exists()
+
+
+def test_leftovers_under_another_outputs_folder_are_said_not_refused(tmp_path, outputs, monkeypatch, capsys):
+    """A leftover of a run under this outputs folder stops the measurement; one under another (another
+    checkout, a test's scratch folder: perhaps another person's) is said once on stderr."""
+    found = {str(tmp_path / "elsewhere" / "r"): [101], str(outputs / "x"): [202]}
+    monkeypatch.setattr(runs, "orphans", lambda exclude=None: found)
+    why = cli._orphans_note(outputs / "r")
+    assert "202" in why and str(outputs / "x") in why and "101" not in why
+    del found[str(outputs / "x")]
+    assert cli._orphans_note(outputs / "r") is None
+    err = capsys.readouterr().err
+    assert err.count("101") == 1 and "another outputs folder" in err   # said once, not before every notebook

@@ -19,20 +19,75 @@ def _name(req: str) -> str:
     return re.split(r"[<>=!~ \[;]", req.strip(), maxsplit=1)[0].lower()
 
 
+# pyproject's name -> conda-forge's, where they differ
+CONDA_NAMES = {"torch": "pytorch", "matplotlib": "matplotlib-base"}
+# What environment.yml leaves to pip: not on conda-forge, or (triton) on it for Linux only while an
+# environment file has no platform markers. Anything else under pip: conda-forge ships it, so it goes there.
+PIP_ONLY = {"triton", "playwright", "liger-kernel", "cut-cross-entropy"}
+
+
+def _requirements(project: dict) -> set[str]:
+    """Every requirement of pyproject's project table, its extras included; an extra that names hwlib's
+    own other extras (``all``) adds nothing of its own."""
+    reqs = set(project["dependencies"]).union(*project["optional-dependencies"].values())
+    return {r for r in reqs if _name(r) != "hwlib"}
+
+
+def environment_problems(env: dict, project: dict) -> list[str]:
+    """Why environment.yml does not install pyproject's requirements, conda-forge first; [] when it does."""
+    deps = env.get("dependencies", [])
+    pip = next((d["pip"] for d in deps if isinstance(d, dict) and "pip" in d), [])
+    conda = [d for d in deps if isinstance(d, str) and _name(d) not in ("python", "pip")]
+    out = []
+    if env.get("channels") != ["conda-forge"]:
+        out.append(f"channels are {env.get('channels')}, not only conda-forge")
+    if "-e ." not in pip:
+        out.append("pip does not install hwlib itself (-e .)")
+    to_conda = {_name(c): c[len(_name(c)):] for c in conda}
+    to_pip = {_name(p): p for p in pip if p != "-e ."}
+    for req in sorted(_requirements(project)):
+        name, spec = _name(req), req[len(_name(req)):]
+        if name in PIP_ONLY:
+            if to_pip.pop(name, None) != req:
+                out.append(f"{req!r} is not under pip as pyproject states it")
+        elif to_conda.pop(CONDA_NAMES.get(name, name), None) != spec:
+            out.append(f"{req!r} is not a conda-forge dependency {CONDA_NAMES.get(name, name)}{spec}")
+    out += [f"{n!r} is not in pyproject.toml" for n in {**to_conda, **to_pip}]
+    return out
+
+
+def _environment():
+    import yaml   # papermill's own dependency
+    return (yaml.safe_load((ROOT / "environment.yml").read_text()),
+            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"])
+
+
 def test_environment_yml_lists_the_pyproject_dependencies():
-    py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    want = set(py["dependencies"]).union(*py["optional-dependencies"].values())   # every extra
-    lines = (ROOT / "environment.yml").read_text().splitlines()
-    start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
-    indent = len(lines[start + 1]) - len(lines[start + 1].lstrip())
-    have = set()
-    for l in lines[start + 1:]:
-        if not l.strip() or len(l) - len(l.lstrip()) < indent:
-            break
-        item = l.strip()[2:].strip()
-        if item != "-e .":
-            have.add(item)
-    assert have == want, f"only in environment.yml: {have - want}; only in pyproject.toml: {want - have}"
+    env, project = _environment()
+    assert not environment_problems(env, project), environment_problems(env, project)
+
+
+@pytest.mark.parametrize("how, says", [
+    ("scipy>=1.10", "'scipy>=1.10' is not a conda-forge dependency scipy>=1.10"),   # dropped
+    ("pytorch>=2.6", "'torch>=2.6' is not a conda-forge dependency pytorch>=2.6"),
+    ("pip numpy", "'numpy>=1.24' is not a conda-forge dependency"),                  # moved to pip
+    ("old torch", "'torch>=2.6' is not a conda-forge dependency"),
+    ("extra", "'pandas' is not in pyproject.toml"),
+])
+def test_environment_check_fails_on_a_broken_environment(how, says):
+    env, project = _environment()
+    deps = env["dependencies"]
+    pip = next(d["pip"] for d in deps if isinstance(d, dict))
+    if how == "pip numpy":
+        deps.remove("numpy>=1.24")
+        pip.insert(0, "numpy>=1.24")
+    elif how == "old torch":
+        deps[deps.index("pytorch>=2.6")] = "pytorch>=2.4"
+    elif how == "extra":
+        deps.append("pandas")
+    else:
+        deps.remove(how)
+    assert any(says in p for p in environment_problems(env, project)), environment_problems(env, project)
 
 
 def test_ci_installs_the_cpu_torch_through_make_test():

@@ -390,7 +390,8 @@ class Explorer:
         """The panel (built once)."""
         if self.widgets is not None:
             return self.widgets["panel"]
-        import ipywidgets as w
+        from ..extras import require
+        w = require("ipywidgets", "the explorer's panel")
         opts = self.options()
         dd = dict(style={"description_width": "initial"}, layout=w.Layout(width="auto"))
         sel = {
@@ -470,7 +471,11 @@ class Explorer:
         """Display the panel and (``static``) a static copy of the first selection below it: a
         table and a figure, which is what a papermill run keeps."""
         from IPython.display import Markdown, display
-        display(self.widget())
+        from ..extras import MissingExtra
+        try:
+            display(self.widget())
+        except MissingExtra as e:   # the static copy below needs no widgets
+            display(Markdown(f"*{e}*"))
         if static:
             self.update()
             display(Markdown(self.static_markdown()))

@@ -22,6 +22,7 @@ import numpy as np
 
 from .nli import lexicon
 from .tokens import data_dir
+from ..extras import require
 from ..results import write_atomic
 
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]")
@@ -48,7 +49,8 @@ def synthetic_corpus(n_lines: int, *, n_words: int = 4000, seed: int = 0) -> lis
 
 def train_tokenizer(vocab: int = 8192, *, n_lines: int = 20000, seed: int = 0, cache: bool = True):
     """A BPE ``tokenizers.Tokenizer`` of ``vocab`` ids trained on ``synthetic_corpus`` (cached)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    tk = require("tokenizers", "the generation workload's tokenizer (notebook 14)")
+    Tokenizer, models, pre_tokenizers, decoders, trainers = tk.Tokenizer, tk.models, tk.pre_tokenizers, tk.decoders, tk.trainers
     if not isinstance(vocab, int) or vocab < 64:
         raise ValueError(f"vocab must be an integer >= 64, got {vocab!r}")
     path = data_dir() / f"poly_tokenizer_v{vocab}_s{seed}.json"

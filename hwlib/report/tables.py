@@ -134,8 +134,45 @@ def mark_within_noise(rows: list[dict], spreads: dict[str, dict]) -> list[dict]:
 
 
 def ladder_rows_with_noise(recs: list[dict], workload: str) -> list[dict]:
-    """``query.ladder_rows`` marked by the run's measured spread across processes (``mark_within_noise``)."""
-    return mark_within_noise(ladder_rows(recs, workload), process_spreads(recs, workload))
+    """``query.ladder_rows`` marked by the run's measured spread across processes (``mark_within_noise``),
+    each with the kind of device its time was measured on (``device_kind``: "cuda" or "cpu")."""
+    kinds = {r.get("step"): (r.get("device") or {}).get("kind") for r in recs
+             if r.get("workload") == workload and r.get("metric") == "ms_per_step"}
+    rows = mark_within_noise(ladder_rows(recs, workload), process_spreads(recs, workload))
+    for r in rows:
+        r["device_kind"] = kinds.get(r["step"])
+    return rows
+
+
+# --- what a CPU or smoke run's numbers are worth ---------------------------------------------------
+
+NOT_MEANINGFUL = {
+    "cpu": "measured on a CPU: these times and ratios show that the code runs, not what it buys on a GPU",
+    "smoke": "smoke profile: sizes made to check the code path in seconds, too small for their times and "
+             "ratios to mean anything",
+}
+
+
+def _caveat(kinds, profiles) -> str | None:
+    """Why times from these device kinds and profiles are not meaningful as performance; None when they are."""
+    why = [NOT_MEANINGFUL[k] for k, seen in (("cpu", "cpu" in kinds), ("smoke", "smoke" in profiles)) if seen]
+    return "; ".join(why) or None
+
+
+def rows_caveat(rows: list[dict]) -> str | None:
+    """``_caveat`` of the measured rows of a ladder (``ladder_rows_with_noise``)."""
+    timed = [r for r in rows if r.get("throughput")]
+    return _caveat({r.get("device_kind") for r in timed}, {r.get("profile") for r in timed})
+
+
+def records_caveat(recs: list[dict]) -> str | None:
+    """``_caveat`` of a run's records (every record with a device or a profile)."""
+    return _caveat({(r.get("device") or {}).get("kind") for r in recs}, {r.get("profile") for r in recs})
+
+
+def caveat_line(caveat: str | None) -> str:
+    """The line that goes above a table or prose from such a run: empty when its numbers mean something."""
+    return f"**Not meaningful as performance**: {caveat}.\n\n" if caveat else ""
 
 
 def noise_note(rows: list[dict]) -> str:
@@ -171,13 +208,14 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
     Right: time per step split into the speed-of-light floor (the step's model FLOPs at the measured
     16-bit matmul ceiling) and the gap above it, with the gap as a multiple of the floor: where the
     bars say how fast, this says how far from the limit. Without ceilings the right panel says so.
-    Returns the matplotlib figure; saved when ``path`` is given."""
-    import matplotlib
-    if path is not None:
-        matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    Returns the matplotlib figure; saved when ``path`` is given. The figure is made with the
+    object-oriented API (``matplotlib.figure.Figure``), outside pyplot: it draws and saves without a
+    display, leaves the kernel's backend as it was, and is never shown twice (``notebook.show_figure``
+    shows it)."""
+    from matplotlib.figure import Figure
     ok = [r for r in rows if r["throughput"]]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig = Figure(figsize=(13, 4.6))
+    ax, ax2 = fig.subplots(1, 2)
     labels = [_short(r["step"]) for r in ok]
     vals = [r["throughput"] for r in ok]
     unit = ok[0]["unit"] if ok else "items/s"
@@ -191,11 +229,21 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
     ax.set_ylabel(unit)
     dev = ok[0]["device"] if ok else ""
     ax.set_title(f"{workload}: throughput per step ({dev}, {ok[0]['profile'] if ok else ''})", fontsize=10)
+    caveat = rows_caveat(ok)
+    if caveat:   # said on the figure itself: a PNG travels without its table
+        fig.suptitle(f"Not meaningful as performance: {caveat}", fontsize=9, color="#b35900", wrap=True)
     peak = max(((ceilings or {}).get("matmul_tflops") or {}).get(p) or 0 for p in ("bf16", "fp16")) or None
     ms = [r["ms_per_step"] for r in ok]
     floor = [r["model_tflops"] * r["ms_per_step"] / peak if (peak and r["model_tflops"]) else None for r in ok]
-    if peak and all(f is not None for f in floor):
-        ax2.bar(range(len(ok)), floor, color="#55a868", label=f"floor: model FLOPs at {peak:.0f} TFLOP/s")
+    # A floor needs a GPU's positive ceiling; a step measured below its own floor means the ceiling
+    # is wrong (a CPU's, a smoke size's), and a multiple of it would say nothing.
+    no_floor = ("a CPU run: its matmul ceiling is no GPU's speed of light" if any(r.get("device_kind") == "cpu" for r in ok)
+                else "no 16-bit matmul ceiling in this run" if not peak
+                else "a step has no model FLOPs" if any(f is None for f in floor)
+                else "a step measured below its floor: the ceiling is too low" if any(m < f for m, f in zip(ms, floor))
+                else None)
+    if no_floor is None:
+        ax2.bar(range(len(ok)), floor, color="#55a868", label=f"floor: model FLOPs at {peak:.3g} TFLOP/s")
         ax2.bar(range(len(ok)), [m - f for m, f in zip(ms, floor)], bottom=floor, color="#c44e52", alpha=0.7,
                 label="time above the floor")
         for i, (m, f) in enumerate(zip(ms, floor)):
@@ -206,7 +254,7 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
         ax2.set_title("ms per step against the speed-of-light floor (x: times the floor)", fontsize=10)
     else:
         ax2.bar(range(len(ok)), ms, color="#8c8c8c")
-        ax2.set_title("ms per step (no ceilings in this run: no floor to draw)", fontsize=10)
+        ax2.set_title(f"ms per step (no floor drawn: {no_floor})", fontsize=10)
     ax2.set_xticks(range(len(ok)), labels, rotation=35, ha="right", fontsize=8)
     ax2.set_ylabel("ms per step")
     fig.tight_layout()
@@ -220,6 +268,12 @@ def step_prose(rows: list[dict], workload: str, step: str) -> str:
     """What this notebook's own step did for ``workload``, from the measured numbers: its time
     against the step it builds on (and whether the difference is inside the p20-p80 spread), its
     same-math check, and why it did not run when it did not."""
+    text = _step_prose(rows, workload, step)
+    caveat = rows_caveat([r for r in rows if r["step"] == step])
+    return f"Not meaningful as performance ({caveat}). {text}" if caveat else text
+
+
+def _step_prose(rows: list[dict], workload: str, step: str) -> str:
     row = next((r for r in rows if r["step"] == step), None)
     if row is None:
         return f"{step} has not been measured for {workload} in this run."
@@ -259,7 +313,14 @@ def step_prose(rows: list[dict], workload: str, step: str) -> str:
 
 
 def what_we_saw(rows: list[dict], workload: str) -> str:
-    """A paragraph made of the measured numbers of the ladder, for the notebooks and the README."""
+    """A paragraph made of the measured numbers of the ladder, for the notebooks and the README; led by
+    what they are not worth when they come from a CPU or the smoke profile."""
+    text = _what_we_saw(rows, workload)
+    caveat = rows_caveat(rows)
+    return f"Not meaningful as performance ({caveat}). {text}" if caveat else text
+
+
+def _what_we_saw(rows: list[dict], workload: str) -> str:
     ok = [r for r in rows if r["throughput"]]
     if not ok:
         return f"No step of {workload} has been measured in this run yet."
@@ -356,13 +417,12 @@ def write_all(run=None) -> dict:
     for w in workloads_in(recs):
         rows = ladder_rows_with_noise(recs, w)
         written[f"{w}.md"] = results.write_atomic(d / "tables" / f"{w}_ladder.md",
-                                                  f"# {w}: cumulative ladder\n\n" + markdown_table(rows)
+                                                  f"# {w}: cumulative ladder\n\n" + caveat_line(rows_caveat(rows))
+                                                  + markdown_table(rows)
                                                   + "\n" + what_we_saw(rows, w) + "\n")
         written[f"{w}.csv"] = results.write_atomic(d / "tables" / f"{w}_ladder.csv", csv_table(rows))
         if any(r["throughput"] for r in rows):
-            import matplotlib.pyplot as plt
-            fig = ladder_figure(rows, w, ceil, path=d / "figures" / f"{w}_ladder.png")
-            plt.close(fig)
+            ladder_figure(rows, w, ceil, path=d / "figures" / f"{w}_ladder.png")
             written[f"{w}.png"] = d / "figures" / f"{w}_ladder.png"
     written["claims.md"] = results.write_atomic(d / "tables" / "claims.md", "# The seeds' claims beside this run's measurements\n\n"
                                                 + claims.run_markdown(d, level=2))

@@ -244,7 +244,8 @@ def scipy_diag_inverse(a, b, c, z) -> torch.Tensor:
     """diag((T - zI)^-1) through SciPy's banded LAPACK solver (one system, all N right-hand sides),
     an independent reference for the float64 dense inverse in torch."""
     import numpy as np
-    from scipy.linalg import solve_banded
+    from ..extras import require
+    solve_banded = require("scipy.linalg", "BK-Core's SciPy reference (notebook 12)").solve_banded
     a2 = a.detach().cpu().double().reshape(-1, a.shape[-1]).numpy()
     b2, c2 = (t.detach().cpu().double().reshape(a2.shape[0], -1).numpy() for t in (b, c))
     n = a2.shape[1]

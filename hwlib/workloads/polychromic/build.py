@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from ...extras import require
 from .config import PolyConfig
+
+NEEDED_FOR = "the generation workload (notebook 14)"
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def qwen3_config(cfg: PolyConfig):
-    from transformers import Qwen3Config
+    Qwen3Config = require("transformers", NEEDED_FOR).Qwen3Config
     return Qwen3Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
                        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
@@ -54,7 +57,7 @@ def init_random(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def build_lm(cfg: PolyConfig, device: torch.device | str, seed: int = 0):
     """The Qwen3-shaped LM on ``device`` in ``cfg.dtype``, random weights, no LoRA yet."""
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = require("transformers", NEEDED_FOR).AutoModelForCausalLM
     qc = qwen3_config(cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(qc, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn)
@@ -71,7 +74,8 @@ def build_lm(cfg: PolyConfig, device: torch.device | str, seed: int = 0):
 def add_lora(model, cfg: PolyConfig, seed: int = 0):
     """LoRA adapters (peft) on ``cfg.lora_targets``; the base weights frozen; gradient checkpointing
     on (non-reentrant, so frozen embeddings need no input-grad hook), as the seed trained."""
-    from peft import LoraConfig, get_peft_model
+    peft = require("peft", NEEDED_FOR)
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
     torch.manual_seed(seed)   # peft draws lora_A from the global generator
     lc = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                     target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM")
@@ -88,7 +92,8 @@ def add_lora(model, cfg: PolyConfig, seed: int = 0):
 
 def build_encoder(cfg: PolyConfig, device: torch.device | str, seed: int = 0):
     """The BERT-shaped sentence encoder (float32, eval mode), random weights from ``seed``."""
-    from transformers import BertConfig, BertModel
+    tf = require("transformers", NEEDED_FOR)
+    BertConfig, BertModel = tf.BertConfig, tf.BertModel
     bc = BertConfig(vocab_size=cfg.tok_vocab, hidden_size=cfg.enc_hidden, num_hidden_layers=cfg.enc_layers,
                     num_attention_heads=cfg.enc_heads, intermediate_size=cfg.enc_intermediate,
                     max_position_embeddings=cfg.enc_max_len, pad_token_id=0)

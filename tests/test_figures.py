@@ -1,0 +1,60 @@
+"""Figures leave the plotting backend alone and show in a notebook: the ladder figure is made with
+matplotlib's object-oriented API, and notebook.show_figure hands IPython its PNG."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = """
+import json, sys, matplotlib
+before = matplotlib.get_backend()
+from hwlib.report.tables import ladder_figure
+row = dict(step="01_baseline_fp32", throughput=1000.0, unit="tokens/s", ms_per_step=10.0, ms_p20=9.0, ms_p80=11.0,
+           speedup_vs_baseline=1.0, device="Test GPU", profile="full", model_tflops=1.0)
+rows = [row, dict(row, step="02_tf32", throughput=2000.0, ms_per_step=5.0, ms_p20=4.5, ms_p80=5.5, speedup_vs_baseline=2.0)]
+ceil = {"matmul_tflops": {"bf16": 800.0}}
+fig = ladder_figure(rows, "gpt", ceil, path=sys.argv[1])    # saved: the path that used to switch to Agg
+fig2 = ladder_figure(rows, "gpt", ceil)                     # shown in a notebook
+print(json.dumps({"before": before, "after": matplotlib.get_backend(), "pyplot": "matplotlib.pyplot" in sys.modules,
+                  "axes": len(fig.axes), "axes2": len(fig2.axes), "type": type(fig).__module__ + "." + type(fig).__name__}))
+"""
+
+
+def test_the_ladder_figure_leaves_the_backend_as_it_was(tmp_path):
+    # svg: a backend that is not Agg and needs no display; the old code switched it to Agg
+    import os
+    out = tmp_path / "gpt_ladder.png"
+    p = subprocess.run([sys.executable, "-c", CHILD, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MPLBACKEND": "svg"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["before"] == "svg" and got["after"] == "svg", got
+    assert got["pyplot"] is False, "the figure went through pyplot's global state"
+    assert got["type"] == "matplotlib.figure.Figure" and got["axes"] == got["axes2"] == 2
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_library_code_switches_the_plotting_backend():
+    switch = re.compile(r"matplotlib\.use\(|switch_backend\(|%matplotlib")
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "hwlib").rglob("*.py")
+           for i, line in enumerate(p.read_text().splitlines(), 1) if switch.search(line.split("#")[0])]
+    assert bad == []
+
+
+def test_show_figure_displays_a_png(monkeypatch):
+    import IPython.display
+    from matplotlib.figure import Figure
+
+    from hwlib import notebook as nb
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    fig = Figure(figsize=(2, 1))
+    fig.subplots().plot([0, 1], [1, 0])
+    nb.show_figure(fig)
+    (img,) = shown
+    assert isinstance(img, IPython.display.Image) and img.data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "image/png" in img._repr_mimebundle_()[0]
