@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from hwlib import noise
-from hwlib.ops.add_layernorm import add_layer_norm
+from hwlib.steps.s21_fused_layernorm.op import add_layer_norm
 from hwlib.ops.bk_core import resolvent_diagonal
-from hwlib.ops.fp8 import fp8_linear
+from hwlib.steps.s18_fp8.op import fp8_linear
 
 
 def test_add_layer_norm_of_overflowing_rows_is_nan_not_zero():
