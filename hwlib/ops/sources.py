@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -180,5 +181,10 @@ def backends_used() -> dict[str, str]:
 def resolve_triton_backend(filename: str, backend: str, device_type: str) -> str:
     """``select_triton_backend`` for an op's forward: torch.compile calls it once while tracing and
     keeps its answer as a constant (loading a kernel module is not traceable)."""
-    return note_backend(Path(filename).stem.removesuffix("_triton"),
-                        select_triton_backend(filename, backend, device_type))
+    return note_backend(op_name(filename), select_triton_backend(filename, backend, device_type))
+
+
+def op_name(filename: str) -> str:
+    """The op a kernel file serves, as the records name it: the file's stem without the number of the
+    step that introduced it and without ``_triton`` (``21_add_layernorm_triton.py``: ``add_layernorm``)."""
+    return re.sub(r"^\d+_", "", Path(filename).stem).removesuffix("_triton")
