@@ -43,9 +43,14 @@ def series(tmp_path):
     return d
 
 
+# Long enough for a kernel's start on a busy 2-core machine (make test runs four suites side by side:
+# these notebooks took 13-17 s there), short of 03_slow's sleep.
+TIMEOUT_S = 40
+
+
 def reproduce(series, run, *extra):
     return cli.main(["reproduce", "--notebooks", str(series), "--run", str(run), "--profile", "smoke",
-                     "--device", "cpu", "--timeout", "12", "--quiet", *extra])
+                     "--device", "cpu", "--timeout", str(TIMEOUT_S), "--quiet", *extra])
 
 
 def test_goes_on_past_failures_reports_them_and_resumes(series, outputs, capsys):
