@@ -134,6 +134,22 @@ def sample_top_p(logits: torch.Tensor, noise: torch.Tensor, temperature: float, 
     return (kept / noise).argmax(dim=-1)
 
 
+def static_rows(prompts: torch.Tensor, cfg, new_tokens: int | None, greedy: bool, batch: int, max_len: int,
+                what: str) -> tuple[torch.Tensor, int]:
+    """The checked rows a static-cache decoder generates from (each prompt ``cfg.replies`` times) and the
+    number of new tokens; a clear error when they do not fit its ``batch`` rows of ``max_len``."""
+    T = new_tokens or cfg.new_tokens
+    check_prompts(prompts, cfg, T)
+    if not greedy:
+        check_sampling(cfg.temperature, cfg.top_p)
+    L = prompts.shape[1]
+    rows = prompts.repeat_interleave(cfg.replies, dim=0)
+    if rows.shape[0] != batch or L + T > max_len:
+        raise ValueError(f"prompts: {rows.shape[0]} rows of {L} + {T} tokens do not fit this {what}'s "
+                         f"{batch} rows of {max_len}")
+    return rows, T
+
+
 class OwnDecodeLoop:
     """The lab's decode loop for B = P N rows: an eager prefill into a Hugging Face ``StaticCache``,
     then one step per token (model forward on the last token at ``cache_position``, then sampling),
@@ -159,15 +175,8 @@ class OwnDecodeLoop:
     @torch.no_grad()
     def __call__(self, prompts: torch.Tensor, *, greedy: bool = False, new_tokens: int | None = None) -> torch.Tensor:
         cfg = self.cfg
-        T = new_tokens or cfg.new_tokens
-        check_prompts(prompts, cfg, T)
-        if not greedy:
-            check_sampling(cfg.temperature, cfg.top_p)
+        rows, T = static_rows(prompts, cfg, new_tokens, greedy, self.batch, self.max_len, "loop")
         P, L = prompts.shape
-        rows = prompts.repeat_interleave(cfg.replies, dim=0)
-        if rows.shape[0] != self.batch or L + T > self.max_len:
-            raise ValueError(f"prompts: {rows.shape[0]} rows of {L} + {T} tokens do not fit this loop's "
-                             f"{self.batch} rows of {self.max_len}")
         was = self.model.training
         self.model.eval()
         try:

@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import PolyConfig, check_sampling
-from .decode import check_prompts, sample_top_p
+from .config import PolyConfig
+from .decode import sample_top_p, static_rows
 
 RUNGS = ("graph", "concat", "compile", "rope_cache", "decode_attn")
 # Built and checked on a CPU, not yet timed on a GPU: its first compiled forms failed in inductor there
@@ -426,15 +426,8 @@ class FusedDecoder:
     def __call__(self, prompts: torch.Tensor, *, greedy: bool = False, new_tokens: int | None = None,
                  keep_logits: list | None = None) -> torch.Tensor:
         cfg = self.cfg
-        T = new_tokens or cfg.new_tokens
-        check_prompts(prompts, cfg, T)
-        if not greedy:
-            check_sampling(cfg.temperature, cfg.top_p)
+        rows, T = static_rows(prompts, cfg, new_tokens, greedy, self.batch, self.max_len, "decoder")
         P, L = prompts.shape
-        rows = prompts.repeat_interleave(cfg.replies, dim=0)
-        if rows.shape[0] != self.batch or L + T > self.max_len:
-            raise ValueError(f"prompts: {rows.shape[0]} rows of {L} + {T} tokens do not fit this decoder's "
-                             f"{self.batch} rows of {self.max_len}")
         was = self.model.training
         self.model.eval()
         try:
