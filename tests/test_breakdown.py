@@ -3,6 +3,7 @@ category, the LM head's matmuls told apart by size, per-step times and idle from
 events, the floors' counts, and the study end to end on CPU."""
 
 import pytest
+import torch
 
 from hwlib import trace
 from hwlib.studies import breakdown as bd
@@ -125,6 +126,17 @@ def test_the_study_runs_on_cpu_and_records_per_category(isolated_run):
     assert len(b.rows()) == len(bd.CATEGORIES)
     text = bd.prose(recs)
     assert "05_fused_optimizer" in text and f"{b.step_ms:.3g} ms" in text
+    # the step's floor beside the categories: its parts as fields, the kernels (CPU operators) counted
+    floor = {r["fields"]["part"]: r for r in recs if r["metric"] == "floor_ms"}
+    assert set(floor) == {"step", "flops", "bytes", "launches"}
+    assert floor["step"]["value"] == pytest.approx(max(floor["flops"]["value"], floor["bytes"]["value"]))
+    assert floor["launches"]["status"] == "skipped" and "per-launch" in floor["launches"]["reason"]
+    assert floor["flops"]["value"] == pytest.approx(b.flops_per_step / 0.2e12 * 1e3)
+    launches = [r for r in recs if r["metric"] == "launches_per_step"]
+    assert len(launches) == 1 and launches[0]["value"] == b.launches > 0
+    assert f"The step's floor is {floor['step']['value']:.3g} ms" in text
+    assert bd.by_step(recs)["05_fused_optimizer"]["floor_ms"] == floor["step"]["value"]
+    assert b.floor_row()["measured / floor"] == pytest.approx(b.step_ms / b.floor.ms)
     na = bd.breakdown("encoder_nli", "07_nice_shapes", profile="smoke", device="cpu")
     assert na.status == "n/a" and na.records("16")[0]["status"] == "n/a"
 
@@ -185,3 +197,116 @@ def test_the_fp8_and_epilogue_steps_carry_their_floor_caveats():
     assert len(notes) == 1 and "FP8" in notes[0] and "upper bound" in notes[0]
     notes = bd.floor_caveats("22_gelu_epilogue")
     assert len(notes) == 1 and "epilogues" in notes[0] and "below its floor" in notes[0]
+
+
+# --- the step's floor, every workload -----------------------------------------------------------------------
+
+B, IN, OUT = 5, 7, 3   # odd sizes: a transposed or padded operand would show in the count
+
+
+def _linear_step(autocast):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(IN, OUT)
+    x = torch.randn(B, IN, requires_grad=True)
+
+    def forward_backward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = lin(x)
+        y.float().square().sum().backward()   # square: a materialised output gradient (sum's alone is a stride-0 view)
+    return lin, forward_backward
+
+
+def test_one_linear_with_adamw_is_counted_by_hand():
+    """Forward addmm (bias, x, W^T in; y out), backward mm for dx (g, W in; dx out) and for dW (g, x in; dW out):
+    FLOPs 3 x 2 B IN OUT; each matmul's operands and result once, in the dtype it ran in (bf16 under autocast:
+    half the bytes); AdamW 28 bytes per fp32 parameter."""
+    elems = OUT + 3 * B * IN + 3 * IN * OUT + 3 * B * OUT
+    n_params = IN * OUT + OUT
+    for autocast, elem in ((False, 4), (True, 2)):
+        lin, fb = _linear_step(autocast)
+        c = bd.count_step(lin, fb)
+        assert c.flops == 6 * B * IN * OUT
+        assert c.activation_bytes == elem * elems, autocast
+        assert c.optimizer_bytes == 28 * n_params
+        assert c.calls == {"aten::addmm": 1, "aten::mm": 2}
+    ceil = {"copy_gbps": 1e-6, "matmul_tflops": {"fp32": 1e-9, "bf16": 1e-8}}
+    f = bd.step_floor(c.flops, c.activation_bytes + c.optimizer_bytes, ceil, "bf16", launches=9)
+    assert f["flops_ms"] == pytest.approx(6 * B * IN * OUT / 1e4 * 1e3)
+    assert f["bytes_ms"] == pytest.approx((2 * elems + 28 * n_params) / 1e3 * 1e3)
+    assert f["ms"] == max(f["flops_ms"], f["bytes_ms"]) and f["bound"] == "bytes"
+    assert f["launches"] == 9 and f["launch_ms"] is None     # counted, never given an invented cost
+    f = bd.step_floor(c.flops, 0.0, ceil, "fp32")
+    assert f["bound"] == "flops" and f["ms"] == pytest.approx(6 * B * IN * OUT / 1e3 * 1e3)
+    assert bd.step_floor(1.0, 1.0, None)["ms"] is None
+
+
+def test_adamw_bytes_take_each_tensor_in_its_dtype():
+    p = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    p.grad = torch.zeros(10, dtype=torch.bfloat16)
+    q = torch.nn.Parameter(torch.zeros(3))
+    q.grad = torch.zeros(3)
+    frozen = torch.zeros(100)                      # requires no gradient: AdamW never sees it
+    assert bd.adamw_bytes([p, q, frozen]) == 10 * 7 * 2 + 3 * 28
+
+
+def test_bad_floor_input_names_the_argument():
+    good = {"copy_gbps": 3000.0, "matmul_tflops": {"bf16": 700.0}}
+    with pytest.raises(ValueError, match="ceilings copy_gbps"):
+        bd.step_floor(1.0, 1.0, {**good, "copy_gbps": 0})
+    with pytest.raises(ValueError, match=r"ceilings matmul_tflops\['bf16'\]"):
+        bd.step_floor(1.0, 1.0, {**good, "matmul_tflops": {"bf16": 0.0}})
+    with pytest.raises(ValueError, match="ceilings copy_gbps"):
+        bd.step_floor(1.0, 1.0, {**good, "copy_gbps": float("nan")})
+    with pytest.raises(ValueError, match="flops"):
+        bd.step_floor(-1.0, 1.0, good)
+    with pytest.raises(ValueError, match="nbytes"):
+        bd.step_floor(1.0, float("inf"), good)
+    with pytest.raises(ValueError, match="precision"):
+        bd.step_floor(1.0, 1.0, good, "int8")
+    with pytest.raises(ValueError, match="workload"):
+        bd.workload_floor("llama", "09_cuda_graphs")
+    with pytest.raises(ValueError, match="step"):
+        bd.workload_floor("gpt", "99_warp_drive")
+    with pytest.raises(ValueError, match="does not apply"):
+        bd.workload_floor("gpt", "10_channels_last")
+    with pytest.raises(ValueError, match="ceilings copy_gbps"):
+        bd.workload_floor("gpt", "09_cuda_graphs", ceilings={**good, "copy_gbps": 0.0})
+    with pytest.raises(ValueError, match="workload"):
+        bd.last_step("llama", "cpu")
+    with pytest.raises(TypeError, match="forward_backward"):
+        bd.count_step(torch.nn.Linear(2, 2), None)
+
+
+def test_the_floor_of_real_workloads_on_cpu():
+    """vit_bdh's FLOP formula and FlopCounterMode agree exactly (its matmuls are plain bmm / mm / conv);
+    AdamW's bytes are 28 a parameter of the fp32 model; the bf16 step moves about half the activation
+    bytes of the fp32 one, the same matmuls in half the element size."""
+    ceil = {"copy_gbps": 10.0, "matmul_tflops": {"bf16": 0.2, "fp32": 0.1}}
+    wl = get_workload("vit_bdh")
+    f = bd.workload_floor("vit_bdh", "03_bf16_autocast", profile="smoke", ceilings=ceil)
+    n_params = sum(p.numel() for p in wl.build(wl.config("smoke"), bd.settings_for("03_bf16_autocast"), 0).parameters())
+    assert f.flops == wl.flops_per_step(wl.config("smoke")) == pytest.approx(f.flops_counted, rel=1e-9)
+    assert f.optimizer_bytes == 28 * n_params and f.precision == "bf16"
+    assert f.ms == pytest.approx(max(f.flops / 0.2e12, (f.activation_bytes + f.optimizer_bytes) / 10e9) * 1e3)
+    fp32 = bd.workload_floor("vit_bdh", "01_baseline_fp32", profile="smoke", ceilings=ceil)
+    # most of its matmuls run in bf16 under autocast; the few it keeps in fp32 hold the ratio under 2
+    assert 1.9 < fp32.activation_bytes / f.activation_bytes <= 2.0 and fp32.precision == "fp32"
+    assert fp32.flops_ms == pytest.approx(2 * f.flops_ms)
+    # the BK-Core, a fused hwlib op, is counted with the matmuls
+    bk = bd.workload_floor("resnet_bk", "12_bk_core", profile="smoke")
+    assert bk.calls.get("hwlib::resolvent_features") and bk.ms is None
+
+
+def test_each_workload_defaults_to_its_last_step():
+    want = {"gpt": "09_cuda_graphs", "vit_bdh": "10_channels_last", "vit_bdh_linear": "10_channels_last",
+            "encoder_nli": "11_sequence_packing", "resnet_bk": "12_bk_core"}
+    assert {w: bd.last_step(w, "cpu") for w in want} == want
+
+
+def test_a_classifier_has_no_lm_head_to_split():
+    ev = [_k(NAMES["gemm"][2], 100 * i, 100) for i in range(3)] + [_k(NAMES["gemm"][0], 300 + 10 * i, 10) for i in range(5)]
+    ms, _, _, _, notes = bd.categorize(ev, "cuda", steps=1)
+    assert ms["lm_head_ce"] == pytest.approx(0.3)
+    ms, _, _, _, notes = bd.categorize(ev, "cuda", steps=1, lm_head=False)
+    assert ms["lm_head_ce"] == 0 and ms["gemm"] == pytest.approx(0.35) and notes == []
+    assert bd.launches_per_step(ev, "cuda", steps=2) == 4

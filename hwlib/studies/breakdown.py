@@ -32,22 +32,36 @@ Floors (``gpt_floors``, GPT only): a compute-bound category's floor is its FLOPs
 matmul ceiling of the step's precision; a memory-bound one's, its bytes at the measured copy
 bandwidth (``hwlib.ceilings``, read by the caller from the run's results). Bytes are counted as one
 pass per op, each op reading its inputs and writing its outputs once (see ``gpt_floors``).
+
+The step's floor, for every workload (``workload_floor``, built on ``count_step`` and ``step_floor``):
+the step's FLOPs at the matmul ceiling, and the bytes that must move at the copy bandwidth (the
+optimizer's state and the activations at a minimal count), whichever is longer; the kernel count
+of the profiled window is reported beside it (no per-launch cost is measured: see ``step_floor``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
-from .. import bench, results, roofline, trace
+from .. import bench, precision, results, roofline, trace
+from ..device import info, resolve_device
 from ..ladder.run import StepResult, resolve, timed_window
-from ..ladder.session import Session
+from ..ladder.session import Session, build_model
 from ..paths import run_dir
 from ..profiles import Plan
-from ..steps import chain, not_applicable, precision_of, resolve_autocast, settings_for, unavailable
+from ..steps import (LADDER, chain, get_step, not_applicable, precision_of, resolve_autocast, settings_for,
+                     unavailable)
+from ..workloads import get_workload
+from ..workloads.base import TokenLMWorkload
 
 CATEGORIES = ("gemm", "attention", "lm_head_ce", "elementwise", "optimizer", "other", "idle")
 LABELS = {"gemm": "GEMMs", "attention": "attention", "lm_head_ce": "LM head + cross-entropy",
@@ -111,9 +125,12 @@ def split_head_gemms(durations: list[float], steps: int, per_step: int = HEAD_MA
     return set(order[:k]), None
 
 
-def categorize(events: list[dict], device_kind: str, steps: int) -> tuple[dict, float, float, list, list[str]]:
+def categorize(events: list[dict], device_kind: str, steps: int, lm_head: bool = True
+               ) -> tuple[dict, float, float, list, list[str]]:
     """Milliseconds per step by category, the busy time (union of the work's intervals) and the span
-    of the window per step, the top kernels by time, and notes; from a trace's events."""
+    of the window per step, the top kernels by time, and notes; from a trace's events. ``lm_head``:
+    the model ends in a vocabulary projection whose matmuls the size rule looks for (a language
+    model's; a classifier's head is a small matmul among the GEMMs)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if device_kind == "cuda":
@@ -123,7 +140,7 @@ def categorize(events: list[dict], device_kind: str, steps: int) -> tuple[dict, 
     cats = [classify(str(e.get("name", ""))) if e.get("cat") != "gpu_memcpy" and e.get("cat") != "gpu_memset"
             else "other" for e, _ in work]
     gemms = [i for i, c in enumerate(cats) if c == "gemm"]
-    head, why = split_head_gemms([work[i][1] for i in gemms], steps)
+    head, why = split_head_gemms([work[i][1] for i in gemms], steps) if lm_head else (set(), None)
     for j in head:
         cats[gemms[j]] = "lm_head_ce"
     per = 1e-3 / steps   # microseconds over the window -> milliseconds per step
@@ -188,6 +205,262 @@ def floor_caveats(step: str) -> list[str]:
     return [s.floor_caveat for s in chain(step) if s.floor_caveat]
 
 
+# --- the step's floor, for every workload ------------------------------------------------------------------
+
+# The ops whose inputs and outputs ``count_step`` counts as activation bytes: ATen's matmuls, convolutions
+# and fused attention (forward and backward), and hwlib's own fused ops (namespace ``hwlib``: the BK-Core).
+COUNTED_OPS = re.compile(r"^(mm|addmm|bmm|baddbmm|_addmm_activation|_scaled_mm|convolution|convolution_backward|"
+                         r"_scaled_dot_product_\w+|_flash_attention_\w+|_efficient_attention_\w+|_cudnn_attention_\w+)$")
+COUNTED_NAMESPACES = ("hwlib",)
+# AdamW's traffic a parameter, in units of its element size: parameter read and written, gradient read,
+# both moments read and written (the moments in the parameter's dtype, as torch.optim.AdamW keeps them).
+ADAMW_PASSES = {"parameter": 2, "gradient": 1, "moments": 4}
+FLOOR_PARTS = ("flops", "bytes", "launches")
+
+
+def _counted(func) -> bool:
+    if func.namespace in COUNTED_NAMESPACES:
+        return True
+    return func.namespace == "aten" and bool(COUNTED_OPS.match(func._overloadpacket.__name__))
+
+
+def _tensor_bytes(tree) -> int:
+    """Bytes of the tensors in ``tree``: each tensor's elements once (an expanded view, stride 0, no more
+    than its storage holds)."""
+    n = 0
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            nb = t.numel() * t.element_size()
+            try:
+                nb = min(nb, t.untyped_storage().nbytes())
+            except (RuntimeError, NotImplementedError):   # a tensor without storage (a subclass)
+                pass
+            n += nb
+    return n
+
+
+class _ActivationBytes(TorchDispatchMode):
+    """Counts the inputs and outputs of every op ``_counted`` picks, once per call, and the calls by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.calls = 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _counted(func):
+            self.bytes += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+            name = f"{func.namespace}::{func._overloadpacket.__name__}"
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return out
+
+
+def adamw_bytes(params) -> int:
+    """Bytes AdamW moves in one step over ``params`` (those with a gradient, or that require one where
+    none was made yet): per parameter its element size x (2 for the parameter read and written, 1 for
+    the gradient read, 4 for the two moments read and written), the gradient in its own dtype."""
+    total = 0
+    for p in params:
+        if p.grad is None and not p.requires_grad:
+            continue
+        e = p.element_size()
+        g = p.grad.element_size() if p.grad is not None else e
+        total += p.numel() * (ADAMW_PASSES["parameter"] * e + ADAMW_PASSES["gradient"] * g + ADAMW_PASSES["moments"] * e)
+    return total
+
+
+@dataclass
+class StepCount:
+    flops: float              # FlopCounterMode's count of the forward + backward
+    activation_bytes: int     # inputs and outputs of the counted ops, once per call
+    optimizer_bytes: int      # AdamW over the parameters that got a gradient
+    calls: dict               # counted op -> calls
+
+
+def count_step(model: torch.nn.Module, forward_backward: Callable[[], object]) -> StepCount:
+    """Run ``forward_backward()`` (one forward and backward of ``model``, in whatever autocast the caller
+    set) under ``FlopCounterMode`` and an op counter, and count what one training step must do:
+
+    * FLOPs: ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, fused attention where it
+      has a formula for the backend that ran; a custom op's inner matmuls are not seen);
+    * activation bytes: each matmul, convolution, fused attention (forward and backward) and hwlib
+      fused op (the BK-Core) reading its inputs and writing its outputs once, at the dtype it ran in
+      (bf16 under autocast). Everything between them (LayerNorm, GELU, residual adds, casts, softmax
+      of an unfused attention, the loss) is taken as fused into their prologues and epilogues and
+      counted at zero. It is a lower bound for any schedule that runs each counted op as its own
+      kernel; a kernel fusing two matmuls (fused attention's QK^T and AV, a linear + cross-entropy
+      that never stores the logits) moves less, which is why fused attention is one op here;
+    * optimizer bytes: ``adamw_bytes`` over the model's parameters that got a gradient.
+
+    The gradients ``forward_backward`` leaves stay on the model."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(forward_backward):
+        raise TypeError(f"forward_backward must be a callable running one forward and backward, got "
+                        f"{type(forward_backward).__name__}")
+    with FlopCounterMode(display=False) as fc, _ActivationBytes() as act:
+        forward_backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        raise ValueError("forward_backward made no gradient on the model's parameters: nothing to count")
+    return StepCount(float(fc.get_total_flops()), act.bytes, adamw_bytes(params), dict(act.calls))
+
+
+def _check_ceilings(ceilings: dict | None) -> None:
+    if ceilings is None:
+        return
+    if not isinstance(ceilings, dict):
+        raise TypeError(f"ceilings must be the run's ceilings dict (hwlib.query.ceilings), got {type(ceilings).__name__}")
+    mm = ceilings.get("matmul_tflops") or {}
+    if not isinstance(mm, dict):
+        raise TypeError(f"ceilings['matmul_tflops'] must be a dict of TFLOP/s by precision, got {type(mm).__name__}")
+    # a ceiling this run did not measure leaves its times None; one it holds must be a usable number
+    for what, v in (("copy_gbps", ceilings.get("copy_gbps")), *((f"matmul_tflops[{k!r}]", x) for k, x in mm.items())):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"ceilings {what} must be a positive finite number, got {v!r}")
+
+
+def step_floor(flops: float, nbytes: float, ceilings: dict | None, precision: str = "bf16",
+               launches: float | None = None) -> dict:
+    """The floor of a step of ``flops`` FLOPs that must move ``nbytes`` bytes: {"flops_ms", "bytes_ms",
+    "launches", "launch_ms", "ms", "bound"}. ``ms`` = max(flops_ms, bytes_ms): one stream runs its kernels
+    one after another, and each is held by its FLOPs or its bytes, so the step takes at least the longer
+    of the two totals. ``launches`` (the kernels of a step) are reported, not timed: no per-launch cost is
+    measured (notebook 00's ceilings hold none), so ``launch_ms`` is None and the floor leaves them out.
+    A ceiling the run did not measure (no ceilings at all: None) leaves its times None; one it holds must
+    be positive and finite (ValueError naming it)."""
+    for name, v in (("flops", flops), ("nbytes", nbytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a non-negative finite number, got {v!r}")
+    if launches is not None and (isinstance(launches, bool) or not isinstance(launches, (int, float)) or launches < 0):
+        raise ValueError(f"launches must be a non-negative count or None, got {launches!r}")
+    if precision not in ("bf16", "fp16", "tf32", "fp32"):
+        raise ValueError(f"precision must be one of bf16, fp16, tf32, fp32, got {precision!r}")
+    _check_ceilings(ceilings)
+    t_f = roofline.flops_ms(flops, ceilings, precision) if ceilings else None
+    t_b = roofline.bytes_ms(nbytes, ceilings) if ceilings else None
+    ms = None if t_f is None or t_b is None else max(t_f, t_b)
+    bound = None if ms is None else ("flops" if t_f >= t_b else "bytes")
+    return {"flops_ms": t_f, "bytes_ms": t_b, "launches": launches, "launch_ms": None, "ms": ms, "bound": bound}
+
+
+@dataclass
+class Floor:
+    """A workload's step floor (``workload_floor``): the counts, and their times at the run's ceilings."""
+    workload: str
+    step: str
+    precision: str
+    flops: float              # the workload's model FLOPs (``Workload.flops_per_step``): the floor's
+    flops_counted: float      # FlopCounterMode's count of the same step (padding and all), beside it
+    activation_bytes: int
+    optimizer_bytes: int
+    calls: dict
+    launches: float | None = None
+    flops_ms: float | None = None
+    bytes_ms: float | None = None
+    launch_ms: float | None = None
+    ms: float | None = None
+    bound: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.activation_bytes + self.optimizer_bytes
+
+    def params(self) -> dict:
+        return {"flops": self.flops, "flops_counted": self.flops_counted, "activation_bytes": self.activation_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "launches": self.launches, "precision": self.precision,
+                "bound": self.bound, "counted_ops": self.calls,
+                "basis": "max(model FLOPs at the matmul ceiling, (AdamW state + each matmul's, convolution's and "
+                         "fused op's inputs and outputs once) at the copy bandwidth); launches counted, not timed"}
+
+
+def floor_settings(step: str, device: torch.device):
+    """The settings the floor's model runs under: the step's recipe settings (its precision, attention,
+    packing, BK-Core backend), eager: the floor counts ops, and a compiled or graphed model hides them
+    from the counter; the simple loader (the same batches, no worker processes)."""
+    eff = resolve_autocast(settings_for(step), info(device))
+    return dataclasses.replace(eff, compile=False, cuda_graphs=False, loader="simple")
+
+
+def workload_floor(workload: str, step: str, *, profile: str = "smoke", device: str | torch.device = "cpu",
+                   ceilings: dict | None = None, seed: int = 0, config: dict | None = None,
+                   launches: float | None = None) -> Floor:
+    """The floor of one training step of ``workload`` at ``step`` (``step_floor``): its model FLOPs
+    (``Workload.flops_per_step``, the count MFU uses; FlopCounterMode's count beside it) and the bytes
+    ``count_step`` counts on one forward + backward of the real model at ``profile`` on ``device``, with
+    the step's precision. The model is the recipe's model of the step's chain, without the steps past
+    the recipe: they change how the same math runs (the ladder's same-math check holds them to it), and
+    their custom ops would hide their matmuls from the counters. ``launches``: the kernels of a profiled
+    step, carried into the floor's record."""
+    wl = get_workload(workload)
+    st = get_step(step)
+    if (why := not_applicable(st, wl.name)):
+        raise ValueError(f"step {st.name!r} does not apply to workload {wl.name!r}: {why}")
+    prec = precision_of(st.name)
+    _check_ceilings(ceilings)
+    dev = resolve_device(device)
+    cfg = wl.config(profile, **(config or {}))
+    settings = floor_settings(st.name, dev)
+    model = build_model(wl.name, None, cfg, seed, settings).to(dev)
+    if settings.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    batches = wl.batches(cfg, dev, seed, None, settings)
+    try:
+        batch = batches(0)
+
+        def forward_backward():
+            with precision.autocast(settings.autocast, dev):
+                loss = wl.loss(model, batch)
+            loss.backward()
+        with precision.tf32_mode(settings.tf32):
+            c = count_step(model, forward_backward)
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+    del model, batch
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    flops = float(wl.flops_per_step(cfg))
+    f = step_floor(flops, c.activation_bytes + c.optimizer_bytes, ceilings, prec, launches)
+    return Floor(workload=wl.name, step=st.name, precision=prec, flops=flops, flops_counted=c.flops,
+                 activation_bytes=c.activation_bytes, optimizer_bytes=c.optimizer_bytes, calls=c.calls,
+                 launches=launches, flops_ms=f["flops_ms"], bytes_ms=f["bytes_ms"], launch_ms=f["launch_ms"],
+                 ms=f["ms"], bound=f["bound"])
+
+
+def last_step(workload: str, device: str | torch.device = "auto") -> str:
+    """The last ladder step that applies to ``workload`` and runs on ``device``: on a GPU the last whose own
+    change this GPU can run, its FP8 steps included (an FP8 step in its chain needs FP8 tensor cores too);
+    on a CPU the last step of the recipe that applies (a GPU-only one is profiled with its change inert)."""
+    wl = get_workload(workload)
+    dev = resolve_device(device)
+    di = info(dev)
+    found = None
+    for st in LADDER:
+        if not_applicable(st, wl.name):
+            continue
+        if dev.type != "cuda":
+            ok = not st.beyond_recipe
+        else:
+            ok = unavailable(st, di) is None and all(unavailable(c, di) is None for c in chain(st.name) if c.fp8)
+        if ok:
+            found = st.name
+    if found is None:
+        raise ValueError(f"no ladder step applies to workload {wl.name!r} on {dev.type}")
+    return found
+
+
+def launches_per_step(events: list[dict], device_kind: str, steps: int) -> float:
+    """Kernels (with copies and memsets) a step launched in a profiled window of ``steps`` steps; on a
+    CPU the operators counted in its breakdown stand in."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if device_kind == "cuda":
+        return len(trace.device_events(events)) / steps
+    return sum(1 for e, _ in trace.exclusive(events) if e.get("cat") in CPU_CATEGORIES) / steps
+
+
 # --- the study ------------------------------------------------------------------------------------------
 
 @dataclass
@@ -210,6 +483,9 @@ class Breakdown:
     sol_ms: float | None = None         # flops_per_step at the matmul ceiling: the speed of light
     precision: str = "bf16"
     notes: list = field(default_factory=list)
+    launches: float | None = None       # kernels (copies, memsets) a profiled step; CPU operators on a CPU
+    floor: Floor | None = None          # the step's floor, every workload (``workload_floor``)
+    floor_why: str | None = None        # why there is no floor (its count failed)
 
     @property
     def step_ms(self) -> float | None:
@@ -222,6 +498,22 @@ class Breakdown:
     @property
     def sol_share(self) -> float | None:
         return self.sol_ms / self.step_ms if (self.sol_ms and self.step_ms) else None
+
+    def floor_row(self) -> dict:
+        """The step against its floor, one row: measured ms, the floor and what bounds it, its parts."""
+        f = self.floor
+        row = {"workload": self.workload, "step": self.step, "status": self.status, "ms/step": self.step_ms,
+               "floor (ms)": f.ms if f else None, "bound by": f.bound if f else None,
+               "measured / floor": self.step_ms / f.ms if (f and f.ms and self.step_ms) else None,
+               "FLOPs at ceiling (ms)": f.flops_ms if f else None, "bytes at copy (ms)": f.bytes_ms if f else None,
+               "GFLOP": f.flops / 1e9 if f else None,
+               "optimizer MB": f.optimizer_bytes / 1e6 if f else None,
+               "activation MB": f.activation_bytes / 1e6 if f else None, "kernels/step": self.launches}
+        if self.status != "ok":
+            row["why"] = self.reason
+        elif f is None:
+            row["why"] = self.floor_why
+        return row
 
     def rows(self) -> list[dict]:
         """One row per category: measured ms/step, share of the step, floor, measured over floor."""
@@ -236,6 +528,28 @@ class Breakdown:
                         "floor (ms)": fl, "measured / floor": m / fl if (m is not None and fl) else None,
                         "floor basis": f.get("basis")})
         return out
+
+    def floor_records(self, common: dict) -> list[dict]:
+        """The step's floor (metric ``floor_ms``, one record per part in ``fields["part"]``: ``step``, the
+        floor itself, and ``flops``, ``bytes``, ``launches``, its parts) and the kernels a step launched
+        (``launches_per_step``)."""
+        recs = [results.make_record(metric="launches_per_step", value=self.launches, unit="count",
+                                    fields={"window": "profiled"},
+                                    params={"counted": "kernels, copies and memsets" if self.device.get("kind") == "cuda"
+                                            else "CPU operators standing in for kernels"}, **common)]
+        f = self.floor
+        if f is None:
+            return recs + [results.make_record(metric="floor_ms", value=None, unit="ms", status="failed",
+                                               reason=self.floor_why, fields={"part": "step"}, **common)]
+        nonone = "no ceilings in this run (notebook 00 measures them)"
+        values = {"step": (f.ms, nonone), "flops": (f.flops_ms, nonone), "bytes": (f.bytes_ms, nonone),
+                  "launches": (f.launch_ms, "no per-launch cost is measured (notebook 00's ceilings hold none): "
+                                            "the kernels are counted (launches_per_step), not timed")}
+        for part, (v, why) in values.items():
+            recs.append(results.make_record(metric="floor_ms", value=v, unit="ms", fields={"part": part},
+                                            status="ok" if v is not None else "skipped",
+                                            reason=None if v is not None else why, params=f.params(), **common))
+        return recs
 
     def records(self, notebook: str) -> list[dict]:
         """The study's records (x-values in fields: the category), ready for ``results.append``."""
@@ -254,6 +568,7 @@ class Breakdown:
                                     status="ok" if self.sol_share is not None else "skipped",
                                     reason=None if self.sol_share is not None else "no matmul ceiling in this run",
                                     **common)]
+        recs += self.floor_records(common)
         for c in CATEGORIES:
             recs.append(results.make_record(metric="category_ms", value=self.ms.get(c), unit="ms",
                                             fields={"category": c}, params=params, **common))
@@ -280,8 +595,7 @@ def breakdown(workload: str = "gpt", step: str = "09_cuda_graphs", *, profile: s
         raise ValueError(f"profiled must be a positive int (steps under the profiler), got {profiled!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    if ceilings is not None and not isinstance(ceilings, dict):
-        raise TypeError(f"ceilings must be the run's ceilings dict (hwlib.query.ceilings), got {type(ceilings).__name__}")
+    _check_ceilings(ceilings)
     dev, prof, wl, st, di, cfg, pl = resolve(workload, step, profile, device, config, plan)
     out = Breakdown(workload=wl.name, step=st.name, profile=prof, device=di.to_dict(), status="ok",
                     profiled=profiled, flops_per_step=wl.flops_per_step(cfg),
@@ -334,18 +648,26 @@ def breakdown(workload: str = "gpt", step: str = "09_cuda_graphs", *, profile: s
     if events is None:
         out.status, out.reason = "failed", why
         return out
-    ms, out.busy_ms, out.span_ms, out.top, notes = categorize(events, dev.type, profiled)
+    ms, out.busy_ms, out.span_ms, out.top, notes = categorize(events, dev.type, profiled,
+                                                              lm_head=isinstance(wl, TokenLMWorkload))
     out.notes += notes
     ms["idle"] = max(0.0, out.timing.median_ms - out.busy_ms)
     if out.busy_ms > out.timing.median_ms:
         out.notes.append("the profiled window was busier than the unprofiled step's wall time: idle read as 0")
     out.ms = ms
+    out.launches = launches_per_step(events, dev.type, profiled)
+    try:
+        out.floor = workload_floor(wl.name, st.name, profile=prof, device=dev, ceilings=ceilings, seed=seed,
+                                   config=config, launches=out.launches)
+    except (RuntimeError, ValueError, TypeError) as e:   # out of memory, an op the counters cannot run
+        out.floor_why = f"the floor's count failed: {type(e).__name__}: {str(e)[:300]}"
+        out.notes.append(out.floor_why)
     if wl.name == "gpt":
         out.floors = gpt_floors(cfg, n_params, ceilings, out.precision)
         if not why:
             out.notes += floor_caveats(st.name)
     else:
-        out.notes.append(f"floors are counted for GPT only: none for {wl.name}")
+        out.notes.append(f"per-category floors are counted for GPT only: {wl.name} has the step's floor alone")
     peak = roofline.matmul_ceiling(ceilings, out.precision)
     out.sol_ms = out.flops_per_step / (peak * 1e12) * 1e3 if peak else None
     return out
@@ -382,11 +704,45 @@ def breakdown_figure(bds: list[Breakdown], path=None):
     return fig
 
 
+def floor_figure(bds: list[Breakdown], path=None):
+    """One panel per profiled workload step: its measured ms by category beside its floor's two parts,
+    the FLOPs at the matmul ceiling and the bytes at the copy bandwidth (the optimizer's and the
+    activations'), with the floor (the longer of the two) drawn across."""
+    import matplotlib.pyplot as plt
+    ok = [b for b in bds if b.status == "ok" and b.floor is not None and b.floor.ms]
+    fig, axes = plt.subplots(1, max(1, len(ok)), figsize=(1.0 + 3.0 * max(1, len(ok)), 4.2), squeeze=False)
+    colors = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors))
+    for ax, b in zip(axes[0], ok):
+        f = b.floor
+        bottom = 0.0
+        for c in CATEGORIES:
+            v = b.ms.get(c) or 0.0
+            ax.bar(0, v, bottom=bottom, color=colors[c], edgecolor="white", label=LABELS[c] if b is ok[0] else None)
+            bottom += v
+        ax.bar(1, f.flops_ms, color="0.35", label="FLOPs at the matmul ceiling" if b is ok[0] else None)
+        opt = f.bytes_ms * f.optimizer_bytes / f.nbytes if f.nbytes else 0.0
+        ax.bar(2, opt, color="0.6", hatch="//", edgecolor="white", label="optimizer bytes at copy" if b is ok[0] else None)
+        ax.bar(2, f.bytes_ms - opt, bottom=opt, color="0.8", hatch="..", edgecolor="white",
+               label="activation bytes at copy" if b is ok[0] else None)
+        ax.axhline(f.ms, color="black", ls="--", lw=1)
+        ax.set_xticks([0, 1, 2], ["measured", "FLOPs", "bytes"])
+        ax.set_title(f"{b.workload} {b.step.split('_', 1)[0]}: {b.step_ms / f.ms:.1f}x its floor", fontsize=9)
+        ax.set_ylabel("ms per step")
+    if ok:
+        fig.legend(fontsize=7, loc="lower center", ncol=4)
+        fig.suptitle("each workload's step against its floor (dashed: the longer of FLOPs and bytes)", fontsize=10)
+        fig.tight_layout(rect=(0, 0.14, 1, 1))
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
 # --- the prose ------------------------------------------------------------------------------------------
 
 def by_step(records: list[dict]) -> dict[str, dict]:
     """A breakdown's records, per profiled step: ``{"ms": {category: ms}, "floor": {category: ms},
-    "step_ms", "sol_share", "head_in_gemms"}``. Where the size rule did not apply, the head's matmuls
+    "step_ms", "sol_share", "head_in_gemms"}``, and where recorded the step's floor (``floor_ms``, its
+    ``floor_bound`` and ``floor_parts``; ``floor_why`` where it has none) and ``launches``. Where the size rule did not apply, the head's matmuls
     were counted as GEMMs (the fused head's chunked matmuls are plain cuBLAS calls the rule cannot
     tell from the model's; the breakdown's notes say so), and the head then measures below its own
     floor: the two are one category, ``HEAD_IN_GEMMS``, in both the times and the floors, so that no
@@ -394,9 +750,21 @@ def by_step(records: list[dict]) -> dict[str, dict]:
     (FP8 matmuls, faster than the 16-bit ceiling its floor counts them at) stays its own category."""
     steps: dict = {}
     for r in records:
+        part = (r.get("fields") or {}).get("part")
+        if r.get("metric") == "floor_ms" and part == "step" and (r.get("status") != "ok" or r.get("value") is None):
+            steps.setdefault(r["step"], {"ms": {}, "floor": {}, "head_in_gemms": False})["floor_why"] = r.get("reason")
         if r.get("status") != "ok" or r.get("value") is None:
             continue
         s = steps.setdefault(r["step"], {"ms": {}, "floor": {}, "head_in_gemms": False})
+        if r["metric"] == "floor_ms":   # the step's floor: ``floor_ms`` the whole, ``floor_parts`` by part
+            if part == "step":
+                s["floor_ms"], s["floor_bound"] = r["value"], (r.get("params") or {}).get("bound")
+            else:
+                s.setdefault("floor_parts", {})[part] = r["value"]
+            continue
+        if r["metric"] == "launches_per_step":
+            s["launches"], s["launches_counted"] = r["value"], (r.get("params") or {}).get("counted") or "kernels"
+            continue
         if r["metric"] == "step_ms":   # the measurement's notes (``Breakdown.records``)
             s["notes"] = list((r.get("params") or {}).get("notes") or ())
         cat = (r.get("fields") or {}).get("category")
@@ -450,8 +818,19 @@ def prose(records: list[dict]) -> str:
             text += (f" Against the floors, the most time above its floor is in {LABELS[g]} ({gaps[g]:.3g} ms above "
                      f"a floor of {s['floor'][g]:.3g} ms); all categories together sit "
                      f"{sum(gaps.values()) + s['ms'].get('idle', 0.0):.3g} ms above theirs, idle included.")
-        else:
-            text += " No floors: this run has no measured ceilings (notebook 00 measures them)."
+        if s.get("floor_ms"):
+            parts = s.get("floor_parts") or {}
+            other = "bytes" if s.get("floor_bound") == "flops" else "flops"
+            text += (f" The step's floor is {s['floor_ms']:.3g} ms, set by its "
+                     f"{'FLOPs at the matmul ceiling' if s.get('floor_bound') == 'flops' else 'bytes at the copy bandwidth'}"
+                     + (f" (its {'bytes' if other == 'bytes' else 'FLOPs'} would take {parts[other]:.3g} ms)"
+                        if parts.get(other) is not None else "")
+                     + f": the step takes {t / s['floor_ms']:.3g}x it.")
+        elif not s["floor"]:
+            text += " No floors: " + (s.get("floor_why") or "this run has no measured ceilings (notebook 00 measures them)") + "."
+        if s.get("launches") is not None:
+            text += (f" A step ran {s['launches']:.0f} {s['launches_counted']} (counted, not timed: no per-launch "
+                     f"cost is measured).")
         if s.get("sol_share") is not None:
             text += (f" The model's FLOPs at the measured matmul ceiling would take {s['sol_share']:.0%} of the "
                      f"measured step (its share of the speed of light).")
