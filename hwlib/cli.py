@@ -591,30 +591,34 @@ def table_cmd(args) -> int:
 
 
 def readme_cmd(args) -> int:
-    from .report.tables import README_END, README_START, render_readme
+    """Rebuild the generated blocks of README.md and docs/results.md (``report.pages``) from a reference
+    run; with ``--readme`` or ``--results``, only the pages named. ``--check`` compares and never writes."""
+    from .report.pages import RESULTS_PAGE, render_page
     name, run = existing_run(args, "reference/h100")
-    readme = Path(args.readme).resolve()   # a link to the README stays a link: its target is rewritten
-    try:
-        text = readme.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CliError(f"cannot read {readme}: {e.strerror}") from None
-    if README_START not in text or README_END not in text:
-        raise CliError(f"{readme}: markers {README_START} ... {README_END} not found; put them around the "
-                       f"reference section")
-    # The new text is made in memory: --check compares and never writes.
-    try:
-        new = render_readme(text, run)
-    except ValueError as e:
-        raise CliError(f"{readme}: {e}") from None
+    given = [p for p in (args.readme, args.results) if p is not None]
+    pages = [Path(p).resolve() for p in (given or [REPO_ROOT / "README.md", RESULTS_PAGE])]   # a link's target
+    new = {}
+    for page in pages:   # every page is made in memory before any is written
+        try:
+            text = page.read_text(encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"cannot read {page}: {e.strerror}") from None
+        try:
+            new[page] = (text, render_page(text, run))
+        except ValueError as e:
+            raise CliError(f"{page}: {e}; put the markers around the generated parts") from None
+    stale = [p for p, (old, text) in new.items() if old != text]
     if args.check:
-        if new != text:
-            print(f"{readme.name}'s generated tables are out of date with {run}: run `make readme`", file=sys.stderr)
-            return 1
-        print(f"{readme.name}'s generated tables match", run)
-        return 0
-    if new != text:
-        results.write_atomic(readme, new)   # keeps the file's mode
-    print(f"{readme.name} updated" if new != text else f"{readme.name} already up to date")
+        for p in stale:
+            print(f"{p.name}'s generated blocks are out of date with {run}: run `make readme`", file=sys.stderr)
+        if not stale:
+            print(f"{', '.join(p.name for p in pages)}: generated blocks match", run)
+        return 1 if stale else 0
+    for p in pages:
+        old, text = new[p]
+        if old != text:
+            results.write_atomic(p, text)   # keeps the file's mode
+        print(f"{p.name} updated" if old != text else f"{p.name} already up to date")
     return 0
 
 
@@ -649,10 +653,12 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("table", help="print a run's tables")
     t.add_argument("--run", help=run_help)
     t.set_defaults(fn=table_cmd)
-    m = sub.add_parser("readme", help="regenerate README.md's reference table from a reference run")
+    m = sub.add_parser("readme", help="regenerate the generated parts of README.md and docs/results.md from a "
+                                      "reference run")
     m.add_argument("--run", default="reference/h100")
-    m.add_argument("--check", action="store_true", help="exit 1 if the README's table is out of date")
-    m.add_argument("--readme", default=str(REPO_ROOT / "README.md"), help=argparse.SUPPRESS)
+    m.add_argument("--check", action="store_true", help="exit 1 if a generated part is out of date")
+    m.add_argument("--readme", help=argparse.SUPPRESS)    # a page to rebuild instead of the two
+    m.add_argument("--results", help=argparse.SUPPRESS)
     m.set_defaults(fn=readme_cmd)
     return ap
 

@@ -142,7 +142,7 @@ def skeleton_problems(nb: dict, name: str, readme: str) -> list[str]:
     out = []
     code = [c for c in cells if c["cell_type"] == "code"]
     prose = [c for c in cells if c["cell_type"] == "markdown"]
-    row = next((l for l in readme.splitlines() if f"(notebooks/{name})" in l), "")
+    row = next((l for l in readme.splitlines() if f"/notebooks/{name})" in l), "")   # absolute links
     if f"]({COLAB}{name})" not in row or "colab-badge.svg" not in row:
         out.append(f"its README row has no Colab badge pointing at notebooks/{name}")
     if any(c.get("outputs") or c.get("execution_count") for c in code):

@@ -1,10 +1,12 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from hwlib import paths, query, results
 from hwlib.ladder import record as record_mod
+from hwlib.report import pages
 from hwlib.report import tables as report
 
 
@@ -109,52 +111,147 @@ def test_write_all_and_summary_schema(ladder):
 def test_readme_block_between_markers(ladder, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{report.README_START}\nold table\n{report.README_END}\noutro\n")
-    assert report.update_readme(readme, ladder) is True
+    assert pages.update_page(readme, ladder) is True
     text = readme.read_text()
     assert "old table" not in text and "Test GPU" in text and text.startswith("intro") and text.endswith("outro\n")
-    assert report.update_readme(readme, ladder) is False    # idempotent
+    assert pages.update_page(readme, ladder) is False    # idempotent
     readme.write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
-        report.update_readme(readme, ladder)
+        pages.update_page(readme, ladder)
 
 
-def test_committed_readme_matches_reference_run(monkeypatch):
+RESULTS_PAGE = paths.REPO_ROOT / "docs" / "results.md"
+
+
+def _block(text: str, start: str, end: str) -> str:
+    return text[text.index(start) + len(start):text.index(end)].strip()
+
+
+def test_committed_pages_match_the_reference_runs(monkeypatch):
+    """README.md and docs/results.md hold, between their markers, what ``hwlib readme`` makes from the
+    committed reference runs; each block lives in one of the two, the long tables in docs/results.md."""
     monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
     ref = "reference/h100"
     if not (paths.run_dir(ref, create=False) / "results.jsonl").exists():
         pytest.skip("no reference run committed")
-    readme = paths.REPO_ROOT / "README.md"
-    text = readme.read_text()
-    start, end = text.index(report.README_START), text.index(report.README_END)
-    assert text[start + len(report.README_START):end].strip() == report.readme_block(ref).strip(), \
-        "README's reference table is stale: run `make readme`"
+    readme, page = (paths.REPO_ROOT / "README.md").read_text(), RESULTS_PAGE.read_text()
+    assert pages.render_page(readme, ref) == readme, "README's generated blocks are stale: run `make readme`"
+    assert pages.render_page(page, ref) == page, "docs/results.md's generated blocks are stale: run `make readme`"
+    for start, end, _ in pages.blocks(ref):
+        assert (start in readme) + (start in page) == 1, f"{start} belongs on one page"
+    for start in (report.README_START, report.CLAIMS_START, report.SMALL_START, report.FIRST_START):
+        assert start in page, f"{start}: a long table belongs on docs/results.md"
+    assert pages.GLANCE_START in readme and pages.COMMANDS_START in readme
+    assert _block(page, report.README_START, report.README_END) == report.readme_block(ref).strip()
 
 
-def test_committed_readme_explains_the_seeds_before_their_claims_tables(monkeypatch):
-    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
-    ref = "reference/h100"
-    if not (paths.run_dir(ref, create=False) / "results.jsonl").exists():
-        pytest.skip("no reference run committed")
+def test_the_readme_shows_the_results_before_the_rest(monkeypatch):
+    """What a reader meets first: the first look's command before the whole series', both with their time;
+    then one line and one figure per workload; then the rest, in a few hundred lines."""
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))
     text = (paths.REPO_ROOT / "README.md").read_text()
-    guide, section = text.index("## The notebooks"), text.index("## The seeds' claims")
-    start, end = text.index(report.CLAIMS_START), text.index(report.CLAIMS_END)
-    assert guide < section < start and "A *seed* is" in text[section:start]
-    assert "###" not in text[text.index(report.README_START):text.index(report.README_END)].replace("####", "")
-    block = text[start + len(report.CLAIMS_START):end].strip()
-    assert block == report.claims_block(ref).strip(), "README's claims tables are stale: run `make readme`"
-    assert "[neko-jpg/Project-ResNet-BK-An-O-N-Language-Model-Architecture](https://github.com/" in block
+    assert text.index("make first-look") < text.index("make reproduce") < text.index(pages.COMMANDS_START) \
+        < text.index(pages.GLANCE_START) < text.index("## The notebooks")
+    commands = _block(text, pages.COMMANDS_START, pages.COMMANDS_END)
+    assert "330 s (5 min) on NVIDIA H100 80GB HBM3" in commands and " s (54 min) on NVIDIA H100" in commands
+    glance = _block(text, pages.GLANCE_START, pages.GLANCE_END)
+    s = json.loads((paths.REPO_ROOT / "outputs/reference/h100/summary.json").read_text())
+    for w in s["workloads"]:
+        assert f"- **{w}**: " in glance and f"/outputs/reference/h100/figures/{w}_ladder.png)" in glance
+    assert "-> 514,672 tokens/s, 01_baseline_fp32 -> 28_gemm_workspace" in glance   # summary.json's last gpt step
+    assert len(text.splitlines()) < 400
 
 
-def test_readme_claims_markers_are_optional_but_paired(ladder):
+def test_every_link_of_the_two_pages_works_outside_the_repository():
+    """The README is the package's long description: no link of it, nor of the page it sends readers to,
+    is relative; each link into the repository names a file that exists (an executed reference notebook
+    for every notebook that has one)."""
+    from hwlib import source
+    base = f"{source.REPOSITORY}/blob/{source.NOTEBOOK_REF}/"
+    raw = base.replace("https://github.com/", "https://raw.githubusercontent.com/").replace("/blob/", "/")
+    readme = (paths.REPO_ROOT / "README.md").read_text()
+    for text in (readme, RESULTS_PAGE.read_text()):
+        targets = re.findall(r"\]\(([^)\s]+)\)", text)
+        assert targets
+        relative = [t for t in targets if not t.startswith(("https://", "#"))]
+        assert not relative, relative[:5]
+        for t in targets:
+            for prefix in (base, raw):
+                if t.startswith(prefix):
+                    assert (paths.REPO_ROOT / t[len(prefix):].split("#")[0]).exists(), t
+    executed = sorted(p.name for p in (paths.REPO_ROOT / "outputs/reference/h100/executed").glob("[0-9][0-9]_*.ipynb"))
+    for name in executed:
+        if (paths.REPO_ROOT / "notebooks" / name).exists():
+            assert f"{base}outputs/reference/h100/executed/{name})" in readme, name
+
+
+def test_pages_markers_are_optional_but_paired(ladder):
     base = f"intro\n{report.README_START}\nold\n{report.README_END}\n"
-    assert report.CLAIMS_START not in report.render_readme(base, ladder)
-    both = report.render_readme(base + f"{report.CLAIMS_START}\nstale\n{report.CLAIMS_END}\n", ladder)
+    assert report.CLAIMS_START not in pages.render_page(base, ladder)
+    both = pages.render_page(base + f"{report.CLAIMS_START}\nstale\n{report.CLAIMS_END}\n", ladder)
     assert "stale" not in both and "| 000 |" in both and "#### 004" in both
     with pytest.raises(ValueError, match="one is missing"):
-        report.render_readme(base + report.CLAIMS_START, ladder)
+        pages.render_page(base + report.CLAIMS_START, ladder)
+    with pytest.raises(ValueError, match="markers not found"):
+        pages.render_page("no block here", ladder)
     assert report.source_markdown("a/b, docs/x.md (commit 1234567)") == \
         "[a/b](https://github.com/a/b), `docs/x.md` (commit 1234567)"
     assert report.source_markdown("a/b (a fork of c/d), X.md") == "[a/b](https://github.com/a/b) (a fork of c/d), `X.md`"
+
+
+def test_committed_results_page_explains_the_seeds_before_their_claims_tables(monkeypatch):
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
+    ref = "reference/h100"
+    if not (paths.run_dir(ref, create=False) / "results.jsonl").exists():
+        pytest.skip("no reference run committed")
+    text = RESULTS_PAGE.read_text()
+    section, start = text.index("## The seeds' claims"), text.index(report.CLAIMS_START)
+    assert section < start and "A *seed* is" in text[section:start] and "**premise fails**" in text[section:start]
+    assert "###" not in _block(text, report.README_START, report.README_END).replace("####", "")
+    block = _block(text, report.CLAIMS_START, report.CLAIMS_END)
+    assert block == report.claims_block(ref).strip(), "the claims tables are stale: run `make readme`"
+    assert "[neko-jpg/Project-ResNet-BK-An-O-N-Language-Model-Architecture](https://github.com/" in block
+
+
+def test_glance_takes_the_fastest_exact_step_and_says_the_fp8_branch_and_a_peer(isolated_run):
+    """One line per workload: the first measured step to the fastest step without FP8, whose status is ok;
+    the FP8 branch where it is faster still; the speed of light where notebook 16 measured that step; a peer
+    measured beside it where a record names one."""
+    put("01_baseline_fp32", ms=10.0, tps=1000.0, mfu=0.1)
+    put("09_cuda_graphs", ms=2.0, tps=5000.0, check=1e-5, mfu=0.4)
+    put("25_bias_column", ms=1.7, tps=5900.0, check=1e-5, mfu=0.5)
+    put("26_fp8_head", ms=1.5, tps=6600.0, check=1e-3, mfu=0.55)
+    put("28_gemm_workspace", ms=1.6, tps=6000.0, check=0.5, check_status="failed", mfu=0.52)   # math changed
+    common = dict(notebook="16_where_time_goes", workload="gpt", step="25_bias_column", profile="full",
+                  device={"name": "Test GPU"})
+    results.append([results.make_record(metric="sol_share", value=0.61, unit="ratio", **common),
+                    *[results.make_record(metric=m, value=v, unit=u, fields={"study": "anchor"}, params=p,
+                                          **{**common, "notebook": "29_anchor", "step": "llm_c"})
+                      for m, v, u, p in (("tokens_per_s", 5000.0, "tokens/s", {}),
+                                         ("anchor_over_lab", 1.18, "x", {"what": "llm.c train_gpt2cu",
+                                                                          "against": "25_bias_column",
+                                                                          "interval": {"lo": 1.1, "hi": 1.2}}))]])
+    (g,) = pages.glance_rows(isolated_run)
+    assert (g["base"]["step"], g["best"]["step"], g["fp8"]["step"]) == ("01_baseline_fp32", "25_bias_column",
+                                                                          "26_fp8_head")
+    line = pages.glance_line(g)
+    assert line.startswith("**gpt**: 1,000 -> 5,900 tokens/s, 01_baseline_fp32 -> 25_bias_column "
+                           "(its fastest step without FP8): **5.90x**; MFU 50.0%; 61% of the speed of light")
+    assert "The FP8 branch's fastest, 26_fp8_head: 6.60x." in line
+    assert ("Beside it in one process (29_anchor): llm.c train_gpt2cu, 5,000 tokens/s; 25_bias_column runs "
+            "1.18x (1.10-1.20) as fast.") in line
+    block = pages.glance_block(isolated_run)
+    assert "- **gpt**: " in block and "Not meaningful" not in block
+
+
+def test_commands_block_reads_each_runs_state(ladder, tmp_path):
+    results.write_json(ladder / "state.json", {
+        "_profile": "full", "_device": "Test GPU", "00_environment": {"status": "ok", "seconds": 20.0, "reason": ""},
+        "16_where_time_goes": {"status": "ok", "seconds": 160.0, "reason": ""}})
+    block = pages.commands_block(ladder, tmp_path / "never_ran")
+    first, whole = block.splitlines()[2:]
+    assert first.endswith("| no reference run yet |") and "make first-look" in first
+    assert "| 00_environment, 16_where_time_goes | 180 s (3 min) on Test GPU (full profile)" in whole
 
 
 def test_a_rerun_with_fewer_metrics_does_not_mix_with_stale_ones(isolated_run):
@@ -229,12 +326,12 @@ def test_small_gpu_block_names_the_profile_its_reason_and_the_parameters_set(lad
     assert "| 01_baseline_fp32 | ok | 30.0 | 25% | - | - |" in block
 
 
-def test_committed_readme_shows_the_smaller_profiles_runs(monkeypatch):
+def test_committed_results_page_shows_the_smaller_profiles_runs(monkeypatch):
     monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the references
-    text = (paths.REPO_ROOT / "README.md").read_text()
+    text = RESULTS_PAGE.read_text()
     start, end = text.index(report.SMALL_START), text.index(report.SMALL_END)
     assert text[start + len(report.SMALL_START):end].strip() == report.small_gpu_block(report.reference_runs()).strip(), \
-        "README's smaller-GPU section is stale: run `make readme`"
+        "docs/results.md's smaller-GPU section is stale: run `make readme`"
 
 
 def test_time_table_counts_compile_seconds_made_while_the_notebook_ran(tmp_path):
@@ -281,12 +378,12 @@ def test_first_look_block_is_the_time_table_of_its_run(ladder, tmp_path):
     assert '| 16_where_time_goes | ok | 60.0 | 75% | - | `steps=["09_cuda_graphs", "25_bias_column"]` |' in block
 
 
-def test_committed_readme_shows_the_first_looks_times(monkeypatch):
+def test_committed_results_page_shows_the_first_looks_times(monkeypatch):
     monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the references
-    text = (paths.REPO_ROOT / "README.md").read_text()
+    text = RESULTS_PAGE.read_text()
     start, end = text.index(report.FIRST_START), text.index(report.FIRST_END)
     assert text[start + len(report.FIRST_START):end].strip() == report.first_look_block().strip(), \
-        "README's first-look section is stale: run `make readme`"
+        "docs/results.md's first-look section is stale: run `make readme`"
 
 
 def _row(step, tps, status="ok", spread=None, checked=True):

@@ -2,8 +2,8 @@
 
 ``hwlib.query.ladder_rows`` turns the records of one workload into the cumulative rows (one per
 step, speed-ups against step 01 and against the step before); this module formats them. ``write_all`` rebuilds every table and
-figure of a run plus ``summary.json``; ``update_readme`` puts the reference tables and the seeds'
-claims tables between their markers. A ladder step that differs from the step before by less than
+figure of a run plus ``summary.json``; the blocks that ``report.pages`` puts between their markers in
+README.md and docs/results.md (the reference tables, the seeds' claims tables) are made here. A ladder step that differs from the step before by less than
 the spread measured across fresh processes (notebook 19, ``studies.process_noise``) reads "within noise".
 """
 
@@ -15,7 +15,7 @@ import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from .. import noise, results
+from .. import noise, results, source
 from ..paths import REPO_ROOT, run_dir
 from ..query import _num, ladder_rows, reference_runs, workloads_in
 from ..series import order_names
@@ -31,6 +31,18 @@ CLAIMS_START, CLAIMS_END = "<!-- claims-table:start -->", "<!-- claims-table:end
 SMALL_START, SMALL_END = "<!-- small-gpu:start -->", "<!-- small-gpu:end -->"
 FIRST_START, FIRST_END = "<!-- first-look:start -->", "<!-- first-look:end -->"
 FIRST_LOOK_RUN = "reference/h100-first-look"   # ``make first-look`` from cold caches on the reference H100
+
+
+def repo_url(path: str) -> str:
+    """A file of the repository as a page on its host, at the ref the notebooks install: absolute, since
+    the README is also the package's long description, read where a relative link leads nowhere."""
+    return f"{source.REPOSITORY}/blob/{source.NOTEBOOK_REF}/{path}"
+
+
+def raw_url(path: str) -> str:
+    """A file of the repository as its bytes (an image that a page outside the repository can show)."""
+    raw = source.REPOSITORY.replace("https://github.com/", "https://raw.githubusercontent.com/", 1)
+    return f"{raw}/{source.NOTEBOOK_REF}/{path}"
 
 
 def _fmt(v, spec: str) -> str:
@@ -640,7 +652,8 @@ def small_gpu_block(runs: list[str]) -> str:
         folder = f"outputs/{run}"
         ladders = sorted(p.name for p in (run_dir(run, create=False) / "tables").glob("*_ladder.md"))
         out += [f"**`{folder}`**, {dev}, profile `{state['_profile']}`: {state.get('_profile_reason', '')}.", "",
-                "Ladder tables: " + ", ".join(f"[{n[:-len('_ladder.md')]}]({folder}/tables/{n})" for n in ladders)
+                "Ladder tables: " + ", ".join(f"[{n[:-len('_ladder.md')]}]({repo_url(f'{folder}/tables/{n}')})"
+                                              for n in ladders)
                 + ".", "", time_table(run)]
     return "\n".join(out) if out else "No reference run in a smaller profile yet."
 
@@ -680,46 +693,3 @@ def claims_block(run) -> str:
         lines.append(f"| {sid} | {seed.title} | {source_markdown(seed.source)} | {', '.join(seed.workloads)} | "
                      f"{len(mine)} | {tally or '-'} |")
     return "\n".join(lines) + "\n\n" + claims.markdown(rows, level=4)
-
-
-def _between(text: str, start: str, end: str, body: str) -> str:
-    pat = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    return pat.sub(lambda _: start + "\n" + body + "\n" + end, text)
-
-
-def render_readme(text: str, run) -> str:
-    """``text`` (a README) with its generated parts rebuilt from ``run``: the reference tables between
-    ``README_START`` and ``README_END`` (required), the claims tables between ``CLAIMS_START`` and
-    ``CLAIMS_END``, the smaller-GPU runs and the first look's times (each where the README has its
-    markers). A ValueError names missing or unpaired markers."""
-    if README_START not in text or README_END not in text:
-        raise ValueError(f"markers {README_START} ... {README_END} not found")
-    if (CLAIMS_START in text) != (CLAIMS_END in text):
-        raise ValueError(f"markers {CLAIMS_START} ... {CLAIMS_END}: one is missing")
-    new = _between(text, README_START, README_END, readme_block(run))
-    if CLAIMS_START in text:
-        new = _between(new, CLAIMS_START, CLAIMS_END, claims_block(run))
-    if (SMALL_START in text) != (SMALL_END in text):
-        raise ValueError(f"markers {SMALL_START} ... {SMALL_END}: one is missing")
-    if SMALL_START in text:
-        new = _between(new, SMALL_START, SMALL_END, small_gpu_block(reference_runs()))
-    if (FIRST_START in text) != (FIRST_END in text):
-        raise ValueError(f"markers {FIRST_START} ... {FIRST_END}: one is missing")
-    if FIRST_START in text:
-        new = _between(new, FIRST_START, FIRST_END, first_look_block())
-    return new
-
-
-def update_readme(readme: str | Path, run) -> bool:
-    """Rebuild the README's generated parts from ``run`` (``render_readme``).
-    Returns True when the file changed."""
-    p = Path(readme)
-    text = p.read_text(encoding="utf-8")
-    try:
-        new = render_readme(text, run)
-    except ValueError as e:
-        raise ValueError(f"{p}: {e}") from None
-    if new != text:
-        results.write_atomic(p, new)
-        return True
-    return False
