@@ -310,3 +310,17 @@ def test_a_classifier_has_no_lm_head_to_split():
     ms, _, _, _, notes = bd.categorize(ev, "cuda", steps=1, lm_head=False)
     assert ms["lm_head_ce"] == 0 and ms["gemm"] == pytest.approx(0.35) and notes == []
     assert bd.launches_per_step(ev, "cuda", steps=2) == 4
+
+
+def test_steps_for_each_workload():
+    assert bd.steps_for("gpt", None, "cpu") == {"gpt": ["09_cuda_graphs"]}
+    assert bd.steps_for(["gpt", "resnet_bk"], ["05", "12_bk_core"], "cpu") == {
+        "gpt": ["05_fused_optimizer", "12_bk_core"], "resnet_bk": ["05_fused_optimizer", "12_bk_core"]}
+    assert bd.steps_for(["gpt", "encoder_nli"], {"gpt": ["05_fused_optimizer"]}, "cpu") == {
+        "gpt": ["05_fused_optimizer"], "encoder_nli": ["11_sequence_packing"]}
+    with pytest.raises(ValueError, match="workload"):
+        bd.steps_for(["gpt", "llama"], None, "cpu")
+    with pytest.raises(ValueError, match="workloads"):
+        bd.steps_for([], None, "cpu")
+    with pytest.raises(ValueError, match="step"):
+        bd.steps_for("gpt", ["42_nothing"], "cpu")

@@ -451,6 +451,27 @@ def last_step(workload: str, device: str | torch.device = "auto") -> str:
     return found
 
 
+def steps_for(workloads, steps=None, device: str | torch.device = "auto") -> dict[str, list[str]]:
+    """Which steps to profile for each of ``workloads`` (a name or a list of names): ``steps`` None gives each
+    its ``last_step`` on ``device``; a list gives every workload those steps (one that does not apply comes
+    back 'n/a'); a dict {workload: [steps]} gives each its own (a workload it leaves out: its last step)."""
+    names = [workloads] if isinstance(workloads, str) else list(workloads or ())
+    if not names:
+        raise ValueError("workloads must name at least one workload")
+    names = list(dict.fromkeys(get_workload(w).name for w in names))
+    if isinstance(steps, str):
+        steps = [steps]
+    if steps is not None and not isinstance(steps, (list, tuple, dict)):
+        raise TypeError(f"steps must be None, a list of step names or a dict of them by workload, got {type(steps).__name__}")
+    own = {get_workload(w).name: v for w, v in steps.items()} if isinstance(steps, dict) else {}
+    out = {}
+    for w in names:
+        chosen = own.get(w) if isinstance(steps, dict) else steps
+        chosen = [chosen] if isinstance(chosen, str) else chosen
+        out[w] = [get_step(s).name for s in chosen] if chosen else [last_step(w, device)]
+    return out
+
+
 def launches_per_step(events: list[dict], device_kind: str, steps: int) -> float:
     """Kernels (with copies and memsets) a step launched in a profiled window of ``steps`` steps; on a
     CPU the operators counted in its breakdown stand in."""
@@ -693,7 +714,8 @@ def breakdown_figure(bds: list[Breakdown], path=None):
                        hatch="//" if kind == "floor" else None, edgecolor="white")
                 bottom += v
             xs.append(x)
-            names.append(f"{b.step.split('_', 1)[0]} {kind}")
+            several = len({o.workload for o in ok}) > 1
+            names.append(f"{b.workload + ' ' if several else ''}{b.step.split('_', 1)[0]} {kind}")
     ax.set_xticks(xs, names, rotation=20)
     ax.set_ylabel("ms per step")
     ax.set_title("where the time goes: measured against each category's floor", fontsize=10)
