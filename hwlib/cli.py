@@ -1,4 +1,4 @@
-"""Command line: ``hwlib reproduce``, ``hwlib env``, ``hwlib table``, ``hwlib readme``.
+"""Command line: ``hwlib reproduce``, ``hwlib first-look``, ``hwlib env``, ``hwlib table``, ``hwlib readme``.
 
 ``reproduce`` executes the numbered notebooks in their run order (``run_order``) through papermill,
 each in its own process with a time limit, into ``outputs/<run>/executed/``. It goes on past a failing notebook, records
@@ -502,10 +502,12 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
     t_all = time.perf_counter()
     outcome: dict[str, str] = {}   # what each notebook came to, also where state.json could not say it
     bar = tqdm(nbs, unit="nb", dynamic_ncols=True, disable=args.quiet)
+    takes = {nb.stem: _takes_workloads(nb) for nb in nbs} if workloads else {}
     for nb in bar:
         # the state says what the notebook ran with where it was not its own: --set, and --workloads
         # (fewer workloads take less time; the time table must not read that as the notebook's own)
-        ran_with = {**(params.get(nb.stem) or {}), **({"workloads": workloads} if workloads else {})}
+        mine = workloads if takes.get(nb.stem) else None
+        ran_with = {**(params.get(nb.stem) or {}), **({"workloads": mine} if mine else {})}
         before = query.state(run).get(nb.stem)
         if before and before["status"] == "ok" and not args.force and not nb.stem.startswith("99"):
             if not params.get(nb.stem) or (before.get("parameters") or {}) == ran_with:
@@ -517,7 +519,7 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
         t0 = time.perf_counter()
         try:
             busy = _orphans_note(run)
-            status, why = ("failed", busy) if busy else _run_one(nb, run, env, args, profile, device, workloads,
+            status, why = ("failed", busy) if busy else _run_one(nb, run, env, args, profile, device, mine,
                                                                  params.get(nb.stem))
         except OSError as e:   # the run folder gone, read-only or full: this notebook's fault, not the series'
             status, why = "failed", f"{type(e).__name__}: {e}"
@@ -547,6 +549,16 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
     return 0
 
 
+def _takes_workloads(nb: Path) -> bool:
+    """Whether ``--workloads`` reaches ``nb``: only a notebook whose parameters cell has ``workloads`` gets
+    it (papermill would inject it into any other, and state.json would say that notebook ran with it)."""
+    import papermill
+    try:
+        return "workloads" in papermill.inspect_notebook(str(nb))
+    except Exception:   # a notebook papermill cannot inspect fails on its own run, with its own message
+        return True
+
+
 def _record(run: Path, key: str, value) -> None:
     """Set one ``state.json`` entry; a folder that cannot take it (read-only, full, gone) is said on
     stderr and the series goes on (the outcome is still reported at the end)."""
@@ -555,6 +567,20 @@ def _record(run: Path, key: str, value) -> None:
     except OSError as e:
         print(f"hwlib reproduce: cannot record {key} in {run / 'state.json'} ({e.strerror or e}); "
               f"it will run again next time", file=sys.stderr)
+
+
+def first_look(args) -> int:
+    """``reproduce`` of the first look's notebooks (``report.first_look``: 00, 09, 25, 16, 99, GPT-2 only)
+    into ``outputs/first-look`` (or --run), then its summary: the headline, where its figure and tables
+    are, and the ratio to the committed reference of the same GPU and profile."""
+    from .report import first_look as fl
+    args.run = run_arg(args, "first-look")
+    args.only, args.set, args.workloads = fl.ONLY, list(fl.SETS), fl.WORKLOAD
+    rc = reproduce(args)
+    run = run_dir(args.run, create=False)
+    if (run / "results.jsonl").is_file():
+        print(fl.summary_text(run), flush=True)
+    return rc
 
 
 def env_cmd(args) -> int:
@@ -629,24 +655,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     run_help = "run name under outputs/ (default: $HWLIB_RUN, else latest)"
     r = sub.add_parser("reproduce", help="run the notebook series through papermill")
-    r.add_argument("--run", help=run_help)
+    f = sub.add_parser("first-look", help="five notebooks in minutes (00, 09, 25, 16, 99; GPT-2), then the headline "
+                                          "and its ratio to the reference of the same GPU")
+    for p, default in ((r, "latest"), (f, "first-look")):
+        p.add_argument("--run", help=f"run name under outputs/ (default: $HWLIB_RUN, else {default})")
+        p.add_argument("--profile", help="auto (full, mid or smoke: the largest that fits the GPU's memory), full, "
+                                         "mid or smoke (default: $HWLIB_PROFILE, else auto)")
+        p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+        p.add_argument("--force", action="store_true", help="rerun notebooks already done in this run")
+        p.add_argument("--overwrite-reference", action="store_true",
+                       help="allow measuring into an existing committed reference run (outputs/reference/...)")
+        p.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds per notebook (default 900)")
+        p.add_argument("--cell-timeout", type=positive_seconds, default=600.0, help="seconds per cell (default 600)")
+        p.add_argument("--notebooks", default=str(NOTEBOOKS_DIR), help=argparse.SUPPRESS)
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--only", help="comma-separated notebook numbers or names, e.g. 00,01,99")
-    r.add_argument("--profile", help="auto (full, mid or smoke: the largest that fits the GPU's memory), full, "
-                                     "mid or smoke (default: $HWLIB_PROFILE, else auto)")
-    r.add_argument("--device", default="auto", help="auto, cuda or cpu")
-    r.add_argument("--force", action="store_true", help="rerun notebooks already done in this run")
-    r.add_argument("--overwrite-reference", action="store_true",
-                   help="allow measuring into an existing committed reference run (outputs/reference/...)")
     r.add_argument("--workloads", help="comma-separated workloads for the notebooks' `workloads` parameter "
                                          "(default: each notebook's own list)")
     r.add_argument("--set", action="append", metavar="NN.NAME=VALUE",
                    help="a notebook parameter for this run, e.g. --set 19.noise_budget_s=100 (YAML value; "
                         "repeatable; recorded in state.json)")
-    r.add_argument("--timeout", type=positive_seconds, default=900.0, help="seconds per notebook (default 900)")
-    r.add_argument("--cell-timeout", type=positive_seconds, default=600.0, help="seconds per cell (default 600)")
-    r.add_argument("--notebooks", default=str(NOTEBOOKS_DIR), help=argparse.SUPPRESS)
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(fn=reproduce)
+    f.set_defaults(fn=first_look)
     e = sub.add_parser("env", help="print the environment report and recommended settings")
     e.add_argument("--device", default="auto")
     e.set_defaults(fn=env_cmd)

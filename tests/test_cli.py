@@ -193,3 +193,77 @@ def test_the_series_runs_every_ladder_step_before_the_studies_that_time_them():
     for study in ("16_where_time_goes", "19_ablations", "20_inductor", "98_dashboard"):
         assert order.index(study) > max(steps), (study, order)
     assert order[-1].startswith("99_")
+
+
+# --- the first look: its summary on fabricated runs (no notebook is run) -------------------------------------
+
+def first_look_run(folder, kind="cuda", profile="full", name="Test GPU", ms=(40.0, 32.0), outputs_written=True):
+    """A run folder as the first look leaves it: GPT-2's rows at 09 and 25 (ms_per_step, tokens_per_s), the
+    gpt figure and tables."""
+    for step, t in zip(("09_cuda_graphs", "25_bias_column"), ms):
+        common = dict(notebook=step, workload="gpt", step=step, profile=profile, device={"name": name, "kind": kind})
+        results.append([results.make_record(metric="ms_per_step", value=t, p20=t, p80=t, unit="ms", **common),
+                        results.make_record(metric="tokens_per_s", value=16384 / t * 1e3, unit="tokens/s", **common)],
+                       folder)
+    if outputs_written:
+        for f in ("figures/gpt_ladder.png", "tables/gpt_ladder.md", "tables/claims.md"):
+            (folder / f).parent.mkdir(parents=True, exist_ok=True)
+            (folder / f).write_text("x")
+    return folder
+
+
+def test_first_look_summary_says_the_headline_where_its_outputs_are_and_the_ratio_to_its_reference(outputs):
+    from hwlib.report import first_look
+    run = first_look_run(outputs / "first-look")
+    ref = first_look_run(outputs / "reference" / "gpu-first-look", ms=(44.0, 30.0), outputs_written=False)
+    other = first_look_run(outputs / "reference" / "gpu-mid", profile="mid", ms=(80.0, 70.0), outputs_written=False)
+    text = first_look.summary_text(run, references=[other, ref])
+    assert "First look: Test GPU, full profile" in text and "Not meaningful" not in text
+    assert "gpt at 09_cuda_graphs (the standard recipe): 40.0 ms/step, 409,600 tokens/s" in text
+    assert "gpt at 25_bias_column (past the recipe): 32.0 ms/step, 512,000 tokens/s" in text
+    assert "25_bias_column over 09_cuda_graphs: 1.25x the tokens/s" in text
+    assert "figures/gpt_ladder.png" in text and "tables/gpt_ladder.md" in text and "tables/claims.md" in text
+    assert "gpu-first-look (Test GPU, full): 09_cuda_graphs 1.10x, 25_bias_column 0.94x its tokens/s" in text
+    # another GPU, or the same GPU in another profile: no reference, and it says for what
+    assert "no reference for Test GPU/full" in first_look.summary_text(run, references=[other])
+
+
+def test_first_look_summary_on_a_cpu_says_its_numbers_mean_nothing(outputs):
+    from hwlib.report import first_look
+    run = first_look_run(outputs / "cpu", kind="cpu", profile="smoke", name="cpu", outputs_written=False)
+    text = first_look.summary_text(run, references=[])
+    assert "Not meaningful as performance: measured on a CPU" in text and "smoke profile" in text
+    assert "no reference for cpu/smoke" in text and "figure: none drawn" in text
+    # a step that did not run says so instead of a number
+    results.append([results.make_record(metric="ms_per_step", value=None, unit="ms", status="failed", reason="boom",
+                                        notebook="25", workload="gpt", step="25_bias_column", profile="smoke",
+                                        device={"name": "cpu", "kind": "cpu"})], run)
+    text = first_look.summary_text(run, references=[])
+    assert "gpt at 25_bias_column (past the recipe): failed: boom" in text and "over 09_cuda_graphs" not in text
+
+
+def test_first_look_command_runs_the_first_looks_notebooks_then_prints_its_summary(outputs, monkeypatch, capsys):
+    """The command hands reproduce the first look's notebooks, parameters and GPT-2 alone, into outputs/first-look
+    unless --run names another run; then prints the summary."""
+    seen = {}
+
+    def fake_reproduce(args):
+        seen.update(vars(args))
+        first_look_run(cli.run_dir(args.run))
+        return 0
+    monkeypatch.setattr(cli, "reproduce", fake_reproduce)
+    assert cli.main(["first-look", "--profile", "smoke", "--device", "cpu", "--quiet"]) == 0
+    assert (seen["run"], seen["only"], seen["workloads"]) == ("first-look", "00,09,25,16,99", "gpt")
+    assert seen["set"] == ["16.steps=[09_cuda_graphs, 25_bias_column]"] and seen["profile"] == "smoke"
+    out = capsys.readouterr().out
+    assert "First look: Test GPU" in out and "1.25x the tokens/s" in out
+    assert cli.main(["first-look", "--run", "mine"]) == 0 and seen["run"] == "mine"
+    with pytest.raises(SystemExit):
+        cli.main(["first-look", "--only", "00"])   # the first look's notebooks are its own
+
+
+def test_workloads_reach_only_the_notebooks_that_take_them(tmp_path):
+    make_nb(tmp_path / "09_takes.ipynb", "pass", params='\nworkloads = ["gpt"]')
+    make_nb(tmp_path / "16_does_not.ipynb", "pass", params='\nworkload = "gpt"')
+    assert cli._takes_workloads(tmp_path / "09_takes.ipynb") is True
+    assert cli._takes_workloads(tmp_path / "16_does_not.ipynb") is False
