@@ -82,9 +82,11 @@ def test_env_report_on_this_machine():
     assert "torch " + torch.__version__ in text and "gates" in text
 
 
-def test_ceilings_include_fp16_for_gpus_without_bf16(tmp_path):
+def test_ceilings_include_fp16_for_gpus_without_bf16(tmp_path, monkeypatch):
     """fp16 is measured beside bf16: MFU of a step on a GPU without bf16 (T4) needs it."""
     from hwlib import ceilings, notebook, query
+    # CPU sizes small enough for a test (fp16 matmuls on a CPU are slow): what is measured, not how fast
+    monkeypatch.setitem(ceilings.SIZES, "cpu", {"copy_bytes": 1 << 20, "matmul_n": 64})
     c = ceilings.measure("cpu")
     assert set(c["matmul_tflops"]) | set(c["skipped"]) == set(ceilings.MATMUL_DTYPES)
     assert c["matmul_tflops"]["fp16"] > 0

@@ -203,10 +203,12 @@ def test_data_wait_against_resident_batches(isolated_run, cpu_only):
         res = train.run_step("vit_bdh", step, settings=eager, **common)
         res.variant = False   # stands for the step's own row in this test
         record_mod.record(res, notebook=step)
-    mismatched = measure_data_wait("vit_bdh", "08_dataloader", notebook="x", profile="smoke", device="cpu",
-                                   progress=False, recorded=query.load())   # the step's own settings compile
-    assert mismatched[0]["status"] == "not comparable" and "compile" in mismatched[0]["reason"]
     eager = dataclasses.replace(settings_for("08_dataloader"), compile=False)
+    # a resident run under other settings than the recorded rows' (here without the fused AdamW)
+    mismatched = measure_data_wait("vit_bdh", "08_dataloader", notebook="x", profile="smoke", device="cpu",
+                                   progress=False, recorded=query.load(),
+                                   settings=dataclasses.replace(eager, fused_adamw=False))
+    assert mismatched[0]["status"] == "not comparable" and "fused_adamw" in mismatched[0]["reason"]
     rows = measure_data_wait("vit_bdh", "08_dataloader", notebook="08_dataloader", with_previous=True,
                              profile="smoke", device="cpu", progress=False, settings=eager, recorded=query.load())
     assert [r["step"] for r in rows] == ["08_dataloader", "06_torch_compile"]
@@ -305,3 +307,16 @@ def test_the_backends_of_hwlibs_ops_are_recorded(isolated_run):
     assert next(r for r in rows if r["step"] == "22_gelu_epilogue")["op_backends"] == res.op_backends
     assert f"hwlib's ops ran these backends: {res.op_backends}." in step_prose(rows, "gpt", "22_gelu_epilogue")
     assert run().op_backends is None   # step 01: no fused op, and nothing left from the step before
+
+
+def test_a_cpu_compile_backend_other_than_inductor_is_noted_and_a_bad_one_named(monkeypatch):
+    from hwlib.ladder import session as session_mod
+    monkeypatch.setenv("HWLIB_CPU_COMPILE_BACKEND", "aot_eager")
+    r = train.run_step("gpt", "06_torch_compile", profile="smoke", device="cpu", progress=False,
+                       plan=Plan(check=2, warmup=0, timed=1))
+    assert r.status == "ok" and any("aot_eager backend, not inductor" in n for n in r.notes)
+    monkeypatch.setenv("HWLIB_CPU_COMPILE_BACKEND", "tvm")
+    with pytest.raises(ValueError, match="HWLIB_CPU_COMPILE_BACKEND='tvm'"):
+        session_mod.compile_model(torch.nn.Linear(2, 2), device=torch.device("cpu"))
+    monkeypatch.delenv("HWLIB_CPU_COMPILE_BACKEND")
+    assert session_mod.cpu_compile_backend() == "inductor"

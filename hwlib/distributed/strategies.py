@@ -202,7 +202,9 @@ def apply(strategy: str, model: torch.nn.Module, cfg, settings: Settings, device
 
 def _compiled(m: torch.nn.Module, settings: Settings) -> torch.nn.Module:
     # Inductor's default mode, as step 06 compiles: CUDA graphs are off under every strategy.
-    return compile_model(m) if settings.compile else m
+    if not settings.compile:
+        return m
+    return compile_model(m, device=next(iter(m.parameters()), torch.empty(0)).device)
 
 
 def apply_single(model, cfg, settings: Settings) -> Applied:

@@ -22,7 +22,7 @@ from ..ops.sources import backends_used, forget_backends
 from ..profiles import Plan, plan as plan_for, resolve_profile
 from ..steps import Settings, Step, get_step, not_applicable, resolve_autocast, settings_for, unavailable
 from ..workloads import get_workload
-from .session import Session, detect_sdpa_backend, free
+from .session import CPU_COMPILE_BACKEND_ENV, Session, cpu_compile_backend, detect_sdpa_backend, free
 
 
 @dataclass
@@ -112,6 +112,9 @@ def _effective_settings(res: StepResult, st: Step, di: DeviceInfo, dev: torch.de
         res.notes.append("CUDA graphs need a CUDA device: compiled without them on " + dev.type)
     if eff.autocast != wanted.autocast:
         res.notes.append(f"bf16 unsupported on {di.name}: fp16 autocast with a GradScaler instead")
+    if (eff.compile or eff.cuda_graphs) and dev.type == "cpu" and cpu_compile_backend() != "inductor":
+        res.notes.append(f"compiled with torch.compile's {cpu_compile_backend()} backend, not inductor "
+                         f"({CPU_COMPILE_BACKEND_ENV})")
     return eff
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import warnings
 
 import torch
@@ -70,10 +71,29 @@ def build_model(workload: str, step: str | None, cfg, seed: int = 0, settings: S
     return apply_chain(model, step, skip) if step is not None else model
 
 
-def compile_model(model: torch.nn.Module, mode: str | None = None):
+CPU_COMPILE_BACKEND_ENV = "HWLIB_CPU_COMPILE_BACKEND"
+CPU_COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
+def cpu_compile_backend() -> str:
+    """The backend ``torch.compile`` uses on a CPU: inductor, unless ``HWLIB_CPU_COMPILE_BACKEND`` says
+    ``aot_eager``. That one still runs what a GPU compile shares with a CPU one (dynamo's tracing, the
+    custom ops' fake implementations, AOT autograd's joint graph) but not inductor's C++ code
+    generation, which no GPU run uses and which costs 20-80 s per graph on a small CPU: the test suites
+    set it for the notebooks (the Makefile says why). A GPU always compiles with inductor."""
+    backend = os.environ.get(CPU_COMPILE_BACKEND_ENV, "inductor") or "inductor"
+    if backend not in CPU_COMPILE_BACKENDS:
+        raise ValueError(f"{CPU_COMPILE_BACKEND_ENV}={backend!r}: must be one of {CPU_COMPILE_BACKENDS}")
+    return backend
+
+
+def compile_model(model: torch.nn.Module, mode: str | None = None, device: torch.device | None = None):
     """``torch.compile(model, mode=mode)`` after hwlib's custom ops are declared to inductor
-    (``hwlib.ops.fallbacks``: an undeclared op fed by a deep graph can keep inductor busy for minutes)."""
+    (``hwlib.ops.fallbacks``: an undeclared op fed by a deep graph can keep inductor busy for minutes).
+    On a CPU ``device``, with the backend ``cpu_compile_backend`` names."""
     fallbacks.declare()
+    if device is not None and device.type == "cpu" and cpu_compile_backend() != "inductor":
+        return torch.compile(model, backend=cpu_compile_backend())   # modes are inductor's
     return torch.compile(model, mode=mode)
 
 
@@ -100,7 +120,7 @@ class Session:
         if settings.compile or settings.cuda_graphs:
             # reduce-overhead records the forward and backward graphs as CUDA graphs and replays them.
             mode = "reduce-overhead" if settings.cuda_graphs and device.type == "cuda" else None
-            self.fwd = compile_model(self.model, mode=mode)
+            self.fwd = compile_model(self.model, mode=mode, device=device)
 
     @contextlib.contextmanager
     def precision(self):
