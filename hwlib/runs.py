@@ -7,8 +7,8 @@ and the notebook's process tree.
 - ``state.json`` is read, changed and written back (atomically) only under that lock, so two
   runs can never drop each other's entries.
 - papermill runs in its own session and starts the kernel in yet another one, so neither a
-  process group nor Ctrl-C on the terminal reaches the whole tree. The tree is found by walking
-  ``/proc`` from papermill down, written to ``.notebook.pids`` as it grows, and ended as a whole
+  process group nor Ctrl-C on the terminal reaches the whole tree. The tree is found from papermill
+  down through psutil's process table, written to ``.notebook.pids`` as it grows, and ended as a whole
   (frozen first, so that no child escapes by being re-parented, then killed).
 - Which processes are the lab's own is never taken from a file: every process of a notebook
   carries, in its environment, the run folder (``HWLIB_RUN``), a token made for that notebook's
@@ -29,6 +29,8 @@ import socket
 import time
 import warnings
 from pathlib import Path
+
+import psutil
 
 from . import query, results
 
@@ -103,25 +105,27 @@ def update_state(folder: Path, **entries) -> dict:
 
 # --- process trees --------------------------------------------------------------------------------------
 
-def _stat(pid: int) -> tuple[str, int, int, int] | None:
-    """(state, ppid, pgid, start time) of a live process, or None (gone or a zombie)."""
+def _stat(pid: int) -> tuple[str, int, int, float] | None:
+    """(state, ppid, pgid, start time) of a live process, or None (gone or a zombie). The start time
+    (seconds since the epoch, to the kernel's clock tick) tells a process from a later one given its pid."""
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            state = proc.status()
+            if state in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return None
+            return state, proc.ppid(), os.getpgid(pid), round(proc.create_time(), 2)
+    except (psutil.Error, OSError):
         return None
-    f = raw.rpartition(")")[2].split()   # the command name may hold spaces and parentheses
-    if f[0] in ("Z", "X"):
-        return None
-    return f[0], int(f[1]), int(f[2]), int(f[19])
 
 
 def _children() -> dict[int, list[int]]:
+    """{parent pid: its live children's pids} of every process on the machine, in one pass."""
     kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            st = _stat(int(d.name))
-            if st:
-                kids.setdefault(st[1], []).append(int(d.name))
+    for proc in psutil.process_iter(["ppid", "status"]):
+        info = proc.info
+        if info["ppid"] is not None and info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            kids.setdefault(info["ppid"], []).append(proc.pid)
     return kids
 
 
@@ -249,22 +253,17 @@ def run_env(folder: Path) -> dict[str, str]:
 def _environ(pid: int) -> dict[str, str] | None:
     """The hwlib run variables of a process's environment (None: unreadable, gone, or another user's)."""
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
+        env = psutil.Process(pid).environ()
+    except (psutil.Error, OSError):
         return None
-    out = {}
-    for item in raw.split(b"\0"):
-        k, _, v = item.partition(b"=")
-        if k in (b"HWLIB_RUN", b"HWLIB_RUN_TOKEN", b"HWLIB_RUN_CLI"):
-            out[k.decode()] = v.decode("utf-8", "replace")
-    return out
+    return {k: v for k, v in env.items() if k in (RUN_VAR, TOKEN_VAR, CLI_VAR)}
 
 
 def _cli_alive(value: str) -> bool:
     pid, _, start = value.partition(":")
     try:
         st = _stat(int(pid))
-        return st is not None and st[3] == int(start)
+        return st is not None and st[3] == float(start)
     except ValueError:
         return False
 
@@ -273,12 +272,12 @@ def marked(token: str | None = None) -> list[tuple[int, dict]]:
     """(pid, run variables) of every live process on this machine that a ``hwlib reproduce`` started
     (its environment holds ``HWLIB_RUN_TOKEN``); with ``token``, only that notebook run's."""
     out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
+    for pid in psutil.pids():
+        if pid == os.getpid():
             continue
-        env = _environ(int(d.name))
-        if env and TOKEN_VAR in env and (token is None or env[TOKEN_VAR] == token) and _stat(int(d.name)):
-            out.append((int(d.name), env))
+        env = _environ(pid)
+        if env and TOKEN_VAR in env and (token is None or env[TOKEN_VAR] == token) and _stat(pid):
+            out.append((pid, env))
     return out
 
 
