@@ -92,12 +92,13 @@ $(SUITES): export OMP_NUM_THREADS := 1
 # CPU: the CPU's own flags are trusted instead. It cut the ladder's notebook suite from 267 s to 230 s
 # on a 2-core machine (the compile cache cold, as in CI).
 $(SUITES): export TORCHINDUCTOR_VEC_ISA_OK := 1
-# The notebook suites compile with AOT autograd's eager backend on the CPU (hwlib.ladder.session.
+# A training session compiles with AOT autograd's eager backend on the CPU (hwlib.ladder.session.
 # cpu_compile_backend): dynamo's tracing, the custom ops' fake implementations and the joint graph are
 # checked as under inductor, but not inductor's C++ code generation for a CPU, which no GPU run uses: step
 # 06 of four smoke workloads took 304 s under inductor and 45 s under aot_eager on a 2-core machine.
-# The unit tests that compile keep inductor (tests/test_inductor.py, the ops' "under torch.compile" tests).
-test-notebooks-ladder test-notebooks-studies: export HWLIB_CPU_COMPILE_BACKEND := aot_eager
+# Inductor on a CPU stays tested where it is the subject: the ops' "under torch.compile" tests call
+# torch.compile themselves, and tests/test_inductor.py's knob test sets inductor back.
+$(SUITES): export HWLIB_CPU_COMPILE_BACKEND := aot_eager
 test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-b test-kernels test-browser
 
 test-unit: setup

@@ -238,7 +238,7 @@ def test_glance_takes_the_fastest_exact_step_and_says_the_fp8_branch_and_a_peer(
     assert line.startswith("**gpt**: 1,000 -> 5,900 tokens/s, 01_baseline_fp32 -> 25_bias_column "
                            "(its fastest step without FP8): **5.90x**; MFU 50.0%; 61% of the speed of light")
     assert "The FP8 branch's fastest, 26_fp8_head: 6.60x." in line
-    assert ("Beside it in one process (29_anchor): llm.c train_gpt2cu, 5,000 tokens/s; 25_bias_column runs "
+    assert ("Measured beside it in one process (notebook 29_anchor): llm.c train_gpt2cu, 5,000 tokens/s; 25_bias_column runs "
             "1.18x (1.10-1.20) as fast.") in line
     block = pages.glance_block(isolated_run)
     assert "- **gpt**: " in block and "Not meaningful" not in block

@@ -53,6 +53,13 @@ def _sol_share(recs: list[dict], workload: str, step: str) -> float | None:
     return _num(found[-1].get("value")) if found else None
 
 
+def sibling_runs(run: str) -> list[str]:
+    """The committed runs of the same machine beside ``run`` (``reference/h100-anchor`` beside
+    ``reference/h100``): studies run on their own, whose peers the glance shows too."""
+    name = Path(run).name
+    return [r for r in reference_runs() if Path(r).name.startswith(f"{name}-")]
+
+
 def peers(recs: list[dict], workload: str) -> list[dict]:
     """Other projects' code measured beside the lab's in the same process (an anchor: e.g. transformers'
     BERT beside the NLI encoder, llm.c beside GPT-2): each ``anchor_over_lab`` record of ``workload``
@@ -81,6 +88,7 @@ def glance_rows(run=REFERENCE_RUN) -> list[dict]:
     beside it. Only steps whose status is ok count."""
     s = tables.summary(run)
     recs = query.load(run)
+    beside = recs + [r for other in sibling_runs(run) for r in query.load(other)]
     out = []
     for w, body in s["workloads"].items():
         ok = [x for x in body["steps"] if x["status"] == "ok" and _num(x.get("throughput"))]
@@ -92,7 +100,7 @@ def glance_rows(run=REFERENCE_RUN) -> list[dict]:
         out.append({"workload": w, "base": ok[0], "best": best, "fp8_exists": any(uses_fp8(x["step"]) for x in ok),
                     "fp8": fp8 if fp8 and fp8["throughput"] > best["throughput"] else None,
                     "sol_share": _sol_share(recs, w, best["step"]),
-                    "peers": peers(recs, w)})
+                    "peers": peers(beside, w)})
     return out
 
 
@@ -113,7 +121,7 @@ def glance_line(g: dict) -> str:
     for p in g["peers"]:
         iv = f" ({p['lo']:.2f}-{p['hi']:.2f})" if p["lo"] is not None and p["hi"] is not None else ""
         own = f", {p['throughput']:,.0f} {p['unit']}" if p["throughput"] is not None else ""
-        text += (f" Beside it in one process ({p['notebook']}): {p['what']}{own}; {p['against']} runs "
+        text += (f" Measured beside it in one process (notebook {p['notebook']}): {p['what']}{own}; {p['against']} runs "
                  f"{p['ratio']:.2f}x{iv} as fast.")
     return text
 
