@@ -6,7 +6,11 @@ typo or a ``../`` cannot write measurements (or overwrite a committed reference)
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -119,17 +123,27 @@ def compile_cache_env(run: Path, code: str | None) -> dict[str, str]:
     return {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "TRITON_CACHE_DIR": str(base / "triton")}
 
 
+def _inductor_default_cache_dir() -> str:
+    """Inductor's default cache folder (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``).
+    Importing that module imports all of ``torch._inductor`` and ``torch._dynamo`` (4 s on a small CPU,
+    in every notebook's set-up, most of which never compile): where it is not imported yet, its rule is
+    followed here instead (the temporary folder, ``torchinductor_`` and the user's name)."""
+    mod = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if mod is not None and hasattr(mod, "default_cache_dir"):
+        return mod.default_cache_dir()
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def apply_compile_cache_env(env: dict[str, str]) -> None:
     """Put ``compile_cache_env``'s folders in ``os.environ`` unless the user chose others. Importing ``torch._dynamo`` (torch.compile's first call does) writes inductor's
     default folder into ``TORCHINDUCTOR_CACHE_DIR``: a value equal to that default is inductor's
     own, not a choice, and is replaced (else a notebook run outside ``hwlib reproduce`` would reuse
     graphs compiled against older hwlib code, whose custom ops gave other output shapes)."""
-    defaults = {}
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-        defaults["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(default_cache_dir())
-    except ImportError:       # a torch without it: only an unset variable is ours to set
-        pass
+    defaults = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(_inductor_default_cache_dir())}
     for k, v in env.items():
         have = os.environ.get(k)
         if have is None or (k in defaults and os.path.abspath(have) == defaults[k]):
