@@ -225,6 +225,10 @@ def test_glance_takes_the_fastest_exact_step_and_says_the_fp8_branch_and_a_peer(
     common = dict(notebook="16_where_time_goes", workload="gpt", step="25_bias_column", profile="full",
                   device={"name": "Test GPU"})
     results.append([results.make_record(metric="sol_share", value=0.61, unit="ratio", **common),
+                    results.make_record(metric="floor_ms", value=0.5, unit="ms", fields={"part": "step"},
+                                        params={"bound": "bytes"}, **common),
+                    results.make_record(metric="step_ms", value=1.75, unit="ms", fields={"window": "unprofiled"},
+                                        **common),
                     *[results.make_record(metric=m, value=v, unit=u, fields={"study": "anchor"}, params=p,
                                           **{**common, "notebook": "29_anchor", "step": "llm_c"})
                       for m, v, u, p in (("tokens_per_s", 5000.0, "tokens/s", {}),
@@ -238,6 +242,7 @@ def test_glance_takes_the_fastest_exact_step_and_says_the_fp8_branch_and_a_peer(
     assert line.startswith("**gpt**: 1,000 -> 5,900 tokens/s, 01_baseline_fp32 -> 25_bias_column "
                            "(its fastest step without FP8): **5.90x**; MFU 50.0%; 61% of the speed of light")
     assert "The FP8 branch's fastest, 26_fp8_head: 6.60x." in line
+    assert "its step floor 0.5 ms (bytes-bound, notebook 16) against 1.8 ms profiled: 3.5x above it" in line
     assert ("Measured beside it in one process (notebook 29_anchor): llm.c train_gpt2cu, 5,000 tokens/s; 25_bias_column runs "
             "1.18x (1.10-1.20) as fast.") in line
     block = pages.glance_block(isolated_run)

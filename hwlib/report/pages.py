@@ -60,6 +60,22 @@ def sibling_runs(run: str) -> list[str]:
     return [r for r in reference_runs() if Path(r).name.startswith(f"{name}-")]
 
 
+def _step_floor(recs: list[dict], workload: str, step: str) -> dict | None:
+    """Notebook 16's floor of ``step`` (its ``floor_ms`` record of part "step": the longer of its model
+    FLOPs at the matmul ceiling and its bytes at the copy bandwidth) beside the profiled step's time
+    (``step_ms``), or None where it did not count one."""
+    def last(metric, **fields):
+        found = [r for r in recs if r.get("metric") == metric and r.get("workload") == workload
+                 and r.get("step") == step and (r.get("fields") or {}) == fields and r.get("status", "ok") == "ok"
+                 and _num(r.get("value")) is not None]
+        return found[-1] if found else None
+    floor, took = last("floor_ms", part="step"), last("step_ms", window="unprofiled")
+    if floor is None or took is None:
+        return None
+    return {"floor_ms": _num(floor["value"]), "step_ms": _num(took["value"]),
+            "bound": (floor.get("params") or {}).get("bound")}
+
+
 def peers(recs: list[dict], workload: str) -> list[dict]:
     """Other projects' code measured beside the lab's in the same process (an anchor: e.g. transformers'
     BERT beside the NLI encoder, llm.c beside GPT-2): each ``anchor_over_lab`` record of ``workload``
@@ -99,7 +115,9 @@ def glance_rows(run=REFERENCE_RUN) -> list[dict]:
         fp8 = max((x for x in ok if uses_fp8(x["step"])), key=lambda x: x["throughput"], default=None)
         out.append({"workload": w, "base": ok[0], "best": best, "fp8_exists": any(uses_fp8(x["step"]) for x in ok),
                     "fp8": fp8 if fp8 and fp8["throughput"] > best["throughput"] else None,
-                    "sol_share": _sol_share(recs, w, best["step"]),
+                    "sol_share": _sol_share(recs, w, best["step"]) if _sol_share(recs, w, best["step"]) is not None
+                    else _sol_share(beside, w, best["step"]),
+                    "floor": _step_floor(recs, w, best["step"]) or _step_floor(beside, w, best["step"]),
                     "peers": peers(beside, w)})
     return out
 
@@ -114,6 +132,10 @@ def glance_line(g: dict) -> str:
         parts.append(f"MFU {best['mfu']:.1%}")
     if g["sol_share"] is not None:
         parts.append(f"{g['sol_share']:.0%} of the speed of light (notebook 16)")
+    if g.get("floor"):
+        f = g["floor"]
+        parts.append(f"its step floor {f['floor_ms']:.1f} ms ({f['bound'] or 'FLOPs or bytes'}-bound, notebook 16) "
+                     f"against {f['step_ms']:.1f} ms profiled: {f['step_ms'] / f['floor_ms']:.1f}x above it")
     text = "; ".join(parts) + "."
     if g["fp8"]:
         f = g["fp8"]
