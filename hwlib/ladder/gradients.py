@@ -105,6 +105,8 @@ TOLERANCES: dict[str, tuple[float, str]] = {
                           "300-step run bound it (GPU-only: skipped on CPU)"),
     "27_bf16_stream": (FP32, INERT.format(what="the residual stream in autocast's 16-bit dtype")),
     "28_gemm_workspace": (FP32, EXACT.format(how="matmuls without cuBLAS's workspace")),
+    "29_shared_qk_attention": (FP32, EXACT.format(how="Q = K's scores from one bmm, the shared values summed per "
+                                                       "sample, dq as (dS + dS^T) q")),
 }
 # Steps whose arithmetic in fp32 is not the previous step's by design: the check runs and is
 # recorded, but its verdict does not fail the step.

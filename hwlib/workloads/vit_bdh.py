@@ -110,6 +110,27 @@ def rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return v * cos.to(v.dtype) + rot * sin.to(v.dtype)
 
 
+class BDHAttention(nn.Module):
+    """BDH's attention as the recipe runs it: q [H, B, T, N] is both query and key, and the values are the
+    token states x [B, T, D], shared by every head (expanded over H). ``attention``: "manual"
+    (matmul-softmax-matmul) or "sdpa" (``F.scaled_dot_product_attention``, step 04)."""
+
+    def __init__(self, form: str, attention: str):
+        super().__init__()
+        self.form, self.attention = form, attention
+
+    def forward(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        H, B, T, N = q.shape
+        v = x.unsqueeze(0).expand(H, B, T, x.size(-1))
+        if self.form == "linear":
+            # T^2 (N + D) per head: cheaper than the associative q (q^T x) order, 2 T N D, at T = 65.
+            return (q @ q.transpose(-2, -1)) @ v
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, q, v, scale=1.0 / math.sqrt(N))
+        att = (q @ q.transpose(-2, -1)) * (1.0 / math.sqrt(N))
+        return torch.softmax(att, dim=-1) @ v
+
+
 class VisionBDH(nn.Module):
     def __init__(self, cfg: VitBDHConfig, form: str = "softmax", attention: str = "manual",
                  checkpointing: str = "none"):
@@ -119,6 +140,8 @@ class VisionBDH(nn.Module):
         if attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {attention!r}")
         self.cfg, self.form, self.attention = cfg, form, attention
+        # Parameterless: what a step past the recipe swaps (hwlib.steps.s29_shared_qk_attention).
+        self.attend = BDHAttention(form, attention)
         # Each checkpointed application of the shared layer keeps only its input; the rest is
         # recomputed in backward. "head" (a GPT option) has no meaning here and is ignored.
         self.checkpointed, _ = parse_checkpointing(checkpointing, cfg.n_layer)
@@ -162,18 +185,12 @@ class VisionBDH(nn.Module):
         if attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {attention!r}")
         self.attention = attention
+        if isinstance(self.attend, BDHAttention):
+            self.attend.attention = attention
 
     def _attend(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q [H, B, T, N] (Q = K), values x [B, T, D] shared by the heads -> [H, B, T, D]."""
-        H, B, T, N = q.shape
-        v = x.unsqueeze(0).expand(H, B, T, x.size(-1))
-        if self.form == "linear":
-            # T^2 (N + D) per head: cheaper than the associative q (q^T x) order, 2 T N D, at T = 65.
-            return (q @ q.transpose(-2, -1)) @ v
-        if self.attention == "sdpa":
-            return F.scaled_dot_product_attention(q, q, v, scale=1.0 / math.sqrt(N))
-        att = (q @ q.transpose(-2, -1)) * (1.0 / math.sqrt(N))
-        return torch.softmax(att, dim=-1) @ v
+        return self.attend(q, x)
 
     def layer(self, x: torch.Tensor) -> torch.Tensor:
         """One application of the shared BDH layer to x [B, T, D]."""
