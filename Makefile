@@ -96,8 +96,8 @@ $(SUITES): export TORCHINDUCTOR_VEC_ISA_OK := 1
 # cpu_compile_backend): dynamo's tracing, the custom ops' fake implementations and the joint graph are
 # checked as under inductor, but not inductor's C++ code generation for a CPU, which no GPU run uses: step
 # 06 of four smoke workloads took 304 s under inductor and 45 s under aot_eager on a 2-core machine.
-# Inductor on a CPU stays tested where it is the subject: the ops' "under torch.compile" tests call
-# torch.compile themselves, and tests/test_inductor.py's knob test sets inductor back.
+# Inductor on a CPU stays tested where it is the subject: the ops' "under torch.compile" tests and
+# compile_model's own test (tests/test_fallbacks.py) call inductor themselves.
 $(SUITES): export HWLIB_CPU_COMPILE_BACKEND := aot_eager
 test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-b test-kernels test-browser
 

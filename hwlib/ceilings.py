@@ -25,7 +25,9 @@ from .paths import run_dir
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
-SIZES = {"cuda": {"copy_bytes": 2 << 30, "matmul_n": 8192}, "cpu": {"copy_bytes": 64 << 20, "matmul_n": 512}}
+# A CPU's ceilings only stand in for a GPU's (the smoke profile checks that code runs): n = 256, where
+# 512 took 7 s per 16-bit dtype on a CPU without 16-bit matrix instructions, in every notebook 00 run.
+SIZES = {"cuda": {"copy_bytes": 2 << 30, "matmul_n": 8192}, "cpu": {"copy_bytes": 64 << 20, "matmul_n": 256}}
 
 
 def copy_gbps(device: torch.device, nbytes: int | None = None, iters: int = 20) -> bench.Timing:

@@ -122,8 +122,9 @@ def test_bad_knobs_fail_before_any_work(tmp_path):
     assert not (run / "results.jsonl").exists()
 
 
-def test_one_knob_runs_through_the_ablation_on_a_cpu_and_records_compile_time_and_math(tmp_path, monkeypatch):
-    monkeypatch.setenv("HWLIB_CPU_COMPILE_BACKEND", "inductor")   # its knobs are inductor's (make test sets aot_eager)
+def test_one_knob_runs_through_the_ablation_on_a_cpu_and_records_compile_time_and_math(tmp_path):
+    # Under make test the sessions compile with aot_eager (the knob is then inert): what is checked is how a
+    # knob runs through the ablation and what it records; inductor's own compile is the ops' tests' subject.
     run = tmp_path / "r"
     rows = inductor.measure([inductor.SMOKE_KNOB, "max_autotune"], profile="smoke", device="cpu", window=TINY,
                             run=run)

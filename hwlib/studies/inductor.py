@@ -54,6 +54,7 @@ import torch
 
 from .. import bench, noise
 from ..device import ChoiceError, Unavailable, info, resolve_device, supports_compile
+from ..ladder.session import cpu_compile_backend
 from ..steps import chain, get_step, not_applicable, settings_for, unavailable, uses_fp8
 from . import ablation
 
@@ -278,7 +279,9 @@ def warm_compiler(device_type: str) -> float:
     compile time of whichever arm compiles first. Returns its seconds (``bench.wall_s``)."""
     dev = torch.device(device_type)
     x = torch.randn(16, 16, device=dev, requires_grad=True)
-    f = torch.compile(lambda t: torch.nn.functional.gelu(t @ t.T).sum())
+    # with the backend the arms' sessions compile with (hwlib.ladder.session.cpu_compile_backend on a CPU)
+    backend = cpu_compile_backend() if dev.type == "cpu" else "inductor"
+    f = torch.compile(lambda t: torch.nn.functional.gelu(t @ t.T).sum(), backend=backend)
     s, _ = bench.wall_s(lambda: f(x).backward(), dev)
     return s
 
