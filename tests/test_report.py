@@ -461,3 +461,11 @@ def test_readme_block_says_how_gpt_stands_past_the_recipe(ladder):
     block = report.readme_block(ladder)
     assert ("the fastest step past the recipe without FP8, 25_bias_column, 1.180x (target 1.15x: met); "
             "the fastest FP8 step: none measured (target 1.25x)") in block
+
+
+def test_the_glance_reads_peers_from_the_machines_sibling_runs_only(monkeypatch):
+    monkeypatch.setattr(pages, "reference_runs", lambda: ["reference/h100", "reference/h100-anchor",
+                                                          "reference/h100x4", "reference/h200x2-rungs"])
+    assert pages.sibling_runs("reference/h100") == ["reference/h100-anchor"]
+    assert pages.sibling_runs(paths.REPO_ROOT / "outputs" / "reference" / "h100") == ["reference/h100-anchor"]
+    assert pages.sibling_runs("reference/h200x2") == ["reference/h200x2-rungs"]
