@@ -129,13 +129,16 @@ def window_ratios(before, after, stat: str = "median") -> list[float]:
     return [f(x) / f(y) for x, y in zip(a, b)]
 
 
-def interleaved_order(repeats: int) -> list[str]:
-    """The order the two arms' windows run in: "A" (before) and "B" (after), interleaved A/B, A/B,
-    with every second pair reversed (A B B A A B B A ...), so that a steady drift over the run
-    (a GPU warming up, a cache filling) falls on both arms alike instead of always on B."""
+def interleaved_order(repeats: int, arms=("A", "B")) -> list:
+    """The order the arms' windows run in: by default "A" (before) and "B" (after), interleaved A/B,
+    A/B, with every second round reversed (A B B A A B B A ...), so that a steady drift over the run
+    (a GPU warming up, a cache filling) falls on every arm alike instead of always on the last."""
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    return [arm for r in range(repeats) for arm in (("A", "B") if r % 2 == 0 else ("B", "A"))]
+    arms = tuple(arms)
+    if not arms or len(set(arms)) != len(arms):
+        raise ValueError(f"arms must be distinct names, at least one, got {arms!r}")
+    return [arm for r in range(repeats) for arm in (arms if r % 2 == 0 else arms[::-1])]
 
 
 def compare(lo: float, hi: float, threshold: float) -> str:

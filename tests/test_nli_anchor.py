@@ -79,7 +79,7 @@ def test_one_step_trains_from_ln3_and_padding_does_not_change_the_loss():
 
 def test_measure_records_both_models(isolated_run):
     rows = nli_anchor.measure(profile="smoke", device="cpu", variants=["anchor_hf_bert"], batch=4,
-                              window=Window(repeats=1, steps=2, settle=0, warmup=1))
+                              window=Window(repeats=1, steps=2, settle=0, warmup=1), notebook="11_nb")
     assert [r["arm"] for r in rows] == [nli_anchor.STEP, "anchor_hf_bert"]
     lab, hf = rows
     assert hf["vs_lab"] == pytest.approx(hf["ms_per_step"] / lab["ms_per_step"], rel=1e-9)
@@ -88,7 +88,7 @@ def test_measure_records_both_models(isolated_run):
     by = {(r["step"], r["metric"]): r for r in query.load()}
     for arm in (nli_anchor.STEP, "anchor_hf_bert"):
         ms = by[(arm, "ms_per_step")]
-        assert ms["workload"] == "encoder_nli" and ms["notebook"] == nli_anchor.NOTEBOOK and ms["unit"] == "ms"
+        assert ms["workload"] == "encoder_nli" and ms["notebook"] == "11_nb" and ms["unit"] == "ms"
         assert ms["fields"] == {"study": "nli_anchor"} and ms["profile"] == "smoke"
         assert ms["p20"] <= ms["value"] <= ms["p80"]
         assert ms["params"]["config"]["batch"] == 4 and ms["params"]["compiled"] is False
@@ -110,12 +110,12 @@ def test_measure_records_both_models(isolated_run):
 ])
 def test_bad_input_names_the_argument(isolated_run, kwargs, names):
     with pytest.raises(ValueError, match=names):
-        nli_anchor.measure(device="cpu", **{"profile": "smoke", **kwargs})
+        nli_anchor.measure(device="cpu", notebook="11_nb", **{"profile": "smoke", **kwargs})
     assert not (isolated_run / "results.jsonl").exists()
 
 
 def test_without_transformers_names_the_extra(isolated_run, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)   # import transformers -> ImportError
     with pytest.raises(MissingExtra, match=r"hwlib\[generation\]"):
-        nli_anchor.measure(profile="smoke", device="cpu")
+        nli_anchor.measure(profile="smoke", device="cpu", notebook="11_nb")
     assert not (isolated_run / "results.jsonl").exists()

@@ -51,6 +51,11 @@ def test_interleaved_order_alternates_and_balances():
     assert order.count("A") == order.count("B") == 6
     # every pair of windows holds one of each arm: A and B run side by side
     assert all(sorted(order[i:i + 2]) == ["A", "B"] for i in range(0, len(order), 2))
+    # any number of arms (the anchors beside a ladder step): every round holds each once, every second reversed
+    assert noise.interleaved_order(2, ["lab", "x", "y"]) == ["lab", "x", "y", "y", "x", "lab"]
+    for bad in ([], ["a", "a"]):
+        with pytest.raises(ValueError, match="arms must be distinct names"):
+            noise.interleaved_order(2, bad)
 
 
 @pytest.mark.parametrize("lo, hi, threshold, where", [

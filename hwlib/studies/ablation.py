@@ -230,7 +230,7 @@ def _broadcast_layout(model):
             x = F.layer_norm(x, (D,))
             s = F.relu(x.unsqueeze(1) @ self.encoder)                                   # [B, H, T, N]
             q = rope(s, self.rope_cos[:T], self.rope_sin[:T])
-            a = F.layer_norm(self._attend(q.transpose(0, 1), x), (D,)).transpose(0, 1)  # [B, H, T, D]
+            a = F.layer_norm(self.attend(q.transpose(0, 1), x), (D,)).transpose(0, 1)  # [B, H, T, D]
             u = F.relu(a @ self.encoder_v)                                              # [B, H, T, N]
             y = ((s * u) @ self.decoder).sum(1)                                         # [B, T, D]
             return F.layer_norm(x + F.layer_norm(y, (D,)), (D,))
@@ -380,6 +380,52 @@ def removals_for(step: str, workload: str) -> list[str]:
             if s.name in names and (s.change or s.beyond_recipe) and not not_applicable(s, workload)]
 
 
+# --- interleaved windows over arms ----------------------------------------------------------------
+# An arm is anything with a ``name`` and ``run(n, clock=None)`` (n training steps, their losses): this
+# module's ``_Arm`` and the anchors beside a ladder step (``hwlib.studies.nli_anchor``).
+
+def run_steps(step: Callable[[], torch.Tensor], n: int, clock: bench.StepClock | None = None) -> list[torch.Tensor]:
+    """``n`` calls of ``step``, their losses; marks ``clock`` around each and synchronises it at the end,
+    so that a window's work ends inside the caller's context (an arm's settings)."""
+    out = []
+    if clock is not None:
+        clock.mark()
+    for _ in range(n):
+        out.append(step())
+        if clock is not None:
+            clock.mark()
+    if clock is not None:
+        clock.samples_ms()
+    return out
+
+
+def warm_up(arm, n: int, dev: torch.device) -> tuple[float, list[torch.Tensor]]:
+    """``n`` untimed steps of ``arm`` (compilation, CUDA graphs, autotuning, loader workers): the wall
+    seconds of its first call, which holds its compilation (the ladder's compile_s), and the losses.
+    FloatingPointError, naming the arm, where a loss is not finite."""
+    first_s, first = bench.wall_s(lambda: arm.run(1), dev)
+    losses = first + arm.run(n - 1)
+    if not _finite(losses):
+        raise FloatingPointError(f"arm {arm.name}: the loss is not finite in warm-up")
+    return first_s, losses
+
+
+def time_windows(arms: dict, order: list[str], win: "Window", dev: torch.device,
+                 steps: int | None = None) -> dict[str, list[list[float]]]:
+    """One timed window per entry of ``order`` (keys of ``arms``): ``win.settle`` untimed steps, then
+    ``steps`` (default ``win.steps``) timed by ``bench.StepClock``; each arm's windows' step times.
+    FloatingPointError, naming the arm, where a loss is not finite: its time is not reported."""
+    timed: dict[str, list] = {k: [] for k in arms}
+    for key in order:
+        a = arms[key]
+        a.run(win.settle)
+        clock = bench.StepClock(dev)
+        if not _finite(a.run(win.steps if steps is None else steps, clock)):
+            raise FloatingPointError(f"arm {a.name}: the loss is not finite; time not reported")
+        timed[key].append(clock.samples_ms())
+    return timed
+
+
 # --- one arm, alive for a toggle's windows --------------------------------------------------------
 
 class _Arm:
@@ -403,17 +449,8 @@ class _Arm:
 
     def run(self, n: int, clock: bench.StepClock | None = None) -> list[torch.Tensor]:
         """``n`` steps under this arm's context; marks ``clock`` around each one."""
-        out = []
         with self.active():
-            if clock is not None:
-                clock.mark()
-            for _ in range(n):
-                out.append(self.step())
-                if clock is not None:
-                    clock.mark()
-            if clock is not None:
-                clock.samples_ms()   # synchronise inside the context: the window's work ends under it
-        return out
+            return run_steps(self.step, n, clock)
 
     def sdpa_backend(self) -> str | None:
         if self.sess.settings.attention != "sdpa":
@@ -637,11 +674,10 @@ def _one(workload, step, t: Toggle, cfg, base, dev, di, win: Window, level, seed
         row["settings"] = {k: dataclasses.asdict(a.sess.settings) for k, a in arms.items()}
         row["sdpa_backend"], row["first_step_s"], row["first_losses"] = {}, {}, {}
         for a in arms.values():   # warm both arms up: compilation, graphs, autotuning, workers
-            # the first call holds the arm's compilation: its wall time, kept apart (the ladder's compile_s)
-            first_s, first = bench.wall_s(lambda a=a: a.run(1), dev)
-            losses = first + a.run(win.warmup - 1)
-            if not _finite(losses):
-                return {**row, "status": "nonfinite", "reason": f"arm {a.name}: the loss is not finite in warm-up"}
+            try:
+                first_s, losses = warm_up(a, win.warmup, dev)
+            except FloatingPointError as e:
+                return {**row, "status": "nonfinite", "reason": str(e)}
             row["first_step_s"][a.name] = first_s
             row["first_losses"][a.name] = torch.stack(losses).float().cpu().tolist()
             row["sdpa_backend"][a.name] = a.sdpa_backend()
@@ -650,15 +686,10 @@ def _one(workload, step, t: Toggle, cfg, base, dev, di, win: Window, level, seed
         order = noise.interleaved_order(win.repeats)
         row["order"] = "".join(order)
         others_before = other_gpu_processes(dev) if dev.type == "cuda" else []
-        timed: dict[str, list] = {"A": [], "B": []}
-        for letter in order:
-            a = arms["without" if letter == "A" else "with"]
-            a.run(win.settle)
-            clock = bench.StepClock(dev)
-            losses = a.run(steps, clock)
-            if not _finite(losses):
-                return {**row, "status": "nonfinite", "reason": f"arm {a.name}: the loss is not finite; time not reported"}
-            timed[letter].append(clock.samples_ms())
+        try:
+            timed = time_windows({"A": arms["without"], "B": arms["with"]}, order, win, dev, steps)
+        except FloatingPointError as e:
+            return {**row, "status": "nonfinite", "reason": str(e)}
         others = sorted(set(others_before or []) | set((other_gpu_processes(dev) if dev.type == "cuda" else []) or []))
         if others:
             row["contended"] = f"timed beside other processes on the GPU (pids {', '.join(map(str, others))})"

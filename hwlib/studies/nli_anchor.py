@@ -48,7 +48,6 @@ takes minutes) and the times say only that the code runs.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import torch
@@ -66,9 +65,9 @@ from ..steps import Settings, resolve_autocast, settings_for
 from ..workloads import encoder_nli
 from ..workloads import get_workload
 from .ablation import WINDOWS as _ABLATION_WINDOWS
-from .ablation import Window
+from .ablation import Window, run_steps, time_windows, warm_up
 
-NOTEBOOK = STEP = "11_sequence_packing"
+STEP = "11_sequence_packing"   # the lab's last encoder_nli step, the anchors' reference
 WORKLOAD = "encoder_nli"
 NEEDED_FOR = "the transformers anchor of the NLI encoder (hwlib.studies.nli_anchor)"
 PAD_MULTIPLE = 8     # DataCollatorWithPadding(pad_to_multiple_of=8): tensor-core friendly lengths
@@ -156,6 +155,10 @@ class _Lab:
         self.i += 1
         return self.sess.step(self.i - 1)
 
+    def run(self, n: int, clock: bench.StepClock | None = None) -> list[torch.Tensor]:
+        with self.sess.precision():
+            return run_steps(self.step, n, clock)
+
     def close(self) -> None:
         self.sess.close()
 
@@ -199,25 +202,13 @@ class _Anchor:
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    def run(self, n: int, clock: bench.StepClock | None = None) -> list[torch.Tensor]:
+        with precision.tf32_mode(self.settings.tf32):
+            return run_steps(self.step, n, clock)
+
     def close(self) -> None:
         self.batches.close()
         self.model = self.opt = self.fwd = None
-
-
-def _run(arm, n: int, settings: Settings, clock: bench.StepClock | None = None) -> list[torch.Tensor]:
-    out = []
-    with precision.tf32_mode(settings.tf32):
-        if clock is not None:
-            clock.mark()
-        for _ in range(n):
-            out.append(arm.step())
-            if clock is not None:
-                clock.mark()
-    return out
-
-
-def _finite(losses) -> bool:
-    return bool(losses) and all(math.isfinite(v) for v in torch.stack(losses).float().cpu().tolist())
 
 
 # --- the study ------------------------------------------------------------------------------------
@@ -240,7 +231,7 @@ def _check(variants, batch, compile, level, window):
 
 def measure(*, profile: str = "auto", device: str = "auto", variants=tuple(VARIANTS), batch: int | None = None,
             compile="auto", window: Window | None = None, level: float = noise.DEFAULT_LEVEL, seed: int = 0,
-            notebook: str = NOTEBOOK, run=None) -> list[dict]:
+            notebook: str, run=None) -> list[dict]:
     """The lab's step 11 and each anchor variant, interleaved in this process (module doc).
 
     ``batch``: pairs per step (default: the profile's); ``compile``: "auto" compiles on a GPU only.
@@ -275,31 +266,14 @@ def measure(*, profile: str = "auto", device: str = "auto", variants=tuple(VARIA
             # (its recompile or CUDA-graph recording is not timed), as the ladder's own run does
             warmup = (first_timed_step(a.shapes(win.warmup + 2 * timed_steps), win.warmup, timed_steps)[0]
                       if compiled else win.warmup)
-            first_s, first = bench.wall_s(lambda a=a: _run(a, 1, settings), dev)
-            losses = first + _run(a, warmup - 1, settings)
-            if not _finite(losses):
-                raise FloatingPointError(f"{a.name}: the loss is not finite in warm-up")
-            rows[a.name].update(first_step_s=first_s, first_loss=float(first[0]), warmup_steps=warmup)
-        timed: dict[str, list] = {a.name: [] for a in arms}
-        order = []
-        for r in range(win.repeats):
-            for a in (arms if r % 2 == 0 else arms[::-1]):
-                _run(a, win.settle, settings)
-                clock = bench.StepClock(dev)
-                if not _finite(_timed(a, win.steps, clock, settings)):
-                    raise FloatingPointError(f"{a.name}: the loss is not finite; time not reported")
-                timed[a.name].append(clock.samples_ms())
-                order.append(a.name)
+            first_s, losses = warm_up(a, warmup, dev)
+            rows[a.name].update(first_step_s=first_s, first_loss=float(losses[0]), warmup_steps=warmup)
+        order = noise.interleaved_order(win.repeats, [a.name for a in arms])
+        timed = time_windows({a.name: a for a in arms}, order, win, dev)
     finally:
         for a in arms:
             a.close()
     return _finish(rows, timed, order, cfg, prof, di, settings, compiled, win, level, seed, notebook, run)
-
-
-def _timed(arm, n: int, clock: bench.StepClock, settings: Settings) -> list[torch.Tensor]:
-    losses = _run(arm, n, settings, clock)
-    clock.samples_ms()   # synchronise: the window's work ends before the next arm's starts
-    return losses
 
 
 def _finish(rows: dict, timed: dict, order: list, cfg, prof: str, di, settings: Settings, compiled: bool, win: Window,
