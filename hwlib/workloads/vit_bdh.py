@@ -139,7 +139,7 @@ class VisionBDH(nn.Module):
             raise ValueError(f"attention form must be 'softmax' or 'linear', got {form!r}")
         if attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {attention!r}")
-        self.cfg, self.form, self.attention = cfg, form, attention
+        self.cfg = cfg
         # Parameterless: what a step past the recipe swaps (hwlib.steps.s29_shared_qk_attention).
         self.attend = BDHAttention(form, attention)
         # Each checkpointed application of the shared layer keeps only its input; the rest is
@@ -184,13 +184,10 @@ class VisionBDH(nn.Module):
     def set_attention(self, attention: str) -> None:
         if attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {attention!r}")
-        self.attention = attention
-        if isinstance(self.attend, BDHAttention):
-            self.attend.attention = attention
-
-    def _attend(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """q [H, B, T, N] (Q = K), values x [B, T, D] shared by the heads -> [H, B, T, D]."""
-        return self.attend(q, x)
+        if not isinstance(self.attend, BDHAttention):
+            raise ValueError(f"set_attention chooses the recipe's attention kernel; this model's attention is "
+                             f"{type(self.attend).__name__}, which has no such choice")
+        self.attend.attention = attention
 
     def layer(self, x: torch.Tensor) -> torch.Tensor:
         """One application of the shared BDH layer to x [B, T, D]."""
@@ -201,7 +198,7 @@ class VisionBDH(nn.Module):
         # [H, D, N] weights per sample (broadcasting matmul would expand them over B).
         s = F.relu(torch.bmm(x.reshape(1, B * T, D).expand(H, B * T, D), self.encoder))        # [H, B*T, N]
         q = rope(s.view(H, B, T, N), self.rope_cos[:T], self.rope_sin[:T])
-        a = F.layer_norm(self._attend(q, x), (D,))                                              # [H, B, T, D]
+        a = F.layer_norm(self.attend(q, x), (D,))                                              # [H, B, T, D]
         u = F.relu(torch.bmm(a.reshape(H, B * T, D), self.encoder_v))                          # [H, B*T, N]
         y = torch.bmm(s * u, self.decoder).sum(0)                                               # [B*T, D]
         return F.layer_norm(x + F.layer_norm(y.view(B, T, D), (D,)), (D,))
