@@ -192,7 +192,7 @@ def apply(strategy: str, model: torch.nn.Module, cfg, settings: Settings, device
     if strategy == "single":
         if world != 1:
             raise ValueError(f"strategy 'single' runs one process; this job has world size {world}")
-        return apply_single(model, cfg, settings)
+        return apply_single(model, cfg, settings, device)
     if strategy == "fsdp2":
         return apply_fsdp2(model, cfg, settings, device, world, options)
     if strategy in GRAPHED:
@@ -200,15 +200,13 @@ def apply(strategy: str, model: torch.nn.Module, cfg, settings: Settings, device
     return apply_ddp(model, cfg, settings, device, options, zero=strategy == "ddp_zero1", world=world)
 
 
-def _compiled(m: torch.nn.Module, settings: Settings) -> torch.nn.Module:
+def _compiled(m: torch.nn.Module, settings: Settings, device: torch.device) -> torch.nn.Module:
     # Inductor's default mode, as step 06 compiles: CUDA graphs are off under every strategy.
-    if not settings.compile:
-        return m
-    return compile_model(m, device=next(iter(m.parameters()), torch.empty(0)).device)
+    return compile_model(m, device=device) if settings.compile else m
 
 
-def apply_single(model, cfg, settings: Settings) -> Applied:
-    return Applied(_compiled(model, settings), make_optimizer(model, cfg, settings), model, [])
+def apply_single(model, cfg, settings: Settings, device: torch.device) -> Applied:
+    return Applied(_compiled(model, settings, device), make_optimizer(model, cfg, settings), model, [])
 
 
 def apply_ddp(model, cfg, settings: Settings, device: torch.device, options: Options, zero: bool = False,
@@ -217,7 +215,7 @@ def apply_ddp(model, cfg, settings: Settings, device: torch.device, options: Opt
     if world == 1 and not zero:
         # One rank reduces nothing: the unwrapped model computes the same step without DDP's reducer
         # hooks, its bucket copies and DDPOptimizer's split graphs.
-        return Applied(_compiled(model, settings), make_optimizer(model, cfg, settings), model,
+        return Applied(_compiled(model, settings, device), make_optimizer(model, cfg, settings), model,
                        ["world size 1: nothing to reduce, so the model is not wrapped in DDP (the same step as "
                         "one process)"])
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -238,7 +236,7 @@ def apply_ddp(model, cfg, settings: Settings, device: torch.device, options: Opt
     if settings.compile:
         notes.append("torch.compile over DDP: DDPOptimizer splits the graph at bucket boundaries")
     # The probe calls the inner module: a forward outside DDP launches no collective.
-    return Applied(_compiled(ddp, settings), opt, model, notes)
+    return Applied(_compiled(ddp, settings, device), opt, model, notes)
 
 
 def bf16_hook(state, bucket):
@@ -291,7 +289,7 @@ def apply_fsdp2(model, cfg, settings: Settings, device: torch.device, world: int
         # all-gather and reduce-scatter hooks run eagerly around the compiled block. The blocks share
         # one compiled graph; what lies outside them (embeddings, final norm, head, loss) runs eager.
         for i, block in enumerate(blocks):
-            unit = _compiled(block, settings)
+            unit = _compiled(block, settings, device)
             fully_shard(unit, mesh=mesh, **kw)
             blocks[i] = unit
         fully_shard(model, mesh=mesh)
@@ -299,7 +297,7 @@ def apply_fsdp2(model, cfg, settings: Settings, device: torch.device, world: int
         notes.append(f"{len(blocks)} blocks sharded one by one" + (", each compiled; embeddings, head and loss "
                                                                    "eager" if settings.compile else ""))
     else:
-        fwd = _compiled(model, settings)
+        fwd = _compiled(model, settings, device)
         fully_shard(fwd, mesh=mesh, **kw)
         notes.append("no blocks to shard apart: the whole model is one FSDP unit" +
                      (", compiled before sharding" if settings.compile else ""))
