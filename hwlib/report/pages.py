@@ -76,6 +76,12 @@ def _step_floor(recs: list[dict], workload: str, step: str) -> dict | None:
             "bound": (floor.get("params") or {}).get("bound")}
 
 
+def _own_first(read, recs: list[dict], beside: list[dict], workload: str, step: str):
+    """``read`` of the run's own records, or where they have none of it, of the sibling runs' too."""
+    mine = read(recs, workload, step)
+    return mine if mine is not None else read(beside, workload, step)
+
+
 def peers(recs: list[dict], workload: str) -> list[dict]:
     """Other projects' code measured beside the lab's in the same process (an anchor: e.g. transformers'
     BERT beside the NLI encoder, llm.c beside GPT-2): each ``anchor_over_lab`` record of ``workload``
@@ -115,9 +121,8 @@ def glance_rows(run=REFERENCE_RUN) -> list[dict]:
         fp8 = max((x for x in ok if uses_fp8(x["step"])), key=lambda x: x["throughput"], default=None)
         out.append({"workload": w, "base": ok[0], "best": best, "fp8_exists": any(uses_fp8(x["step"]) for x in ok),
                     "fp8": fp8 if fp8 and fp8["throughput"] > best["throughput"] else None,
-                    "sol_share": _sol_share(recs, w, best["step"]) if _sol_share(recs, w, best["step"]) is not None
-                    else _sol_share(beside, w, best["step"]),
-                    "floor": _step_floor(recs, w, best["step"]) or _step_floor(beside, w, best["step"]),
+                    "sol_share": _own_first(_sol_share, recs, beside, w, best["step"]),
+                    "floor": _own_first(_step_floor, recs, beside, w, best["step"]),
                     "peers": peers(beside, w)})
     return out
 

@@ -186,7 +186,8 @@ def gpt_floors(cfg, n_params: int, ceilings: dict | None, precision: str = "bf16
         "lm_head_ce": (3.0 * 2 * N * d * V, 0.0, "3 x 2 N d V FLOPs at the matmul ceiling (logits never stored)"),
         "elementwise": (0.0, 3.0 * N * (L * 48 * d + 6 * d),
                         "one pass per op: 48 d bytes a token and layer forward, x3 with backward, at the copy bandwidth"),
-        "optimizer": (0.0, 28.0 * n_params, "fused AdamW: 28 bytes a parameter at the copy bandwidth"),
+        "optimizer": (0.0, float(ADAMW_FP32_BYTES * n_params),
+                      f"fused AdamW: {ADAMW_FP32_BYTES} bytes a parameter at the copy bandwidth"),
         "other": (0.0, 0.0, "no floor counted"),
         "idle": (0.0, 0.0, "no floor: idle time is all overhead"),
     }
@@ -215,6 +216,7 @@ COUNTED_NAMESPACES = ("hwlib",)
 # AdamW's traffic a parameter, in units of its element size: parameter read and written, gradient read,
 # both moments read and written (the moments in the parameter's dtype, as torch.optim.AdamW keeps them).
 ADAMW_PASSES = {"parameter": 2, "gradient": 1, "moments": 4}
+ADAMW_FP32_BYTES = 4 * sum(ADAMW_PASSES.values())   # 28 a parameter, all in fp32 (gpt_floors)
 FLOOR_PARTS = ("flops", "bytes", "launches")
 
 
