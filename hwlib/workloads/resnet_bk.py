@@ -29,6 +29,7 @@ from ..shapes import padded
 from ..settings import Settings
 from .base import PeakMemory, TokenLMWorkload, check_finite_numbers, check_positive_ints, init_lm_weights
 from .blocks import PreNormBlock
+from .gpt import Head
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ def bk_block(cfg: BKConfig, backend: str) -> PreNormBlock:
 
 
 class ResNetBK(nn.Module):
+    """nanoGPT's shape, as ``GPT``: embeddings, the blocks, the final LayerNorm and the tied head. How the
+    head makes its loss (``head``, GPT's ``Head``: the logits, then ``F.cross_entropy``) is a parameterless
+    module that a step past the recipe swaps (``hwlib.steps.s30_bk_fused_head``); the parameters never move."""
+
     def __init__(self, cfg: BKConfig, backend: str = "torch", vocab_multiple: int = 1):
         super().__init__()
         self.cfg = cfg
@@ -109,6 +114,7 @@ class ResNetBK(nn.Module):
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         self.blocks = nn.ModuleList(bk_block(cfg, backend) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = Head()
 
     def init_weights(self, seed: int) -> "ResNetBK":
         return init_lm_weights(self, seed, self.cfg.vocab, self.cfg.n_layer,
@@ -121,12 +127,13 @@ class ResNetBK(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return self.head(self.ln_f(x), targets, self)
+
+    def logits(self, h):
+        logits = F.linear(h, self.wte.weight)  # tied output projection
         if self.vocab_padded != self.cfg.vocab:
             logits = logits[..., : self.cfg.vocab]
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
+        return logits
 
 
 class ResNetBKWorkload(TokenLMWorkload):
