@@ -123,6 +123,25 @@ def test_console_script_entry_point():
     assert out.returncode == 0 and "reproduce" in out.stdout
 
 
+def test_notebooks_papermill_reads_notebooks_without_building_the_iri_grammar(tmp_path):
+    """Each notebook's papermill process (``cli.PAPERMILL``) starts without rfc3987_syntax, whose import
+    builds a parser for seconds of CPU, and still reads, validates and refuses notebooks as nbformat does."""
+    make_nb(tmp_path / "00_ok.ipynb", "pass")
+    bad = json.loads((tmp_path / "00_ok.ipynb").read_text())
+    bad["cells"][0]["cell_type"] = "spreadsheet"
+    (tmp_path / "01_bad.ipynb").write_text(json.dumps(bad))
+    probe = (cli.PAPERMILL_PRELUDE + "; import json, nbformat, papermill\n"
+             "def valid(p):\n    try:\n        nbformat.validate(nbformat.read(p, as_version=4))\n        return True\n"
+             "    except nbformat.ValidationError:\n        return False\n"
+             "print(json.dumps([valid(p) for p in sys.argv[1:]]\n"
+             "                 + [sys.modules.get(m) is not None for m in ('rfc3987_syntax', 'lark')]))")
+    r = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "00_ok.ipynb"), str(tmp_path / "01_bad.ipynb")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout) == [True, False, False, False], r.stdout + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", cli.PAPERMILL, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: papermill"), r.stderr[-2000:]
+
+
 def test_workloads_option_reaches_the_notebooks_parameter(tmp_path, outputs, capsys):
     d = tmp_path / "nbs"
     d.mkdir()
