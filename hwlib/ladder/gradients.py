@@ -107,6 +107,11 @@ TOLERANCES: dict[str, tuple[float, str]] = {
     "28_gemm_workspace": (FP32, EXACT.format(how="matmuls without cuBLAS's workspace")),
     "29_shared_qk_attention": (FP32, EXACT.format(how="Q = K's scores from one bmm, the shared values summed per "
                                                        "sample, dq as (dS + dS^T) q")),
+    "30_bk_fused_head": (FP32, EXACT.format(how="ResNet-BK's head's log-sum-exp online over vocabulary tiles "
+                                                 "(step 17's op)")),
+    "31_bucketed_graphs": (FP32, EXACT.format(how="each packed batch padded to its row-count bucket with rows that "
+                                                   "attend only to themselves and reach no loss (the graph per "
+                                                   "bucket itself is left off, as step 09's)")),
 }
 # Steps whose arithmetic in fp32 is not the previous step's by design: the check runs and is
 # recorded, but its verdict does not fail the step.
