@@ -35,7 +35,7 @@ endif
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup pin-notebooks constraints reproduce first-look test test-gpu test-unit test-unit-b test-unit-procs test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme env clean
+.PHONY: setup pin-notebooks constraints reproduce first-look test test-gpu test-unit test-unit-b test-unit-procs test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme screenshots env clean
 
 setup: $(SETUP_STAMP)
 
@@ -137,6 +137,11 @@ test-browser: setup
 	    HWLIB_CHROMIUM=$(CHROMIUM) HWLIB_BROWSER_OUTPUTS=$(CURDIR)/outputs/browser \
 	        $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_browser.py; \
 	else echo "test-browser: SKIPPED: no Chromium found (Debian: apt-get install chromium); the dashboards were not tested in a browser"; fi
+
+# What a reader meets, as pictures: the README rendered and the executed reference notebooks 09, 25 and 99
+# in JupyterLab (Debian's Chromium), into docs/screenshots/; it fails where a page shows no figure.
+screenshots: setup
+	$(PY) -m hwlib.report.screenshots $(ARGS)
 
 # JupyterLab on the checkout, opened at the notebooks (LAB_ARGS: e.g. --port=8899 --no-browser).
 LAB_ARGS ?=

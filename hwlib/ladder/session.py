@@ -14,7 +14,7 @@ from .. import precision
 from ..memory.accumulation import accumulate, batch_size, plan_micro_batches
 from ..memory.offload import OffloadedAdamW
 from ..ops import fallbacks
-from ..steps import Settings, apply_chain, contexts, settings_for
+from ..steps import Settings, apply_chain, chain, contexts, get_step, settings_for
 from ..workloads import get_workload
 
 
@@ -121,6 +121,10 @@ class Session:
             # reduce-overhead records the forward and backward graphs as CUDA graphs and replays them.
             mode = "reduce-overhead" if settings.cuda_graphs and device.type == "cuda" else None
             self.fwd = compile_model(self.model, mode=mode, device=device)
+        # A step of the chain that runs the whole training step itself (Step.trainer), if it can here.
+        make = next((s.trainer for s in chain(step) if s.trainer and s.name not in {get_step(k).name for k in skip}),
+                    None) if step else None
+        self.trainer = make(self) if make is not None else None
 
     @contextlib.contextmanager
     def precision(self):
@@ -153,6 +157,8 @@ class Session:
         self.opt.zero_grad(set_to_none=self.settings.fused_adamw)
 
     def step(self, i: int) -> torch.Tensor:
+        if self.trainer is not None:
+            return self.trainer(self.batches(i))
         if self.settings.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()   # a new iteration: earlier outputs may be reused
         batch = self.batches(i)
@@ -177,7 +183,7 @@ class Session:
         if close is not None:
             close()
         # Resident batches live on the device: drop them before the cache is emptied.
-        self.batches = self.model = self.opt = self.fwd = self.scaler = None
+        self.batches = self.model = self.opt = self.fwd = self.scaler = self.trainer = None
         if self.settings.compile or self.settings.cuda_graphs:
             torch._dynamo.reset()
         free(self.device)

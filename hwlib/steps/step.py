@@ -36,6 +36,9 @@ class Step:
     apply: Callable | None = None
     # A context the whole session's work runs in (a library setting rather than a module), or None.
     context: Callable | None = None
+    # Runs the session's training step itself: trainer(session) -> (batch -> loss), or None where it cannot
+    # (the session then steps as usual). Step 31's whole step replayed as a CUDA graph per bucket.
+    trainer: Callable | None = None
     # The roofline prediction: predict(ctx) -> hwlib.roofline.Prediction, or None for "nothing counted".
     predict: Callable | None = None
     fp8: bool = False               # runs matmuls in FP8 (needs FP8 tensor cores)
