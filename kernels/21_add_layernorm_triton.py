@@ -107,7 +107,11 @@ def _add_ln_fwd_kernel(x_ptr, r_ptr, rb_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_pt
     s = s.to(tl.float32)
     mean = tl.sum(s, axis=1) / D
     sc = tl.where(mask, s - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(sc * sc, axis=1) / D + eps)
+    var = tl.sum(sc * sc, axis=1) / D
+    # A row whose squares overflow fp32 (values past ~1.8e19) has no variance to normalise by: 1/sqrt(inf)
+    # would be 0 and make every y the bias. NaN instead, as the torch backend gives (a select on the row's
+    # statistic, [BLOCK_M] values: nothing on the path of the row's elements).
+    rstd = tl.where(var == float("inf"), float("nan"), 1.0 / tl.sqrt(var + eps))
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = sc * rstd[:, None] * w[None, :] + b[None, :]

@@ -418,3 +418,28 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     """The interpreter skips Triton's compiler: compile the real pipeline (TTIR -> PTX -> cubin) for
     sm_90 at the default launch configuration with GPT-2's dtypes: no local memory, 16-byte accesses."""
     compile_for_sm90(TRITON_SM90)
+
+
+# --- rows whose fp32 squares overflow: NaN, as the torch backend gives, never the bias --------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_whose_squares_overflow_are_nan_in_both_backends(backend, triton_device):
+    """Rows 1 and 5 of an fp32 stream scaled past ~1.8e19: their squares overflow, the variance is inf and
+    1/sqrt(inf) = 0 would make every y of the row the bias (finite, and wrong). Both backends give NaN for
+    those rows of y and of the stream's gradient; the other rows match float64, and the bias's gradient
+    (a sum of dy) stays exact. The Triton kernels run compiled on a GPU, interpreted on a CPU."""
+    import warnings
+    dev = "cpu" if backend == "torch" else triton_device
+    m, d = 7, 37
+    x, r, w, b, ds, dy = make(m, d, torch.float32, key=("overflow",))
+    x[[1, 5]] *= 3e19
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # the interpreter's numpy warns of the overflow
+        s, y, dx, dr, dw, db = run(*(t.to(dev) for t in (x, r, w, b, ds, dy)), fn=A.add_layer_norm, backend=backend)
+    bad, good = [1, 5], [0, 2, 3, 4, 6]
+    assert torch.isnan(y[bad]).all() and torch.isnan(dx[bad]).all() and torch.isnan(dr[bad]).all()
+    assert torch.isnan(dw).any()             # the gain's gradient sums dy * s_hat over every row
+    want = ref(*(t[good] for t in (x, r)), w, b, *(t[good] for t in (ds, dy)))
+    for name, g, wt in zip(("s", "y", "dx", "dr"), (s[good], y[good], dx[good], dr[good]), want[:4]):
+        assert torch.isfinite(g).all() and rel(g, wt) < 1e-5, (name, rel(g, wt))
+    assert rel(db, dy.double().sum(0)) < 1e-5
