@@ -111,7 +111,14 @@ __global__ void __launch_bounds__(THREADS) ce_rows_kernel(T* __restrict__ z, lon
       if (i * 8 + j >= V) x[j] = -INFINITY;                     // padding: no class
       vm = fmaxf(vm, x[j]);
     }
-    if (vm == -INFINITY) continue;                             // all padding
+    if (vm == -INFINITY) {                                     // all padding or -inf, or NaN: fmaxf drops NaN
+      bool nan = false;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) nan |= x[j] != x[j];
+      if (!nan) continue;
+      m = s = NAN;   // a vector of NaN logits is not padding: the row's loss is NaN (combine keeps it)
+      continue;
+    }
     if (vm > m) {
       s = m == -INFINITY ? 0.f : s * __expf(m - vm);
       m = vm;

@@ -68,16 +68,21 @@ def _ce_rows_kernel(z_ptr, stride_row, t_ptr, loss_ptr, scale_ptr, lse_ptr, V, V
     # are masked at V_pad, a multiple of 16 that Triton sees as one, so they vectorise (16 bytes a
     # thread); masked at an odd V they would go 2 bytes at a time. The padding is set apart after.
     x = tl.load(z_row + cols, mask=cols < V_pad, other=0.0).to(tl.float32)
+    # The exponentials are taken against mo, the running max where it is finite and 0 where it is still -inf:
+    # a tile of -inf logits (classes ruled out) would otherwise give exp(-inf - -inf) = NaN for a row that
+    # torch's cross_entropy scores. One scalar select a tile. A NaN logit reaches s through its own exp.
     x = tl.where(cols < V, x, float("-inf"))
     m = tl.max(x, axis=0)
-    s = tl.sum(tl.exp(x - m), axis=0)
+    mo = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(x - mo), axis=0)
     for start in range(BLOCK_V, V, BLOCK_V):
         c = start + cols
         x = tl.load(z_row + c, mask=c < V_pad, other=0.0).to(tl.float32)
         x = tl.where(c < V, x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
+        m = tl.maximum(m, tl.max(x, axis=0))
+        mo_new = tl.where(m == float("-inf"), 0.0, m)
+        s = s * tl.exp(mo - mo_new) + tl.sum(tl.exp(x - mo_new), axis=0)
+        mo = mo_new
     lse = m + tl.log(s)
     if STORE_LSE:
         tl.store(lse_ptr + row, lse)
