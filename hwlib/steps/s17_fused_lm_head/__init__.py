@@ -9,7 +9,7 @@ STEP = Step("17_fused_lm_head", "LM head + cross-entropy fused, logits never mat
                   "tiles in fp32, and dh, dW are summed in fp32 and rounded once (unfused: to bf16): "
                   "other rounding under bf16",
     workloads=("gpt",), beyond_recipe=True,
-    why_na={"resnet_bk": "its step is the BK-Core's (notebook 12); the fused head is measured on GPT-2",
+    why_na={"resnet_bk": "its fused head is step 30, built on its BK-Core step (12)",
             **{w: "its head has no large vocabulary: the logits are a few classes wide"
                for w in ("encoder_nli", "vit_bdh", "vit_bdh_linear")}},
     apply=_apply.apply, predict=_predict.predict, folder="s17_fused_lm_head", kernels=("17_linear_ce_triton.py", "17_ce_rows.cu"))
