@@ -3,7 +3,14 @@ for the padding as the model sees it, ``graphs.py`` for the training step replay
 bucket, and ``predict.py`` for what it removes."""
 
 from ..step import Step
-from . import apply as _apply, graphs as _graphs, predict as _predict
+from . import apply as _apply, predict as _predict
+
+
+def _trainer(session):
+    # Imported when a session asks for it: the graph runner is a runner, outside the core notebooks import.
+    from .graphs import make_trainer
+    return make_trainer(session)
+
 
 STEP = Step("31_bucketed_graphs", "the NLI encoder's packed step padded to a few row counts, each replayed as "
             "one CUDA graph (forward, backward and AdamW)",
@@ -15,4 +22,4 @@ STEP = Step("31_bucketed_graphs", "the NLI encoder's packed step padded to a few
                     "resnet_bk": "its batch is one fixed shape: step 09's graphs already replay it whole",
                     "vit_bdh": "every image is 65 tokens: one fixed shape, no packing",
                     "vit_bdh_linear": "every image is 65 tokens: one fixed shape, no packing"},
-            apply=_apply.apply, trainer=_graphs.make_trainer, predict=_predict.predict, folder="s31_bucketed_graphs")
+            apply=_apply.apply, trainer=_trainer, predict=_predict.predict, folder="s31_bucketed_graphs")

@@ -4,13 +4,13 @@ time less the union of its kernels' intervals), less the work its padding rows a
 from __future__ import annotations
 
 from ...roofline import Prediction, flops_ms
-from .buckets import bucket_stats, default_buckets, row_counts
 
 
 def padding_flops(cfg) -> float:
     """Forward + backward FLOPs a step spends on padding rows, on average over one epoch of the config's
     synthetic set: each padding row is pack_len tokens through every layer, attending within itself."""
     from ...workloads.encoder_nli import flops_formula
+    from .buckets import bucket_stats, default_buckets, row_counts
     st = bucket_stats(row_counts(cfg), default_buckets(cfg), cfg.pack_len)
     rows = st["padding rows"] / st["batches"]
     return flops_formula(cfg, rows * cfg.pack_len, rows * cfg.pack_len ** 2, 0)
