@@ -58,3 +58,18 @@ def test_show_figure_displays_a_png(monkeypatch):
     (img,) = shown
     assert isinstance(img, IPython.display.Image) and img.data[:8] == b"\x89PNG\r\n\x1a\n"
     assert "image/png" in img._repr_mimebundle_()[0]
+
+
+def test_the_floor_is_inside_the_log_axis():
+    """Every step's floor bar starts below the axis' bottom edge and ends above it: on a log axis a bar
+    from 0 is drawn only where the axis begins under the bar's top."""
+    from hwlib.report.tables import ladder_figure
+    row = dict(step="01_baseline_fp32", throughput=1000.0, unit="tokens/s", ms_per_step=400.0, ms_p20=390.0,
+               ms_p80=410.0, speedup_vs_baseline=1.0, device="Test GPU", profile="full", model_tflops=0.04)
+    rows = [row, dict(row, step="02_tf32", throughput=12000.0, ms_per_step=33.0, ms_p20=32.0, ms_p80=34.0,
+                      speedup_vs_baseline=12.0, model_tflops=0.49)]
+    fig = ladder_figure(rows, "gpt", {"matmul_tflops": {"bf16": 800.0}})
+    ax2 = fig.axes[1]
+    floors = [r["model_tflops"] * r["ms_per_step"] / 800.0 for r in rows]   # 0.02 ms of model work each
+    bottom, top = ax2.get_ylim()
+    assert ax2.get_yscale() == "log" and bottom < min(floors) and top > max(r["ms_per_step"] for r in rows)

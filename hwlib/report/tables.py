@@ -262,6 +262,9 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
             ax2.annotate(f"{m / f:.1f}x", (i, m), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
                          textcoords="offset points")
         ax2.set_yscale("log")
+        # A bar from 0 has no bottom on a log axis: without a limit below the lowest floor, the axis
+        # starts above it and the floor's bars are not drawn at all.
+        ax2.set_ylim(min(floor) / 2, max(ms) * 2)
         ax2.legend(fontsize=8, loc="upper right")
         ax2.set_title("ms per step against the speed-of-light floor (x: times the floor)", fontsize=10)
     else:
