@@ -20,7 +20,6 @@ from pathlib import Path
 
 from .paths import REPO_ROOT, read_dir
 from .results import STAMP_FIELDS, record_key, stamp_id
-from .steps import LADDER, STEP_NAMES, chain
 
 RESULTS_FILE = "results.jsonl"
 
@@ -243,6 +242,9 @@ def _num(v):
 
 def workloads_in(records: list[dict]) -> list[str]:
     """Workloads with ladder rows, in order of first appearance."""
+    # here, not at the top: the steps import torch (seconds of CPU), and importing hwlib.cli, as every
+    # ``hwlib`` command's process does, stays free of it until a command needs it
+    from .steps import STEP_NAMES
     seen = []
     for r in records:
         w = r.get("workload")
@@ -255,6 +257,7 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
     """One dict per measured ladder step of ``workload``, in ladder order, with speed-ups against
     the first measured step and the one before. Records with fields (variants, studies) are not
     ladder rows."""
+    from .steps import LADDER, STEP_NAMES, chain   # torch: see workloads_in
     by_step: dict[str, dict] = {}
     for r in records:
         if r.get("workload") != workload or r.get("step") not in STEP_NAMES or r.get("fields"):

@@ -118,6 +118,13 @@ def test_env_and_table_commands(tmp_path, capsys):
     assert not (tmp_path / "outputs" / "empty").exists()        # reading a run never creates it
 
 
+def test_importing_the_cli_leaves_torch_out():
+    """``hwlib.cli`` imports torch only in the commands that need it (seconds of CPU in each process)."""
+    out = subprocess.run([sys.executable, "-c", "import sys, hwlib.cli; print('torch' in sys.modules)"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
+
+
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "hwlib.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "reproduce" in out.stdout
