@@ -76,3 +76,18 @@ def test_the_prediction_counts_the_second_read_of_the_logits():
     assert b["unfused, fewest passes"] == 2 * (2 * 16384 * 50257) + 2 * 16384 * 50304
     assert b["fused, one read a row"] == 2 * (2 * 16384 * 50304)
     assert b["removed"] == 2 * 16384 * (2 * 50257 - 50304) == 1_645_281_280
+
+
+def test_the_fused_head_compiles_as_one_node_without_a_graph_break():
+    # a graph break around the head would leave CUDA graphs (step 09, in this step's chain) the pieces between
+    _, _, after = _models()
+    cfg = after.cfg
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (torch.randint(0, cfg.vocab, (2, cfg.context), generator=g) for _ in range(2))
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(after)(idx, tgt)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [str(r.reason)[:120] for r in explained.break_reasons]
+    assert "linear_cross_entropy" in str(explained.graphs[0].graph)
