@@ -233,7 +233,6 @@ def parse_value(item: str, raw: str):
 def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
     """``--set NN.name=value`` options as {notebook stem: {name: value}}: the value read by
     ``parse_value``, the notebook one of those selected, the name one of its parameters."""
-    import papermill
     out: dict[str, dict] = {}
     for item in items or []:
         key, eq, raw = item.partition("=")
@@ -246,6 +245,9 @@ def parameter_sets(items: list[str] | None, nbs: list[Path]) -> dict[str, dict]:
                            f"({', '.join(p.stem for p in nbs)})")
         if name in OWN_PARAMETERS:
             raise CliError(f"--set {item[:200]!r}: reproduce sets {name!r} itself; use --{name}")
+        # imported here, only for --set: papermill brings nbformat and jsonschema (seconds of CPU), which a
+        # run without --set never needs in this process (each notebook's papermill runs in its own)
+        import papermill
         names = papermill.inspect_notebook(str(hit[0]))   # its parameters cell's names
         if name not in names:
             raise CliError(f"--set {item[:200]!r}: {hit[0].stem} has no parameter {name!r}; its parameters: "
