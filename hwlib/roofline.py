@@ -16,10 +16,12 @@ TF32 with TF32 on, else fp32): no schedule can run the model's FLOPs faster on t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from .ceilings import usable
 from .settings import Settings
 from .workloads import get_workload
 
@@ -44,31 +46,78 @@ class Prediction:
     saved_ms: float | None = None      # at the measured ceilings; for a bound, the most it can save
     floor_ms: float | None = None      # this step's model FLOPs at its precision's ceiling
     missing: str | None = None         # why saved_ms is None
+    clamped: str | None = None         # why saved_ms is less than the count gave (``clamp_to_step``)
 
     def to_row(self) -> dict:
         return {"workload": self.workload, "kind": self.kind, "GFLOP removed": _g(self.flops_removed),
                 "MB removed": None if self.bytes_removed is None else self.bytes_removed / 1e6,
                 "predicted saving (ms)": self.saved_ms, "floor (ms)": self.floor_ms,
-                "basis": self.basis + (f" ({self.missing})" if self.missing else "")}
+                "basis": self.basis + "".join(f" ({w})" for w in (self.missing, self.clamped) if w)}
+
+    def clamp_to_step(self, prev_ms: float | None) -> "Prediction":
+        """Cap ``saved_ms`` at what the step before's measured ``prev_ms`` leaves above this step's floor: a
+        larger saving would predict a step faster than its floor, or than no time at all (counts at ceilings
+        measured under contention, or on CPU stand-ins). The cap and its reason are kept (``clamped``)."""
+        if prev_ms is None or self.saved_ms is None:
+            return self
+        room = prev_ms - (self.floor_ms or 0.0)
+        if self.saved_ms <= max(room, 0.0):   # a negative saving (a cost the step adds) is never raised to 0
+            return self
+        if room <= 0:
+            self.clamped = (f"clamped from {self.saved_ms:.3g} ms to 0: the step before measured {prev_ms:.3g} ms, "
+                            f"not above this step's floor {self.floor_ms or 0.0:.3g} ms (check the ceilings)")
+            self.saved_ms = 0.0
+        else:
+            self.clamped = (f"clamped from {self.saved_ms:.3g} ms to {room:.3g}: the step before measured "
+                            f"{prev_ms:.3g} ms, {self.floor_ms or 0.0:.3g} of it this step's floor")
+            self.saved_ms = room
+        return self
 
 
 def _g(flops):
     return None if flops is None else flops / 1e9
 
 
+def _ceiling(v, what: str) -> float | None:
+    """``v`` as a ceiling: None where the run did not measure it, else a positive, finite number. A negative,
+    zero, NaN, infinite or textual one (hand-edited, or from a bad measurement that slipped past
+    ``hwlib.ceilings.check``) would give a negative or absurd time: a ValueError naming it."""
+    if v is None:
+        return None
+    if not usable(v):
+        raise ValueError(f"ceilings{what} = {v!r} is not a positive, finite ceiling: measure the ceilings again "
+                         "(notebook 00) or remove the entry")
+    return float(v)
+
+
+def _count(v, what: str) -> float:
+    """A FLOP or byte count: a finite number (negative: a cost the step adds)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{what} must be a finite number (negative: added), got {v!r}")
+    return float(v)
+
+
 def matmul_ceiling(ceilings: dict | None, precision: str) -> float | None:
-    """TFLOP/s of the measured matmul ceiling of ``precision``; without TF32 (a CPU) fp32 stands in."""
+    """TFLOP/s of the measured matmul ceiling of ``precision``; without TF32 (a CPU) fp32 stands in. None
+    where it was not measured; ValueError naming it where it is not a positive, finite number."""
     mm = (ceilings or {}).get("matmul_tflops") or {}
-    return mm.get(precision) or (mm.get("fp32") if precision == "tf32" else None)
+    own = _ceiling(mm.get(precision), f"['matmul_tflops'][{precision!r}]")
+    if own is None and precision == "tf32":
+        return _ceiling(mm.get("fp32"), "['matmul_tflops']['fp32']")
+    return own
 
 
 def flops_ms(flops: float, ceilings: dict | None, precision: str) -> float | None:
+    """``flops`` at the matmul ceiling of ``precision``, in ms (None without that ceiling)."""
+    flops = _count(flops, "flops")
     peak = matmul_ceiling(ceilings, precision)
     return flops / (peak * 1e12) * 1e3 if peak else None
 
 
 def bytes_ms(nbytes: float, ceilings: dict | None) -> float | None:
-    gbps = (ceilings or {}).get("copy_gbps")
+    """``nbytes`` at the measured copy bandwidth, in ms (None without it)."""
+    nbytes = _count(nbytes, "nbytes")
+    gbps = _ceiling((ceilings or {}).get("copy_gbps"), "['copy_gbps']")
     return nbytes / (gbps * 1e9) * 1e3 if gbps else None
 
 

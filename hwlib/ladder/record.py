@@ -11,6 +11,7 @@ printed as a number.
 
 from __future__ import annotations
 
+import math
 import uuid
 
 from .. import results
@@ -75,6 +76,24 @@ def mfu(res: StepResult, ceilings: dict | None) -> tuple[float | None, str | Non
     return value, None
 
 
+def _check_measured(res: StepResult) -> None:
+    """The numbers every rate of an ``ok`` record is made of: times positive and finite (a zero one divided
+    by zero; a negative one gave negative tokens/s), items a count (none: the rate is n/a), FLOPs non-negative and finite (a
+    negative count was recorded as negative TFLOP/s, status ok). ValueError naming the value."""
+    t = res.timing
+    for name in ("median_ms", "p20_ms", "p80_ms"):
+        v = getattr(t, name)
+        if not usable(v):
+            raise ValueError(f"{res.workload} {res.step}: timing.{name} = {v!r} is not a positive, finite time: "
+                             "no rate can be made of it")
+    if isinstance(res.items_per_step, bool) or not isinstance(res.items_per_step, int) or res.items_per_step < 0:
+        raise ValueError(f"{res.workload} {res.step}: items_per_step = {res.items_per_step!r} must be a count of "
+                         f"{res.unit} (0: not counted, its rate n/a)")
+    f = res.flops_per_step
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f < 0:
+        raise ValueError(f"{res.workload} {res.step}: flops_per_step = {f!r} must be a non-negative, finite count")
+
+
 def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ceilings: dict | None = None,
            run=None, fields: dict | None = None) -> list[dict]:
     """Write the result's metrics to the run's results.jsonl (and its check curve); returns the
@@ -92,6 +111,8 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
         return results.make_record(metric=metric, value=value, unit=unit, extra={**mid, **kw.pop("extra", {})},
                                    **kw, **common)
 
+    if res.status == "ok" and res.timing is not None:
+        _check_measured(res)
     recs = []
     if res.status != "ok" or res.timing is None:
         recs.append(rec("ms_per_step", None, "ms", status=res.status, reason=res.reason))
@@ -101,8 +122,12 @@ def record(res: StepResult, *, notebook: str, check: MathCheck | None = None, ce
                      "the time is not clean") if res.contended else None
         recs.append(rec("ms_per_step", t.median_ms, "ms", p20=t.p20_ms, p80=t.p80_ms, reason=contended,
                         extra={"contended": res.contended}, telemetry=res.telemetry))
-        recs.append(rec(f"{res.unit}_per_s", res.items_per_s, f"{res.unit}/s",
-                        p20=res.items_per_step / (t.p80_ms / 1e3), p80=res.items_per_step / (t.p20_ms / 1e3)))
+        if res.items_per_step:
+            recs.append(rec(f"{res.unit}_per_s", res.items_per_s, f"{res.unit}/s",
+                            p20=res.items_per_step / (t.p80_ms / 1e3), p80=res.items_per_step / (t.p20_ms / 1e3)))
+        else:   # a rate of nothing counted is no rate (it was recorded as 0 tokens/s, status ok)
+            recs.append(rec(f"{res.unit}_per_s", None, f"{res.unit}/s", status="n/a",
+                            reason=f"no {res.unit} counted per step"))
         recs.append(rec("model_tflops", res.model_tflops, "TFLOP/s"))
         value, why = mfu(res, ceilings)
         recs.append(rec("mfu", value, f"fraction of measured {mfu_ceiling(ceilings, step_precision(res.settings))[0]} matmul",

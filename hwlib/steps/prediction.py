@@ -3,6 +3,7 @@ with the step's floor, before the step is measured."""
 
 from __future__ import annotations
 
+from ..ceilings import usable
 from ..roofline import Context, Prediction, flops_ms
 from ..workloads import get_workload
 from .ladder import get_step, not_applicable, previous, settings_for
@@ -17,13 +18,21 @@ def precision_of(step: str) -> str:
 def floor_ms(workload: str, step: str, profile: str, ceilings: dict | None) -> float | None:
     """The step's model FLOPs at the matmul ceiling of its precision (the speed-of-light floor)."""
     wl = get_workload(workload)
-    return flops_ms(wl.flops_per_step(wl.config(profile)), ceilings, precision_of(step))
+    flops = wl.flops_per_step(wl.config(profile))
+    if not usable(flops):   # a floor of no (or negative) FLOPs is a wrong count, never a time
+        raise ValueError(f"{workload}'s flops_per_step at profile {profile!r} is {flops!r}: a floor needs a positive, "
+                         "finite FLOP count")
+    return flops_ms(flops, ceilings, precision_of(step))
 
 
 def predict(workload: str, step: str, profile: str, ceilings: dict | None,
             prev_ms: float | None = None) -> Prediction:
     """What ``step`` should save for ``workload`` against the step before, at ``ceilings``.
-    ``prev_ms``: the measured time of the step before (for the bound of overhead-only changes)."""
+    ``prev_ms``: the measured time of the step before (for the bound of overhead-only changes, and the cap
+    of every saving: ``Prediction.clamp_to_step``); a positive, finite number of ms (ValueError naming it)."""
+    if prev_ms is not None and not usable(prev_ms):
+        raise ValueError(f"prev_ms (the step before's measured time) must be a positive, finite number of ms, "
+                         f"got {prev_ms!r}")
     st = get_step(step)
     why_na = not_applicable(st, workload)
     if why_na:
@@ -40,4 +49,4 @@ def predict(workload: str, step: str, profile: str, ceilings: dict | None,
     p.floor_ms = floor_ms(workload, st.name, profile, ceilings) if ceilings else None
     if not ceilings:
         p.saved_ms, p.missing = None, "needs notebook 00's ceilings in this run"
-    return p
+    return p.clamp_to_step(prev_ms)

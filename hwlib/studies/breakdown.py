@@ -179,6 +179,14 @@ def gpt_floors(cfg, n_params: int, ceilings: dict | None, precision: str = "bf16
       parameter and moments: 28 bytes a parameter;
     * other and idle: no floor (0).
     """
+    # counts of nothing (or less) would give floors of 0 ms or negative ones: errors naming the value
+    for name in ("batch", "context", "n_layer", "d_model", "vocab"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"cfg.{name} must be a positive whole number for a floor, got {v!r}")
+    if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 1:
+        raise ValueError(f"n_params must be a positive whole number of parameters, got {n_params!r}")
+    _check_ceilings(ceilings)
     N, L, d, T, V = cfg.batch * cfg.context, cfg.n_layer, cfg.d_model, cfg.context, cfg.vocab
     parts = {
         "gemm": (3.0 * N * L * 24 * d * d, 0.0, "3 x N x L x 24 d^2 FLOPs at the matmul ceiling"),
