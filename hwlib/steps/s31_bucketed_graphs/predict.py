@@ -21,7 +21,7 @@ def predict(ctx):
     p = Prediction(ctx.workload, ctx.step, "bound", "the host time between kernels that a replayed whole step "
                    "leaves out (launches, dynamo's guards, the autograd engine, AdamW's launches): at most the "
                    "step before's time above its floor, less the padding rows' FLOPs at the matmul ceiling",
-                   flops_removed=-extra)
+                   flops_removed=-extra if extra else 0.0)   # no padding: 0, not -0
     if ctx.prev_ms is not None and ctx.prev_floor_ms is not None:
         p.saved_ms = max(0.0, ctx.prev_ms - ctx.prev_floor_ms) - (flops_ms(extra, ctx.ceilings, ctx.precision) or 0.0)
     elif ctx.ceilings:
