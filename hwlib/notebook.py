@@ -284,14 +284,15 @@ def assert_same_math(measured: dict[str, tuple[StepResult, MathCheck]]) -> None:
             f"{w} {r.step}: no earlier step's curve to compare with, so its math was not checked"
 
 
-def show_ladder(workload: str, run=None, figure: bool = True) -> list[dict]:
-    """The cumulative table (and figure) of ``workload`` from this run's results; returns the rows."""
+def show_ladder(workload: str, run=None, figure: bool = True, step: str | None = None) -> list[dict]:
+    """The cumulative table (and figure) of ``workload`` from this run's results, ``step`` (a ladder
+    notebook's own) drawn in its own colour; returns the rows."""
     from .report.tables import caveat_line, ladder_figure, ladder_rows_with_noise, markdown_table, rows_caveat
     rows = ladder_rows_with_noise(query.load(run), workload)
     # read_dir: a committed reference is read where it is committed, and no folder is made for it
     markdown(f"**{workload}**, run `{read_dir(run).name}`\n\n" + caveat_line(rows_caveat(rows)) + markdown_table(rows))
     if figure and any(r["throughput"] for r in rows):
-        show_figure(ladder_figure(rows, workload, query.ceilings(run)))
+        show_figure(ladder_figure(rows, workload, query.ceilings(run), highlight=step))
     return rows
 
 

@@ -215,7 +215,30 @@ def _short(step: str) -> str:
     return f"{num} {name.replace('_', ' ')}"
 
 
-def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None, path=None):
+HIGHLIGHT = "#dd8452"     # the notebook's own step
+FP8_HATCH = "//"
+
+
+def _branch_labels(steps: list[str]) -> list[str]:
+    """Each step's short name, and "on NN" where it builds on a step other than the bar before it."""
+    from ..steps.ladder import LADDER
+    after = {s.name: s.after for s in LADDER}
+    out = []
+    for i, st in enumerate(steps):
+        a = after.get(st)
+        on = f" (on {a.split('_')[0]})" if a and i and steps[i - 1] != a else ""
+        out.append(_short(st) + on)
+    return out
+
+
+def _bold_highlight(ax, ok: list[dict], highlight: str | None) -> None:
+    for lab, r in zip(ax.get_xticklabels(), ok):
+        if r["step"] == highlight:
+            lab.set_fontweight("bold")
+
+
+def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None, path=None,
+                  highlight: str | None = None):
     """Left: throughput per step (median, p20-p80 whiskers), speed-up over the first step on each bar.
     Right: time per step split into the speed-of-light floor (the step's model FLOPs at the measured
     16-bit matmul ceiling) and the gap above it, with the gap as a multiple of the floor: where the
@@ -223,21 +246,31 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
     Returns the matplotlib figure; saved when ``path`` is given. The figure is made with the
     object-oriented API (``matplotlib.figure.Figure``), outside pyplot: it draws and saves without a
     display, leaves the kernel's backend as it was, and is never shown twice (``notebook.show_figure``
-    shows it)."""
+    shows it). ``highlight``: a step drawn in its own colour (a ladder notebook's own step). A step
+    that builds on another than the bar before it names that one under its label ("on 25"), and the
+    FP8 steps, a branch of other math, are hatched."""
     from matplotlib.figure import Figure
+    from ..steps.ladder import uses_fp8
     ok = [r for r in rows if r["throughput"]]
     fig = Figure(figsize=(13, 4.6))
     ax, ax2 = fig.subplots(1, 2)
-    labels = [_short(r["step"]) for r in ok]
+    labels = _branch_labels([r["step"] for r in ok])
     vals = [r["throughput"] for r in ok]
     unit = ok[0]["unit"] if ok else "items/s"
     err = [[max(0.0, v - r["ms_per_step"] / r["ms_p80"] * v) for v, r in zip(vals, ok)],
            [max(0.0, r["ms_per_step"] / r["ms_p20"] * v - v) for v, r in zip(vals, ok)]]
-    bars = ax.bar(range(len(ok)), vals, yerr=err, capsize=3, color="#4c72b0")
+    colors = [HIGHLIGHT if r["step"] == highlight else "#4c72b0" for r in ok]
+    bars = ax.bar(range(len(ok)), vals, yerr=err, capsize=3, color=colors,
+                  hatch=[FP8_HATCH if uses_fp8(r["step"]) else None for r in ok])
     for b, r in zip(bars, ok):
         ax.annotate(f"{r['speedup_vs_baseline']:.1f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                     ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
     ax.set_xticks(range(len(ok)), labels, rotation=35, ha="right", fontsize=8)
+    _bold_highlight(ax, ok, highlight)
+    if any(uses_fp8(r["step"]) for r in ok):
+        from matplotlib.patches import Patch
+        ax.legend(handles=[Patch(facecolor="#4c72b0", hatch=FP8_HATCH, label="FP8: a branch of other math")],
+                  fontsize=8, loc="upper left")
     ax.set_ylabel(unit)
     dev = ok[0]["device"] if ok else ""
     ax.set_title(f"{workload}: throughput per step ({dev}, {ok[0]['profile'] if ok else ''})", fontsize=10)
@@ -256,7 +289,8 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
                 else None)
     if no_floor is None:
         ax2.bar(range(len(ok)), floor, color="#55a868", label=f"floor: model FLOPs at {peak:.3g} TFLOP/s")
-        ax2.bar(range(len(ok)), [m - f for m, f in zip(ms, floor)], bottom=floor, color="#c44e52", alpha=0.7,
+        ax2.bar(range(len(ok)), [m - f for m, f in zip(ms, floor)], bottom=floor, alpha=0.7,
+                color=[HIGHLIGHT if r["step"] == highlight else "#c44e52" for r in ok],
                 label="time above the floor")
         for i, (m, f) in enumerate(zip(ms, floor)):
             ax2.annotate(f"{m / f:.1f}x", (i, m), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
@@ -271,6 +305,7 @@ def ladder_figure(rows: list[dict], workload: str, ceilings: dict | None = None,
         ax2.bar(range(len(ok)), ms, color="#8c8c8c")
         ax2.set_title(f"ms per step (no floor drawn: {no_floor})", fontsize=10)
     ax2.set_xticks(range(len(ok)), labels, rotation=35, ha="right", fontsize=8)
+    _bold_highlight(ax2, ok, highlight)
     ax2.set_ylabel("ms per step")
     fig.tight_layout()
     if path is not None:
