@@ -443,3 +443,25 @@ def test_rows_whose_squares_overflow_are_nan_in_both_backends(backend, triton_de
     for name, g, wt in zip(("s", "y", "dx", "dr"), (s[good], y[good], dx[good], dr[good]), want[:4]):
         assert torch.isfinite(g).all() and rel(g, wt) < 1e-5, (name, rel(g, wt))
     assert rel(db, dy.double().sum(0)) < 1e-5
+
+
+def test_the_studys_check_runs_the_interpreted_kernels_on_a_cpu_and_catches_a_wrong_one(triton_device, monkeypatch):
+    """Notebooks 21, 23 and 27 check ``study.odd_size_rows``: on a CPU its rows hold the Triton kernels,
+    interpreted at small odd sizes, beside the torch backend; a kernel that writes a wrong y fails them."""
+    from hwlib.steps.s21_fused_layernorm import study
+    if triton_device != "cpu":
+        pytest.skip("on a GPU the study's auto backend is the compiled kernels themselves")
+    for kw in ({}, {"branch_bias": True, "stream": torch.bfloat16}):
+        rows = study.odd_size_rows("cpu", sizes=((5, 33),), **kw)
+        interp = [r for r in rows if r["backend"] == "triton (interpreted)"]
+        assert [(r["M"], r["D"]) for r in interp] == list(study.INTERPRETED_SIZES)
+        assert all(r["within tolerance"] for r in rows), rows
+    k = A._kernel()
+    fwd = k.add_ln_fwd
+
+    def off_by_a_little(x, r, w, b, eps, s, y, *rest, **kw):
+        fwd(x, r, w, b, eps, s, y, *rest, **kw)
+        y.add_(1e-3)
+    monkeypatch.setattr(k, "add_ln_fwd", off_by_a_little)
+    rows = study.odd_size_rows("cpu", sizes=((5, 33),))
+    assert [r["within tolerance"] for r in rows] == [True] + [False] * len(study.INTERPRETED_SIZES)

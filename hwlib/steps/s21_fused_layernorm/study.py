@@ -23,6 +23,10 @@ NOTEBOOK = STEP.name   # the records' notebook unless one is given: the step's o
 LAUNCHES = 20
 INPUT_SETS = 4          # 4 x (x, r, s, y, ds, dy ...) at 16,384 x 768: ~1.4 GB, far beyond a 50 MB L2
 ODD_SIZES = ((37, 71), (130, 96), (257, 200), (5, 768))
+# On a CPU the Triton kernels also run interpreted (``interpreted_here``), at sizes small enough for a
+# fraction of a second each (the interpreter runs the kernel's numpy per program): odd widths, a
+# partial row block, one row.
+INTERPRETED_SIZES = ((5, 33), (1, 50))
 FP32_TOL = 1e-5     # relative, against float64: fp32 sums over at most a few hundred terms
 # A bf16 stream, against float64 of the same bf16 inputs: s is rounded once into bf16 (at most 2^-9 of
 # each element), and so are y, dx and dr; the normalisation carries s's rounding into y scaled by
@@ -62,8 +66,16 @@ def _stream_tol(stream) -> float:
     return tols[stream]
 
 
+def interpreted_here(device) -> bool:
+    """Whether the Triton kernels can run here interpreted (a CPU device, TRITON_INTERPRET=1 from before
+    triton's import: ``notebook.setup(triton_on_cpu=True)``), beside the torch backend that ``auto`` picks."""
+    from ...ops.sources import triton_device_problem, triton_interpreter_mismatch
+    return (torch.device(device).type == "cpu" and triton_device_problem(torch.device("cpu")) is None
+            and triton_interpreter_mismatch() is None)
+
+
 def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = False,
-                  stream: torch.dtype = torch.float32) -> list[dict]:
+                  stream: torch.dtype = torch.float32, interpreted_sizes=INTERPRETED_SIZES) -> list[dict]:
     """The op (the backend ``auto`` picks on ``device``) in fp32 against float64 on fresh inputs of
     sizes that are multiples of nothing: the largest relative error of s, y and the four gradients (with
     ``branch_bias``, a branch bias c passed as ``r_bias`` and its gradient dc too), and whether it is
@@ -73,11 +85,15 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = Fa
     device = torch.device(device)
     tol = _stream_tol(stream)
     gen = torch.Generator().manual_seed(seed)
-    backend = op.select_backend("auto", device)
+    runs = [(op.select_backend("auto", device), s, stream) for s in sizes]
+    if device.type == "cpu" and interpreted_here(device):
+        # the kernels a GPU runs, checked here too; the interpreter has no bf16: a bf16 stream runs as fp16
+        # (finer), held to the bf16 bound
+        runs += [("triton", s, torch.float16 if stream == torch.bfloat16 else stream) for s in interpreted_sizes]
     rows = []
-    for m, d in sizes:
+    for backend, (m, d), dt in runs:
         x, r, w, b, ds, dy, c = _draw(m, d, gen, device, torch.float32, torch.float32)
-        x, r, ds, dy = (t.to(stream) for t in (x, r, ds, dy))
+        x, r, ds, dy = (t.to(dt) for t in (x, r, ds, dy))
         ins = [x, r, w, b, ds, dy]
         c = c if branch_bias else None
         got = _grads(op.add_layer_norm, *ins, c, backend=backend)
@@ -85,7 +101,9 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = Fa
                      None if c is None else c.double().cpu())
         err = {k: float((got[k].double().cpu() - ref[k]).norm() / ref[k].norm()) for k in ref}
         worst = max(err.values())
-        rows.append({"M": m, "D": d, "backend": backend, "stream": str(stream).removeprefix("torch."),
+        rows.append({"M": m, "D": d, "backend": backend + (" (interpreted)" if backend == "triton" and
+                                                           device.type == "cpu" else ""),
+                     "stream": str(dt).removeprefix("torch."),
                      **{f"{k} rel err": v for k, v in err.items()}, "worst": worst, "tolerance": tol,
                      "within tolerance": worst < tol})
     return rows
