@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import ceilings, query, results, roofline, runs, steps
+from . import ceilings, paths, query, results, roofline, steps
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.gradients import GradCheck, assert_same_gradients, same_gradients
@@ -54,9 +54,9 @@ def arm_stack_dump() -> str | None:
     import faulthandler
     if _STACKS:
         return _STACKS[0].name
-    path = os.environ.get(runs.STACKS_FILE)
-    deadline = float(os.environ.get(runs.STACKS_DEADLINE) or "inf")
-    cell_s = float(os.environ.get(runs.STACKS_CELL_S) or "inf")
+    path = os.environ.get(paths.STACKS_FILE)
+    deadline = float(os.environ.get(paths.STACKS_DEADLINE) or "inf")
+    cell_s = float(os.environ.get(paths.STACKS_CELL_S) or "inf")
     if not path or (deadline == cell_s == float("inf")):
         return None
     f = open(path, "w")   # noqa: SIM115 (faulthandler writes to its descriptor until the process ends)

@@ -29,6 +29,10 @@ class RunNameError(ValueError):
     """A run name that would leave ``outputs/`` or says nothing."""
 
 
+# The environment a notebook run by `hwlib reproduce` reads to dump its stacks before its time runs out
+# (hwlib.runs sets them, hwlib.notebook.arm_stack_dump reads them).
+STACKS_FILE, STACKS_DEADLINE, STACKS_CELL_S = "HWLIB_STACKS_FILE", "HWLIB_STACKS_DEADLINE", "HWLIB_STACKS_CELL_S"
+
 def outputs_root() -> Path:
     """``$HWLIB_OUTPUTS`` (a relative one taken from the working folder, once: ``hwlib reproduce``
     hands its notebooks the absolute folder), else the checkout's ``outputs/``. A file there is an

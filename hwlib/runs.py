@@ -33,6 +33,7 @@ from pathlib import Path
 import psutil
 
 from . import query, results
+from .paths import STACKS_CELL_S, STACKS_DEADLINE, STACKS_FILE
 
 try:
     import fcntl
@@ -194,7 +195,6 @@ def _pgid(pid: int) -> int | None:
 
 # Where and when a notebook's kernel dumps its stacks (``hwlib.notebook.arm_stack_dump``): set by
 # ``hwlib reproduce`` for each notebook it runs.
-STACKS_FILE, STACKS_DEADLINE, STACKS_CELL_S = "HWLIB_STACKS_FILE", "HWLIB_STACKS_DEADLINE", "HWLIB_STACKS_CELL_S"
 
 
 def stacks_env(path: Path, timeout_s: float, cell_timeout_s: float) -> dict[str, str]:
