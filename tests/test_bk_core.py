@@ -115,9 +115,11 @@ def test_triton_interleaved_layout(triton_device):
 # (B, N, chunk): chunks (powers of 2) that divide N and that do not, one chunk, chunk counts not a
 # power of 2.
 # The interpreter pays per program, per unrolled position and per scanned chunk: kept small.
-# (B, N, chunk): one position; a chunk longer than N; a remainder chunk; more sequences than a block;
-# several chunks with and without a remainder; the interpreter is slow, so few N = 257 cases.
-CHUNKED_CASES = [(1, 1, 4), (5, 7, 4), (5, 7, 2), (33, 7, 4), (5, 64, 8), (2, 257, 8), (1, 257, 32)]
+# (B, N, chunk, lanes): one position; a chunk longer than N; a remainder chunk; more sequences than a
+# block (lanes 64: blocks of 32 sequences, the last holding one); several chunks with and without a
+# remainder; the interpreter is slow, so few N = 257 cases. lanes=1: one sequence per program.
+CHUNKED_CASES = [(1, 1, 4, 1), (5, 7, 4, 1), (5, 7, 2, 1), (33, 7, 4, 64), (5, 64, 8, 1), (2, 257, 8, 1),
+                 (1, 257, 32, 1)]
 
 
 def test_triton_chunked_forward_matches_reference(triton_device):
@@ -125,16 +127,18 @@ def test_triton_chunked_forward_matches_reference(triton_device):
     float64 dense inverse / forward_loop: float64 at Im z = 0.01, float32 at Im z = 1 and 0.01."""
     from hwlib.ops.bk_core import _triton
     tk = _triton()
-    for B, n, chunk in CHUNKED_CASES:
+    for B, n, chunk, lanes in CHUNKED_CASES:
         a, b, c, re = make((B,), n, key=("chunked", chunk))
+        bs = tk.chunk_plan(n, chunk, lanes)[2]   # sequences a program takes: 1, or blocks with a partial last one
+        assert bs == 1 if lanes == 1 else 1 < bs < B and B % bs, (B, n, chunk, lanes, bs)
         for im, tol32 in ((1.0, 2e-6), (0.01, 5e-5)):
             z = complex(re, im)
             ref = resolvent_diagonal_dense(a, b, c, z) if n <= 64 else bk_reference.forward_loop(a, b, c, z)
             x64 = [x.to(triton_device) for x in (a, b, c)]
             if im < 1:
-                g = tk.bk_forward_chunked(*x64, z, chunk=chunk, lanes=1)    # one sequence per program
+                g = tk.bk_forward_chunked(*x64, z, chunk=chunk, lanes=lanes)
                 assert g.dtype == torch.complex128 and rel_err(g.cpu(), ref) < 1e-12, (B, n, chunk, im)
-            g32 = tk.bk_forward_chunked(*(x.float() for x in x64), z, chunk=chunk, lanes=1)
+            g32 = tk.bk_forward_chunked(*(x.float() for x in x64), z, chunk=chunk, lanes=lanes)
             assert g32.dtype == torch.complex64 and rel_err(g32.cpu(), ref) < tol32, (B, n, chunk, im)
 
 
