@@ -215,6 +215,11 @@ class Session:
 
 
 def free(device: torch.device) -> None:
+    """Hands a device's memory back after a session: cycles collected, then the allocator's cache
+    emptied. A CPU has no cache to empty, and a full collection cost 0.3 s of CPU per session once
+    dynamo's objects were alive (456k objects): Python's own collections take what a CPU leaves."""
+    if device.type == "cpu":
+        return
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
