@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hwlib import query, release, results, source
+from hwlib import cli, query, release, results, source
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = "v0.0.0-colab-test"
@@ -238,7 +238,8 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
            if k not in ("PYTHONPATH", "HWLIB_KERNELS", "HWLIB_RUN", "TORCH_EXTENSIONS_DIR")}
     env.update(PYTHONPATH=str(site), HWLIB_OUTPUTS=str(out), HWLIB_RUN="colab", HWLIB_PROFILE="smoke",
                HWLIB_DATA=str(tmp_path / "data"))
-    r = subprocess.run([sys.executable, "-m", "papermill", "-k", "python3", "--cwd", str(elsewhere),
+    # papermill as `hwlib reproduce` starts it (cli.PAPERMILL: without rfc3987_syntax's seconds-long import)
+    r = subprocess.run([sys.executable, "-c", cli.PAPERMILL, "-k", "python3", "--cwd", str(elsewhere),
                         str(ROOT / "notebooks" / "00_environment.ipynb"), str(tmp_path / "00.ipynb")],
                        capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
