@@ -148,8 +148,9 @@ def glance_line(g: dict) -> str:
     for p in g["peers"]:
         iv = f" ({p['lo']:.2f}-{p['hi']:.2f})" if p["lo"] is not None and p["hi"] is not None else ""
         own = f", {p['throughput']:,.0f} {p['unit']}" if p["throughput"] is not None else ""
-        text += (f" Measured beside it in one process (notebook {p['notebook']}): {p['what']}{own}; {p['against']} runs "
-                 f"{p['ratio']:.2f}x{iv} as fast.")
+        # The peer was timed beside the step its record names, which need not be the fastest one above.
+        text += (f" Measured beside {p['against']} in one process (notebook {p['notebook']}): {p['what']}{own}; "
+                 f"{p['against']} runs {p['ratio']:.2f}x{iv} as fast.")
     return text
 
 
