@@ -178,7 +178,7 @@ def test_the_ladder_leaves_the_trainer_losses_unchanged(tr):
         assert sum(r[f"share_{p}"] for p in pc.PHASES) == pytest.approx(1.0)
         assert r["share_generation_of_overhead"] + r["share_diversity_of_overhead"] == pytest.approx(1.0)
         assert r["gen_tokens_per_s"] > 0 and r["decode_share_of_copy"] is None    # no ceiling given
-    recs = G.rung_records([a, d], profile="smoke", device="cpu", params={})
+    recs = G.rung_records([a, d], notebook="14_generation_diversity", profile="smoke", device="cpu", params={})
     results.append(recs)
     from hwlib.report import tables
     steps = tables.summary()["generation"]["steps"]
@@ -234,7 +234,7 @@ def test_seed_001_claims_read_the_generation_records(tmp_path):
     gpu = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3"}
 
     def rec(step, metric, value, **fields):
-        return results.make_record(notebook=G.NOTEBOOK, workload=G.WORKLOAD, step=step, metric=metric, value=value,
+        return results.make_record(notebook="14_generation_diversity", workload=G.WORKLOAD, step=step, metric=metric, value=value,
                                    unit="x", device=gpu, fields=fields, p20=value, p80=value)
     run = tmp_path / "gen"
     results.append([rec("14a_seed_way", "share_generation_of_overhead", 0.93),
@@ -310,7 +310,7 @@ def test_the_attention_arms_alternate_and_each_has_a_spread(tr, monkeypatch):
     for r in rows:
         assert r["status"] == "ok" and r["cycles"] == 2
         assert r["ms_p20"] <= r["ms_per_cycle"] <= r["ms_p80"]
-    recs = G.rung_records(rows, profile="smoke", device="cpu", params={})
+    recs = G.rung_records(rows, notebook="14_generation_diversity", profile="smoke", device="cpu", params={})
     assert [(x["fields"], x["metric"]) for x in recs] == [({"attn": "eager"}, "ms_per_cycle"),
                                                           ({"attn": "sdpa"}, "ms_per_cycle")]
     with pytest.raises(ValueError, match="pairs"):

@@ -23,6 +23,9 @@ from ..workloads.polychromic import build, decode, fused_decode
 from ..workloads.polychromic.config import config
 from . import generation
 
+# What its records name as the place that made them (a notebook's records name the notebook).
+STUDY = "decode_bench"
+
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -94,7 +97,7 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
         _log(f"{model_size} {name}: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "decode_floor_ms", "agreement",
             "agreement_vs_prev", "divergences", "divergences_at_ties", "first_call_s", "reason")}))
-        records.extend(generation.decode_records([row], model_size=model_size, device=dev.type, params=params))
+        records.extend(generation.decode_records([row], notebook=STUDY, model_size=model_size, device=dev.type, params=params))
         if out is not None:
             _flush(out, rows, records)
     if baseline:
@@ -125,7 +128,7 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
         _log(f"{model_size} 14d_static_own: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "agreement", "divergences",
             "divergences_at_ties", "first_call_s", "reason")}))
-        records.extend(generation.decode_records([row], model_size=model_size, device=dev.type, params=params))
+        records.extend(generation.decode_records([row], notebook=STUDY, model_size=model_size, device=dev.type, params=params))
         if out is not None:
             _flush(out, rows, records)
     return rows

@@ -37,7 +37,6 @@ from ..results import make_record
 from ..workloads import polychromic as pc
 from ..workloads.polychromic import fused_decode
 
-NOTEBOOK = "14_generation_diversity"
 WORKLOAD = "polychromic"
 RUNGS = {  # step name -> (way, what changes)
     "14a_seed_way": ("seed", "one generate per reply, train mode, checkpointing on (no KV cache); per-prompt "
@@ -452,7 +451,8 @@ RUNG_METRICS = {"ms_per_cycle": "ms", "ms_per_trainer_step": "ms", "gen_tokens_p
                 "decode_share_of_copy": "share", "decode_floor_ms": "ms", "quality_loss_max_rel_diff": "relative", "warmup_s": "s"}
 
 
-def rung_records(rows: list[dict], *, profile: str, device: str, params: dict, fields: dict | None = None) -> list[dict]:
+def rung_records(rows: list[dict], *, notebook: str, profile: str, device: str, params: dict,
+                 fields: dict | None = None) -> list[dict]:
     """One record per metric of each rung (step = the rung); a failed rung records its reason."""
     out = []
     for r in rows:
@@ -467,22 +467,22 @@ def rung_records(rows: list[dict], *, profile: str, device: str, params: dict, f
             why = "no copy ceiling in this run (notebook 00)" if m == "decode_share_of_copy" else "not measured"
             reason = r["reason"] if r["status"] != "ok" else (None if v is not None else why)
             extra = {"p20": r.get("ms_p20"), "p80": r.get("ms_p80")} if m == "ms_per_cycle" else {}
-            out.append(make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=r["step"], metric=m, value=v,
+            out.append(make_record(notebook=notebook, workload=WORKLOAD, step=r["step"], metric=m, value=v,
                                    unit=unit, status=status, reason=reason, profile=profile, device=device,
                                    fields=f, params={**params, "cycles": r.get("cycles")}, **extra))
     return out
 
 
-def score_records(rows: list[dict], *, profile: str, device: str) -> list[dict]:
-    return [make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=None, metric="score_ms", value=r["ms"],
+def score_records(rows: list[dict], *, notebook: str, profile: str, device: str) -> list[dict]:
+    return [make_record(notebook=notebook, workload=WORKLOAD, step=None, metric="score_ms", value=r["ms"],
                         p20=r["p20"], p80=r["p80"], unit="ms", profile=profile, device=device,
                         fields={"impl": r["impl"], "N": r["N"], "P": r["P"]}, params={"D": r["D"], "gbps": r["GB/s"]})
             for r in rows]
 
 
-def check_records(values: dict, *, profile: str, device: str) -> list[dict]:
+def check_records(values: dict, *, notebook: str, profile: str, device: str) -> list[dict]:
     """Scalar checks (greedy agreement per rung, gradient demonstration, policy-gradient cost)."""
-    return [make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=step, metric=m, value=v, unit=unit,
+    return [make_record(notebook=notebook, workload=WORKLOAD, step=step, metric=m, value=v, unit=unit,
                         profile=profile, device=device, status="ok" if v is not None else "n/a")
             for (step, m, unit), v in values.items()]
 
@@ -521,8 +521,8 @@ def targets(rows: list[dict], decode_rows: list[dict] | None = None, model_size:
     return out
 
 
-def target_records(tgts: list[dict], *, profile: str, device: str) -> list[dict]:
-    return [make_record(notebook=NOTEBOOK, workload=WORKLOAD, step=None, metric="target", value=t["value"],
+def target_records(tgts: list[dict], *, notebook: str, profile: str, device: str) -> list[dict]:
+    return [make_record(notebook=notebook, workload=WORKLOAD, step=None, metric="target", value=t["value"],
                         unit=t["unit"], profile=profile, device=device, fields={"target": t["target"]},
                         params={"measured": t["measured"]},
                         status="n/a" if t["met"] is None else "ok" if t["met"] else "failed",
@@ -612,7 +612,7 @@ def fused_rung_row(dec, prompts: torch.Tensor, T: int, reps: int, copy_gbps: flo
             "bytes_parts": nbytes, **{f"decode_{k}": v for k, v in fd.bandwidth(nbytes["total"], med, copy_gbps).items()}}
 
 
-def decode_records(rows: list[dict], *, model_size: str, device: str, params: dict) -> list[dict]:
+def decode_records(rows: list[dict], *, notebook: str, model_size: str, device: str, params: dict) -> list[dict]:
     """Records of the decode ladder: per rung, ms per step (p20/p80), GB/s, share of copy, floor ms,
     greedy agreement; ``model_size`` and the batch are fields."""
     units = {"decode_ms_per_step": "ms", "decode_gbps": "GB/s", "decode_share_of_copy": "share",
@@ -626,7 +626,7 @@ def decode_records(rows: list[dict], *, model_size: str, device: str, params: di
             v = r.get(m)
             extra = {"p20": r.get("ms_p20"), "p80": r.get("ms_p80")} if m == "decode_ms_per_step" else {}
             st = r.get("status", "ok")
-            out.append(make_record(notebook=NOTEBOOK, workload=WORKLOAD, step="14e_fused_decode", metric=m, value=v,
+            out.append(make_record(notebook=notebook, workload=WORKLOAD, step="14e_fused_decode", metric=m, value=v,
                                    unit=unit, status=st if st != "ok" else ("ok" if v is not None else "n/a"),
                                    reason=r.get("reason") if st != "ok" else (None if v is not None else "not measured"),
                                    device=device, fields=f, params={**params, "change": r.get("change"),
