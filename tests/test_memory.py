@@ -304,7 +304,7 @@ def test_max_batches_start_from_the_study_peaks(fake_cuda_session, monkeypatch):
     rows = [{"technique": "bf16", "status": "ok", "micro_batches": 1, "peak_reserved_gib": 6.25},
             {"technique": "bf16 + accumulation x4", "status": "ok", "micro_batches": 4, "peak_reserved_gib": 3.0}]
     found = batch_finder.max_batches("gpt", "05_fused_optimizer", ["bf16", "bf16 + accumulation x4", "fp32 (TF32)"],
-                                     "cuda", profile="smoke", measured=rows)
+                                     "cuda", profile="smoke", measured=rows, notebook="13_memory")
     assert {n: f.start for n, f in found.items()} == {"bf16": 4, "bf16 + accumulation x4": 1, "fp32 (TF32)": 1}
     assert {f.batch for f in found.values()} == {67}
     assert [(r["metric"], r["fields"]["technique"], r["params"]["start"]) for r in recs] == [
@@ -799,11 +799,12 @@ def test_study_arguments_are_checked_before_any_measurement(monkeypatch):
     from hwlib.studies import batch_finder, memory as study
     monkeypatch.setattr(study, "run_step", lambda *a, **k: pytest.fail("measured before the names were checked"))
     with pytest.raises(ChoiceError, match="'bf17'"):
-        study.measure_techniques("gpt", "05_fused_optimizer", ["bf16", "bf17"], profile="smoke", device="cpu")
+        study.measure_techniques("gpt", "05_fused_optimizer", ["bf16", "bf17"], profile="smoke", device="cpu", notebook="13_memory")
     with pytest.raises(TypeError, match="names must be a list"):
-        study.measure_techniques("gpt", "05_fused_optimizer", "bf16", profile="smoke", device="cpu")
+        study.measure_techniques("gpt", "05_fused_optimizer", "bf16", profile="smoke", device="cpu", notebook="13_memory")
     with pytest.raises(TypeError, match="config must be a dict"):
-        study.measure_techniques("gpt", "05_fused_optimizer", ["bf16"], profile="smoke", device="cpu", config=[1])
+        study.measure_techniques("gpt", "05_fused_optimizer", ["bf16"], profile="smoke", device="cpu", config=[1],
+                                 notebook="13_memory")
     st = settings_for("05_fused_optimizer")
     with pytest.raises(ValueError, match="device must be a CUDA device"):
         batch_finder.find_batch_size("gpt", st, "cpu", profile="smoke")
@@ -819,7 +820,7 @@ def test_resilient_steps_record_their_events(isolated_run):
     from hwlib import query
     from hwlib.studies import memory as study
     rs, losses = study.resilient_steps("gpt", "05_fused_optimizer", 8, profile="smoke", device="cpu", steps=2,
-                                       simulate_fits=2)
+                                       simulate_fits=2, notebook="13_memory")
     assert [e.micro_after for e in rs.events] == [4, 2] and all(h["samples"] == 8 for h in rs.history)
     assert len(losses) == 2 and all(np.isfinite(losses))
     (rec,) = query.select(query.load(isolated_run), metric="oom_events")
@@ -840,7 +841,7 @@ def test_memory_targets_follow_the_record_conventions(isolated_run):
         met["bf16 + checkpointing(blocks): <= 35% extra step time"]
     assert not met["bf16 + checkpointing(head): peak memory cut >= 40%"]
     assert met["finder's batch: 50 steps, peak within 10% of prediction"]
-    study.record_targets(ts, base_step="05_fused_optimizer", profile="smoke", device="cpu")
+    study.record_targets(ts, base_step="05_fused_optimizer", profile="smoke", device="cpu", notebook="13_memory")
     recs = query.select(query.load(isolated_run), metric="target")
     assert len(recs) == len(ts) and all(r["step"] == "05_fused_optimizer" and set(r["fields"]) == {"target"}
                                         for r in recs)

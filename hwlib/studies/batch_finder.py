@@ -133,7 +133,7 @@ def measured_hint(rows: list[dict] | None, name: str, batch: int) -> tuple[int, 
 
 
 def max_batches(workload: str, base_step: str, names: list[str], device: torch.device | str, *, profile: str,
-                margin: float = 0.1, notebook: str = "13_memory", run=None, config: dict | None = None,
+                margin: float = 0.1, notebook: str, run=None, config: dict | None = None,
                 measured: list[dict] | None = None) -> dict[str, FinderResult]:
     """``find_batch_size`` for each technique of the memory study on ``base_step``; each result is
     recorded as ``max_batch`` on the base step with the field ``technique``. ``measured``: the study's
@@ -156,7 +156,7 @@ def max_batches(workload: str, base_step: str, names: list[str], device: torch.d
 
 
 def finder_long_run(workload: str, base_step: str, result: FinderResult, *, profile: str, device: str = "cuda",
-                    technique: str = "bf16", steps: int = 50, check: int = 5, notebook: str = "13_memory",
+                    technique: str = "bf16", steps: int = 50, check: int = 5, notebook: str,
                     run=None, config: dict | None = None) -> dict:
     """The finder's batch trained for ``steps`` full steps in a fresh session under ``technique``: its
     measured reserved peak against the prediction, recorded as ``finder_peak_error`` (relative)."""

@@ -56,7 +56,7 @@ def technique_settings(base_step: str, name: str):
 
 
 def measure_techniques(workload: str, base_step: str, names: list[str], *, profile: str, device: str,
-                       plan: Plan | None = None, notebook: str = "13_memory", seed: int = 0, run=None,
+                       plan: Plan | None = None, notebook: str, seed: int = 0, run=None,
                        config: dict | None = None) -> list[dict]:
     """One row per technique (time, peaks, check losses, ratios to bf16) and its records, keyed by
     the field ``technique`` on the base step."""
@@ -159,7 +159,7 @@ def _simulated_oom(forward_backward, fits: int):
 
 
 def resilient_steps(workload: str, base_step: str, batch: int, *, profile: str, device, steps: int = 3,
-                    simulate_fits: int | None = None, seed: int = 0, notebook: str = "13_memory", run=None,
+                    simulate_fits: int | None = None, seed: int = 0, notebook: str, run=None,
                     config: dict | None = None) -> tuple[ResilientStep, list[float]]:
     """``steps`` training steps of ``batch`` samples through ``ResilientStep.for_session``, starting with
     the whole batch as one micro-batch: on out-of-memory it halves the micro-batch and retries, the
@@ -225,7 +225,7 @@ def memory_targets(workload: str, rows: list[dict], *, profile: str, long_run: d
     return out
 
 
-def record_targets(targets: list[dict], *, base_step: str, profile: str, device, notebook: str = "13_memory",
+def record_targets(targets: list[dict], *, base_step: str, profile: str, device, notebook: str,
                    run=None) -> list[dict]:
     """Each target as metric ``target`` on the base step, fields {"target": text}, value the measured
     number, status ok or failed."""
