@@ -16,15 +16,14 @@ PATH). Without a Chromium, Playwright or JupyterLab the test is skipped, saying 
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from hwlib.report.screenshots import chromium, free_port, stop, wait_up
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = "98_dashboard.ipynb"
@@ -38,50 +37,6 @@ SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
 }
-
-
-def chromium() -> str | None:
-    for c in (os.environ.get("HWLIB_CHROMIUM"), "/usr/lib/chromium/chromium", shutil.which("chromium"),
-              shutil.which("chromium-browser")):
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise AssertionError(f"JupyterLab exited with {proc.returncode} before answering")
-        try:
-            with urllib.request.urlopen(url + "/api/status", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(f"JupyterLab did not answer on {url} within {seconds:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """The server and its kernels (one process group, started here): TERM, then KILL."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture

@@ -61,13 +61,14 @@ def localized_readme(text: str) -> tuple[str, list[str]]:
     return pattern.sub(lambda m: m.group(1), text), named
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_up(url: str, proc: subprocess.Popen, seconds: float) -> None:
+def wait_up(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    """Until JupyterLab at ``url`` answers, or fail (its process ended, or ``seconds`` passed)."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -81,7 +82,8 @@ def _wait_up(url: str, proc: subprocess.Popen, seconds: float) -> None:
     raise RuntimeError(f"JupyterLab did not answer on {url} within {seconds:.0f} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
+    """The server and its kernels (one process group, started by us): TERM, then KILL."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         if proc.poll() is not None:
             return
@@ -137,7 +139,7 @@ def take(run: str = "reference/h100", notebooks=("09", "25", "99"), out: Path | 
         env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
                "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "ws"), "JUPYTER_CONFIG_DIR": str(tmp / "jconfig"),
                "JUPYTER_RUNTIME_DIR": str(tmp / "jruntime")}
-        port = _free_port()
+        port = free_port()
         log = open(tmp / "jupyterlab.log", "wb")
         # No kernel is wanted: the notebooks are looked at, never run.
         proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
@@ -147,7 +149,7 @@ def take(run: str = "reference/h100", notebooks=("09", "25", "99"), out: Path | 
                                 env=env, cwd=served, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_up(url, proc, 90)
+            wait_up(url, proc, 90)
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=exe, headless=True,
                                             args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -158,7 +160,7 @@ def take(run: str = "reference/h100", notebooks=("09", "25", "99"), out: Path | 
                 finally:
                     browser.close()
         finally:
-            _stop(proc)
+            stop(proc)
             log.close()
     bad = [s for s in seen if not s["figures"] or s["loaded"] < s["figures"]]
     if bad:
