@@ -7,6 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# nbformat (the notebook-writing tests import it) imports jsonschema, whose iri format checkers import
+# rfc3987_syntax where it is installed: that module builds an Earley parser of RFC 3987 as it is imported,
+# seconds of CPU in each pytest process. No schema read here checks an iri format; the notebooks' papermill
+# leaves the module out the same way (hwlib.cli.PAPERMILL). Where the nbval plugin is loaded (every pytest
+# run without -p no:nbval) it has imported nbformat before this file, and this line changes nothing.
+sys.modules.setdefault("rfc3987_syntax", None)
+
 # Triton picks its interpreter when it is first imported, and `import hwlib` already imports it
 # (through torch._dynamo): so choose here, before any test module is collected. Without a CUDA GPU
 # the Triton kernels run interpreted on CPU tensors; with one they compile as usual.
