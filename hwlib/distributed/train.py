@@ -106,6 +106,9 @@ class DistributedSession(Session):
         applied = strategies.apply(strategy, self.model, cfg_rank, settings, device, world, options)
         self.fwd, self.opt, self.notes = applied.fwd, applied.opt, applied.notes
         self.graphed = applied.step   # runs the whole step (strategies.GRAPHED), or None
+        # A step's own trainer (Step.trainer: one process's whole step, e.g. step 31's graphs per bucket)
+        # does not run across processes: the strategy owns the step here.
+        self.trainer = None
         self.scaler = torch.amp.GradScaler("cuda") if settings.autocast == "fp16" else None
         self.compiled = settings.compile
         if applied.probe is None and settings.attention == "sdpa":
