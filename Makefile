@@ -105,17 +105,19 @@ $(SUITES): export TORCHINDUCTOR_VEC_ISA_OK := 1
 $(SUITES): export HWLIB_CPU_COMPILE_BACKEND := aot_eager
 test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-b test-kernels test-browser
 
+# The unit suites load no nbval: with it, pytest imports nbformat before tests/conftest.py can keep
+# rfc3987_syntax out (its grammar build costs about 3.5 s of CPU in each process that imports it).
 test-unit: setup
-	$(PY) -m pytest -q tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_B) $(UNIT_PROCS) $(UNIT_WAITS))
+	$(PY) -m pytest -q -p no:nbval tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_B) $(UNIT_PROCS) $(UNIT_WAITS))
 
 test-unit-b: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_B)
+	$(PY) -m pytest -q -p no:nbval -p no:cacheprovider $(UNIT_B)
 
 test-unit-waits: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_WAITS)
+	$(PY) -m pytest -q -p no:nbval -p no:cacheprovider $(UNIT_WAITS)
 
 test-unit-procs: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(UNIT_PROCS)
+	$(PY) -m pytest -q -p no:nbval -p no:cacheprovider $(UNIT_PROCS)
 
 # On a GPU machine: every test that needs a GPU or behaves differently with one (the `gpu` marker, put on
 # them by tests/conftest.py), in under 5 minutes on one GPU. CI has no GPU and skips most of them: run
