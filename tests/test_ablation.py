@@ -17,7 +17,7 @@ def test_an_ablation_runs_its_arms_interleaved_and_records_the_interval(tmp_path
     run = tmp_path / "abl"
     # GPT-2's smoke model: its batches are in memory, the quickest to build on a CPU.
     rows = ablation.measure("gpt", "05_fused_optimizer", ["cudnn_benchmark", "without_04_sdpa_attention", "non_blocking"],
-                            profile="smoke", device="cpu", window=TINY, run=run)
+                            profile="smoke", device="cpu", window=TINY, run=run, notebook="19_ablations")
     by = {r["toggle"]: r for r in rows}
     for name in ("cudnn_benchmark", "without_04_sdpa_attention"):
         r = by[name]
@@ -96,7 +96,7 @@ def test_across_processes_each_window_is_a_process_in_the_interleaved_order(tmp_
     log = tmp_path / "arms.log"
     cmd = lambda spec, out: [sys.executable, "-c", FAKE_WORKER, str(spec), str(out), str(log), mode]
     row = ablation.measure_in_processes("vit_bdh", "05_fused_optimizer", "cudnn_benchmark", profile="smoke",
-                                        device="cpu", window=TINY, run=tmp_path / "r", command=cmd)
+                                        device="cpu", window=TINY, run=tmp_path / "r", command=cmd, notebook="19_ablations")
     ran = log.read_text().split()
     rec = query.select(query.load(tmp_path / "r"), metric="speedup", mode="processes")
     if mode == "ok":
@@ -112,13 +112,13 @@ def test_across_processes_each_window_is_a_process_in_the_interleaved_order(tmp_
 def test_bad_arguments_fail_before_any_work(tmp_path):
     run = tmp_path / "nothing"
     with pytest.raises(ChoiceError):
-        ablation.measure("vit_bdh", "05_fused_optimizer", ["cudnn_benchmark", "no_such_toggle"], device="cpu", run=run)
+        ablation.measure("vit_bdh", "05_fused_optimizer", ["cudnn_benchmark", "no_such_toggle"], device="cpu", run=run, notebook="19_ablations")
     with pytest.raises(ValueError, match="toggles"):
-        ablation.measure("vit_bdh", "05_fused_optimizer", "cudnn_benchmark", device="cpu", run=run)
+        ablation.measure("vit_bdh", "05_fused_optimizer", "cudnn_benchmark", device="cpu", run=run, notebook="19_ablations")
     with pytest.raises(ValueError, match="Window.steps"):
         ablation.Window(steps=1)
     with pytest.raises(ValueError, match="level"):
-        ablation.measure("vit_bdh", "05_fused_optimizer", ["cudnn_benchmark"], device="cpu", level=90, run=run)
+        ablation.measure("vit_bdh", "05_fused_optimizer", ["cudnn_benchmark"], device="cpu", level=90, run=run, notebook="19_ablations")
     with pytest.raises(ValueError, match="nothing to remove"):
         ablation.get_toggle("without_01_baseline_fp32")
     assert not (run / "results.jsonl").exists()
@@ -126,7 +126,7 @@ def test_bad_arguments_fail_before_any_work(tmp_path):
 
 def test_a_spent_budget_skips_toggles_without_recording_them(tmp_path):
     rows = ablation.measure("gpt", "05_fused_optimizer", ["cudnn_benchmark"], profile="smoke", device="cpu",
-                            window=TINY, budget_s=1e-9, run=tmp_path / "r")
+                            window=TINY, budget_s=1e-9, run=tmp_path / "r", notebook="19_ablations")
     assert rows[0]["status"] == "skipped" and "budget" in rows[0]["reason"]
     assert query.select(query.load(tmp_path / "r"), metric="speedup") == []
 
@@ -159,7 +159,7 @@ def test_an_interrupted_ablation_keeps_the_toggles_it_finished(tmp_path, monkeyp
     monkeypatch.setattr(ablation, "_one", one)
     with pytest.raises(KeyboardInterrupt):
         ablation.measure("gpt", "05_fused_optimizer", ["non_blocking", "cudnn_benchmark", "without_04_sdpa_attention"],
-                         profile="smoke", device="cpu", window=TINY, run=run)
+                         profile="smoke", device="cpu", window=TINY, run=run, notebook="19_ablations")
     recs = query.load(run)
     # the n/a toggle and the one finished are on disk; the one interrupted left nothing
     assert {r["fields"]["toggle"] for r in query.select(recs, metric="speedup")} == {"non_blocking", "cudnn_benchmark"}

@@ -57,7 +57,7 @@ def test_on_a_cpu_the_triton_knobs_are_skipped_with_their_reason(tmp_path):
     # across processes too, a skipped knob starts no process and is recorded with its reason
     row = ablation.measure_in_processes("gpt", "17_fused_lm_head", "inductor_multi_kernel", profile="smoke",
                                         device="cpu", window=TINY, run=tmp_path / "p",
-                                        command=lambda spec, out: ["false"])
+                                        command=lambda spec, out: ["false"], notebook="20_inductor")
     assert row["status"] == "skipped" and "C++" in row["reason"]
     assert query.select(query.load(tmp_path / "p"), metric="speedup")[0]["status"] == "skipped"
 
@@ -105,14 +105,14 @@ def test_with_the_runs_ladder_the_best_step_is_its_fastest_compiled_bf16_step():
 def test_bad_knobs_fail_before_any_work(tmp_path):
     run = tmp_path / "nothing"
     with pytest.raises(ChoiceError, match="knob 'no_such_knob'") as e:
-        inductor.measure(["aggressive_fusion", "no_such_knob"], device="cpu", run=run)
+        inductor.measure(["aggressive_fusion", "no_such_knob"], device="cpu", run=run, notebook="20_inductor")
     assert e.value.argument == "knob" and "max_autotune" in str(e.value)
     with pytest.raises(ValueError, match="knobs"):
-        inductor.measure("aggressive_fusion", device="cpu", run=run)
+        inductor.measure("aggressive_fusion", device="cpu", run=run, notebook="20_inductor")
     with pytest.raises(ValueError, match="knobs"):
-        inductor.measure([], device="cpu", run=run)
+        inductor.measure([], device="cpu", run=run, notebook="20_inductor")
     with pytest.raises(ValueError, match="level"):
-        inductor.measure(["aggressive_fusion"], device="cpu", level=2.0, run=run)
+        inductor.measure(["aggressive_fusion"], device="cpu", level=2.0, run=run, notebook="20_inductor")
     with pytest.raises(ValueError, match="different values"):
         inductor.Knob("same", {"max_autotune": True}, {"max_autotune": True}, "t", "w", triton=True)
     with pytest.raises(ValueError, match="already registered"):
@@ -127,7 +127,7 @@ def test_one_knob_runs_through_the_ablation_on_a_cpu_and_records_compile_time_an
     # knob runs through the ablation and what it records; inductor's own compile is the ops' tests' subject.
     run = tmp_path / "r"
     rows = inductor.measure([inductor.SMOKE_KNOB, "max_autotune"], profile="smoke", device="cpu", window=TINY,
-                            run=run)
+                            run=run, notebook="20_inductor")
     by = {r["knob"]: r for r in rows}
     r = by[inductor.SMOKE_KNOB]
     assert r["status"] == "ok", r["reason"]
@@ -194,7 +194,7 @@ def test_a_skipped_combination_is_a_row_with_its_reason_and_no_work(tmp_path, mo
         name = f"inductor_{k}"
         monkeypatch.setitem(ablation.TOGGLES, name, dataclasses.replace(ablation.TOGGLES[name], skips=None))
     rows = inductor.measure(["max_autotune", "coordinate_descent", "max_autotune_coordinate_descent"],
-                            profile="smoke", device="cpu", window=TINY, run=tmp_path / "r")
+                            profile="smoke", device="cpu", window=TINY, run=tmp_path / "r", notebook="20_inductor")
     assert built == ["inductor_max_autotune", "inductor_coordinate_descent"]
     last = rows[-1]
     assert last["knob"] == "max_autotune_coordinate_descent" and last["status"] == "skipped"

@@ -88,7 +88,7 @@ def fake(tmp_path, mode="ok"):
 def test_each_repeat_is_a_process_and_is_recorded(isolated_run, tmp_path):
     log, cmd = fake(tmp_path)
     rows = pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "10_channels_last")], processes=3, profile="smoke",
-                      device="cpu", command=cmd)
+                      device="cpu", command=cmd, notebook="19_ablations")
     assert log.read_text().split() == ["gpt"] * 3
     a, b = rows
     assert a["status"] == "ok" and a["processes"] == 3
@@ -110,7 +110,7 @@ def test_each_repeat_is_a_process_and_is_recorded(isolated_run, tmp_path):
 def test_pairs_first_then_round_by_round(isolated_run, tmp_path):
     log, cmd = fake(tmp_path)
     rows = pn.measure([("gpt", "05_fused_optimizer"), ("resnet_bk", "03_bf16_autocast")], processes=3,
-                      profile="smoke", device="cpu", command=cmd)
+                      profile="smoke", device="cpu", command=cmd, notebook="19_ablations")
     # each step's pair back to back (a spread at the least), then the third processes side by side in time
     assert log.read_text().split() == ["gpt", "gpt", "resnet_bk", "resnet_bk", "gpt", "resnet_bk"]
     assert [r["medians"] for r in rows] == [pytest.approx([10.0 * 1.0025, 11.0 * 1.0025, 14.0 * 1.0025]),
@@ -128,7 +128,7 @@ def test_a_budget_never_starts_a_pair_it_cannot_finish(isolated_run, tmp_path, m
         return cmd(spec, out)
     monkeypatch.setattr(pn.time, "perf_counter", lambda: clock[0])
     rows = pn.measure([("gpt", "05_fused_optimizer"), ("resnet_bk", "03_bf16_autocast")], processes=3,
-                      profile="smoke", device="cpu", command=costly, budget_s=35.0)
+                      profile="smoke", device="cpu", command=costly, budget_s=35.0, notebook="19_ablations")
     assert log.read_text().split() == ["gpt", "gpt", "gpt"]
     first, second = rows
     assert first["status"] == "ok" and first["processes"] == 3
@@ -139,7 +139,7 @@ def test_a_budget_never_starts_a_pair_it_cannot_finish(isolated_run, tmp_path, m
 
 def test_a_failing_process_ends_its_step_without_a_spread(isolated_run, tmp_path):
     log, cmd = fake(tmp_path, "fail")
-    (row,) = pn.measure([("gpt", "05_fused_optimizer")], processes=3, profile="smoke", device="cpu", command=cmd)
+    (row,) = pn.measure([("gpt", "05_fused_optimizer")], processes=3, profile="smoke", device="cpu", command=cmd, notebook="19_ablations")
     assert len(log.read_text().split()) == 2
     assert row["status"] == "failed" and "process 2" in row["reason"] and "illegal memory access" in row["reason"]
     (sp,) = query.select(query.load(), metric="process_spread")
@@ -149,7 +149,7 @@ def test_a_failing_process_ends_its_step_without_a_spread(isolated_run, tmp_path
 def test_a_spent_budget_records_no_spread_of_one_process(isolated_run, tmp_path):
     log, cmd = fake(tmp_path)
     (row,) = pn.measure([("gpt", "05_fused_optimizer")], processes=3, profile="smoke", device="cpu", command=cmd,
-                        budget_s=1e-9)
+                        budget_s=1e-9, notebook="19_ablations")
     assert row["status"] == "skipped" and "budget" in row["reason"] and not log.exists()
     assert query.select(query.load(), metric="process_spread") == []
 
@@ -159,14 +159,14 @@ def test_bad_arguments_fail_before_any_process(isolated_run, tmp_path):
     for kw, match in (({"processes": 1}, "processes"), ({"level": 90}, "level"), ({"timeout_s": 0}, "timeout_s"),
                       ({"budget_s": -1}, "budget_s")):
         with pytest.raises(ValueError, match=match):
-            pn.measure([("gpt", "05_fused_optimizer")], profile="smoke", device="cpu", command=cmd, **kw)
+            pn.measure([("gpt", "05_fused_optimizer")], profile="smoke", device="cpu", command=cmd, **kw, notebook="19_ablations")
     with pytest.raises(ChoiceError):
-        pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "99_nothing")], profile="smoke", device="cpu", command=cmd)
+        pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "99_nothing")], profile="smoke", device="cpu", command=cmd, notebook="19_ablations")
     with pytest.raises(ValueError, match="targets"):
-        pn.measure(("gpt", "05_fused_optimizer"), profile="smoke", device="cpu", command=cmd)
+        pn.measure(("gpt", "05_fused_optimizer"), profile="smoke", device="cpu", command=cmd, notebook="19_ablations")
     with pytest.raises(ValueError, match="more than once"):
         pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "05_fused_optimizer")], profile="smoke", device="cpu",
-                   command=cmd)
+                   command=cmd, notebook="19_ablations")
     assert not log.exists() and not (isolated_run / "results.jsonl").exists()
 
 
@@ -258,7 +258,7 @@ def test_an_interrupted_study_keeps_the_steps_it_finished(isolated_run, tmp_path
 
     with pytest.raises(KeyboardInterrupt):
         pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "06_torch_compile")], processes=2, profile="smoke",
-                   device="cpu", command=stop_at_the_third)
+                   device="cpu", command=stop_at_the_third, notebook="19_ablations")
     recs = query.load()
     # the first step's pair and spread are on disk; nothing of the step that was running
     assert len(query.select(recs, metric="ms_per_step", step="05_fused_optimizer")) == 2
@@ -278,6 +278,6 @@ def test_a_step_interrupted_in_its_last_process_records_nothing(isolated_run, tm
 
     with pytest.raises(KeyboardInterrupt):
         pn.measure([("gpt", "05_fused_optimizer"), ("gpt", "06_torch_compile")], processes=3, profile="smoke",
-                   device="cpu", command=stop_at_the_fifth)
+                   device="cpu", command=stop_at_the_fifth, notebook="19_ablations")
     # neither step finished: no spread over two of three processes with a budget's reason it never had
     assert query.load() == []

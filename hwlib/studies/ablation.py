@@ -53,7 +53,6 @@ from ..profiles import Plan, resolve_profile
 from ..steps import LADDER, STEP_NAMES, Settings, chain, get_step, not_applicable, resolve_autocast, settings_for, unavailable
 from ..workloads import get_workload
 
-NOTEBOOK = "19_ablations"
 ARMS = ("without", "with")
 GB_PER_WORKER = 3.0          # the seed guide's sizing rule: one loader worker per 3 GB of GPU memory
 
@@ -606,7 +605,7 @@ def _records(rows: list[dict], *, profile, device, notebook, params: dict) -> li
 
 def measure(workload: str, step: str, toggles: list[str], *, profile: str = "auto", device: str = "auto",
             window: Window | None = None, level: float = noise.DEFAULT_LEVEL, seed: int = 0, config: dict | None = None,
-            budget_s: float | None = None, notebook: str = NOTEBOOK, run=None, progress: bool = False,
+            budget_s: float | None = None, notebook: str, run=None, progress: bool = False,
             skip_if: Callable[[Toggle, list], str | None] | None = None) -> list[dict]:
     """Each toggle on ``workload``'s ``step``, its arms interleaved in this process (module doc).
 
@@ -775,7 +774,7 @@ def in_fresh_process(command: Callable[[Path, Path], list[str]], spec: dict, ste
 
 def measure_in_processes(workload: str, step: str, toggle: str, *, profile: str = "auto", device: str = "auto",
                          window: Window | None = None, level: float = noise.DEFAULT_LEVEL, seed: int = 0,
-                         config: dict | None = None, timeout_s: float = 300.0, notebook: str = NOTEBOOK, run=None,
+                         config: dict | None = None, timeout_s: float = 300.0, notebook: str, run=None,
                          command: Callable[[Path, Path], list[str]] | None = None, progress: bool = False) -> dict:
     """One toggle with every window in a fresh process, in the interleaved order; each process
     warms its arm up and times one window, and writes its per-step times to a file. Returns the row

@@ -58,7 +58,6 @@ from ..ladder.session import cpu_compile_backend
 from ..steps import chain, get_step, not_applicable, settings_for, unavailable, uses_fp8
 from . import ablation
 
-NOTEBOOK = "20_inductor"
 STEP, FALLBACK = "17_fused_lm_head", "09_cuda_graphs"
 PREFIX = "inductor_"     # a knob's toggle name: "inductor_" + the knob's name
 
@@ -304,11 +303,10 @@ def verdict(row: dict) -> str:
 
 def measure(knobs: list[str] | None = None, *, workload: str = "gpt", step: str | None = None, profile: str = "auto",
             device: str = "auto", window: ablation.Window | None = None, level: float = noise.DEFAULT_LEVEL,
-            seed: int = 0, config: dict | None = None, budget_s: float | None = None, run=None,
+            seed: int = 0, config: dict | None = None, budget_s: float | None = None, notebook: str, run=None,
             progress: bool = False) -> list[dict]:
     """Each knob of ``knobs`` (None: all) as an A/B toggle at ``step`` (None: ``best_step``), through
-    ``ablation.measure`` (its arguments, checked there before any work); records under notebook
-    20_inductor. Returns ablation's rows, each with ``knob``, ``changes``, ``verdict`` and, where the
+    ``ablation.measure`` (its arguments, checked there before any work); records under ``notebook``. Returns ablation's rows, each with ``knob``, ``changes``, ``verdict`` and, where the
     step fell back from 17, ``fallback`` (why)."""
     names = check_knobs(list(KNOBS) if knobs is None else knobs)
     why = None
@@ -321,7 +319,7 @@ def measure(knobs: list[str] | None = None, *, workload: str = "gpt", step: str 
         warm_compiler(dev.type)
     rows = ablation.measure(workload, step, toggles, profile=profile, device=device,
                             window=window, level=level, seed=seed, config=config, budget_s=budget_s,
-                            notebook=NOTEBOOK, run=run, progress=progress,
+                            notebook=notebook, run=run, progress=progress,
                             skip_if=lambda t, before: combination_skip(get_knob(t.name), before))
     for r, k in zip(rows, names):
         r.update(knob=k, changes=KNOBS[k].on, fallback=why, verdict=verdict(r))
@@ -344,7 +342,6 @@ def combination_skip(knob: Knob, rows: list[dict]) -> str | None:
 
 # --- the breakdown this study starts from ----------------------------------------------------------------
 
-BREAKDOWN_NOTEBOOK = "16_where_time_goes"
 TARGETS = ("gemm", "lm_head_ce", "elementwise")   # what the knobs can reach: matmuls, their epilogues, fused kernels
 
 
@@ -355,7 +352,9 @@ def breakdown_left(records: list[dict], step: str) -> tuple[list[dict], str]:
     (step / (step - above)): the most a knob aimed at it could give. Returns (rows, a sentence)."""
     from .breakdown import HEAD_IN_GEMMS, LABELS, by_step
 
-    steps = {k: v for k, v in by_step([r for r in records if r.get("notebook") == BREAKDOWN_NOTEBOOK]).items()
+    # the breakdown's own records (by_step reads its metrics: step_ms, category_ms, floor_ms), whichever
+    # notebook ran it
+    steps = {k: v for k, v in by_step(records).items()
              if "step_ms" in v}
     if not steps:
         return [], (f"Notebook 16 (where the time goes) has not run into this run: there is no breakdown to say "

@@ -47,7 +47,6 @@ from ..steps import LADDER, get_step, not_applicable, unavailable
 from ..workloads import get_workload
 from .ablation import in_fresh_process, worker_command, worker_main
 
-NOTEBOOK = "19_ablations"
 WIDE = 1.10            # a within-run p80/p20 above this counts as a wide spread (10% between p20 and p80)
 SPREAD_UNIT = "x (slowest / fastest process's median ms/step)"
 
@@ -210,7 +209,7 @@ def _records(row: dict, done: list[dict], *, profile, device, notebook, params) 
 
 def measure(targets, *, processes: int = 3, profile: str = "auto", device: str = "auto", seed: int = 0,
             config: dict | None = None, level: float = noise.DEFAULT_LEVEL, timeout_s: float = 600.0,
-            budget_s: float | None = None, notebook: str = NOTEBOOK, run=None, progress: bool = False,
+            budget_s: float | None = None, notebook: str, run=None, progress: bool = False,
             command: Callable[[Path, Path], list[str]] | None = None) -> list[dict]:
     """Each target step (``(workload, step)`` or a ``Target``) measured in ``processes`` fresh
     processes, one at a time, pairs first, then round by round (module doc). Returns a row per
