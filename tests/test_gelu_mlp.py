@@ -337,3 +337,30 @@ def test_the_epilogues_compute_the_tanh_gelu_and_its_derivative(ws_bytes):
         assert off <= 2, (form, off)   # the epilogue's fp32 tanh rounds apart from float64's by a unit or so
         # the erf form's bf16 values lie more than 4 units from the tanh form's at 13-18% of these points
         assert ((got - want["none"]).abs() > 4 * ulp).float().mean() > 0.1, form
+
+
+def test_step_25s_check_runs_the_interpreted_layernorm_on_a_cpu_and_catches_a_wrong_column(triton_device, monkeypatch):
+    """Notebooks 25 and 28 check ``s25_bias_column.study.odd_size_rows``: on a CPU its rows hold the
+    LayerNorm's Triton kernels, interpreted, writing the bias column the MLP reads, beside the torch
+    backend; a forward kernel that writes 0.999 for the column's ones fails them (db_fc)."""
+    from hwlib.steps.s21_fused_layernorm import op as A
+    from hwlib.steps.s25_bias_column import study
+    if triton_device != "cpu":
+        pytest.skip("on a GPU the study runs the step's own kernels, compiled")
+    small = ((5, 8, 8, 8),)
+    rows = study.odd_size_rows("cpu", sizes=small)
+    assert [r["backend"] for r in rows] == ["torch"] + ["triton LayerNorm (interpreted), torch MLP"] * len(
+        study.INTERPRETED_SIZES)
+    assert [(r["rows"], r["K"], r["N"], r["C"]) for r in rows[1:]] == list(study.INTERPRETED_SIZES)
+    assert all(r["within tolerance"] for r in rows), rows
+    k = A._kernel()
+    fwd = k.add_ln_fwd
+
+    def ones_a_little_small(x, r, w, b, eps, s, y, *rest, **kw):
+        fwd(x, r, w, b, eps, s, y, *rest, **kw)
+        if y.shape[1] > x.shape[1]:
+            y[:, x.shape[1]] = 0.999
+    monkeypatch.setattr(k, "add_ln_fwd", ones_a_little_small)
+    rows = study.odd_size_rows("cpu", sizes=small)
+    assert [r["within tolerance"] for r in rows] == [True, False], rows
+    assert rows[1]["db_fc rel err"] > study.FP32_TOL and rows[1]["y rel err"] < study.FP32_TOL

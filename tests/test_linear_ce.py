@@ -459,3 +459,26 @@ def test_other_projects_kernels_are_rows_with_a_reason_off_cuda():
         assert fn is None and "CUDA" in why, (name, why)
     with pytest.raises(ValueError, match="impls"):
         implementations(torch.device("cpu"), 50, ["cce"])
+
+
+def test_the_studys_check_runs_the_interpreted_row_pass_on_a_cpu_and_catches_a_wrong_one(triton_device, monkeypatch):
+    """Notebook 17 checks ``study.odd_size_rows``: on a CPU its rows hold the Triton row pass, interpreted
+    at small odd sizes (one tile; two, the second nearly all padding), beside the torch backend; a row
+    pass that writes its gradient 0.1% too large fails them."""
+    from hwlib.steps.s17_fused_lm_head import study
+    if triton_device != "cpu":
+        pytest.skip("on a GPU the study's auto backend is a compiled row pass itself")
+    small = ((3, 5, 7, 7, 2),)
+    rows = study.odd_size_rows("cpu", sizes=small, seed=0)
+    assert [r["backend"] for r in rows] == ["torch"] + ["triton (interpreted)"] * len(study.INTERPRETED_SIZES)
+    assert [(r["N"], r["D"], r["V_pad"], r["V"], r["chunk"]) for r in rows[1:]] == list(study.INTERPRETED_SIZES)
+    assert all(r["within tolerance"] and r["padded rows of dW"] == 0 for r in rows), rows
+    k = L._kernel()
+    real = k.ce_rows_
+
+    def gradient_a_little_large(z, *args, **kw):
+        real(z, *args, **kw)
+        z.mul_(1.001)
+    monkeypatch.setattr(k, "ce_rows_", gradient_a_little_large)
+    rows = study.odd_size_rows("cpu", sizes=small, seed=0, interpreted_sizes=small)
+    assert [r["within tolerance"] for r in rows] == [True, False], rows

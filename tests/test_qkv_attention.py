@@ -173,3 +173,29 @@ def test_under_cuda_graphs_equals_eager():
         got = grads(fn, leaves, dy, 2)
     for name, a, b in zip(NAMES, got, eager):
         assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), name
+
+
+def test_the_studys_check_runs_the_interpreted_kernel_on_a_cpu_and_catches_a_wrong_one(triton_device, monkeypatch):
+    """Notebook 24 checks ``study.odd_size_rows``: on a CPU its rows hold the packing kernel, interpreted
+    at a small odd size (a partial second block of rows), beside the torch backend; a kernel that loses
+    the partial block's bias sums fails them."""
+    from hwlib.steps.s24_qkv_grad import study
+    if triton_device != "cpu":
+        pytest.skip("on a GPU the study's auto backend is the compiled kernel itself")
+    small = ((2, 9, 48, 3),)
+    rows = study.odd_size_rows("cpu", sizes=small)
+    assert [r["backend"] for r in rows] == ["torch"] + ["triton (interpreted)"] * len(study.INTERPRETED_SIZES)
+    assert [(r["B"], r["T"], r["C"], r["heads"]) for r in rows[1:]] == list(study.INTERPRETED_SIZES)
+    assert all(r["within tolerance"] for r in rows), rows
+    assert all(B * T > Q._kernel().BLOCK_N for B, T, _, _ in study.INTERPRETED_SIZES)   # two blocks of rows
+    k = Q._kernel()
+    real = k.pack_qkv_grad
+
+    def last_block_lost(dq, dk, dv, out):
+        part = real(dq, dk, dv, out)
+        part[-1] = 0
+        return part
+    monkeypatch.setattr(k, "pack_qkv_grad", last_block_lost)
+    rows = study.odd_size_rows("cpu", sizes=small)
+    assert [r["within tolerance"] for r in rows] == [True, False], rows
+    assert rows[1]["db rel err"] > study.FP32_TOL and rows[1]["dx rel err"] < study.FP32_TOL

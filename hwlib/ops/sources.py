@@ -76,6 +76,15 @@ def triton_interpreter_mismatch() -> str | None:
             f"importing torch or hwlib (tests: conftest.py does)")
 
 
+def interpreted_here(device) -> bool:
+    """Whether Triton kernels can run interpreted on ``device`` in this process (a CPU device,
+    TRITON_INTERPRET=1 from before triton's import: ``notebook.setup(triton_on_cpu=True)``): where a
+    step's study checks them beside the torch backend that ``auto`` picks on a CPU."""
+    device = torch.device(device)
+    return (device.type == "cpu" and triton_device_problem(device) is None
+            and triton_interpreter_mismatch() is None)
+
+
 def load_python_kernel(filename: str):
     """Import ``kernels/<filename>`` (a Triton module) once per interpreter mode."""
     path = kernel_path(filename)

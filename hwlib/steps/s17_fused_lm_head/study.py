@@ -30,7 +30,7 @@ import torch
 
 from ... import bench, precision, results, roofline
 from ...device import Unavailable, info, supports_bf16
-from ...ops.sources import read_kernel_source
+from ...ops.sources import interpreted_here, read_kernel_source
 from ...shapes import padded
 from . import STEP, ce_rows_cuda
 from .op import (chunk_rows, fused_linear_cross_entropy, linear_cross_entropy_reference, select_backend, traffic_bytes,
@@ -115,6 +115,9 @@ def implementations(device: torch.device, vocab: int, impls=IMPLS) -> list[tuple
                 why = "compiled on a GPU only (on CPU the smoke profile checks that the code runs)"
         elif name == "hwlib fused":
             fn = functools.partial(fused_linear_cross_entropy, vocab=vocab)
+        elif name == "hwlib fused, Triton row pass" and device.type != "cuda":
+            why = ("timed on a GPU only: interpreted on a CPU its time means nothing (odd_size_rows checks its "
+                   "numbers there)")
         elif name == "hwlib fused, Triton row pass":
             # what 'auto' ran before the CUDA row pass, and runs where that cannot: side by side
             try:
@@ -137,26 +140,39 @@ def implementations(device: torch.device, vocab: int, impls=IMPLS) -> list[tuple
 
 # (N, D, V_pad, V, chunk): nothing a multiple of a tile; several vocabulary tiles; ragged last chunks
 ODD_SIZES = ((1000, 97, 1003, 999, None), (517, 64, 8261, 8209, 200), (3, 5, 7, 7, 2))
+# On a CPU the Triton row pass also runs interpreted (``interpreted_here``), at sizes small enough for a
+# fraction of a second each (the interpreter runs each row's program in numpy): a row inside one partial
+# tile, unpadded; and a row past one tile (BLOCK_V 8192), whose second tile holds one class and the
+# weight's padding. Ragged chunks of rows in both.
+INTERPRETED_SIZES = ((3, 5, 7, 7, 2), (5, 3, 8203, 8193, 2))
 
 
-def odd_size_rows(device, sizes=ODD_SIZES, seed: int | None = None, tol: float = 1e-4) -> list[dict]:
+def odd_size_rows(device, sizes=ODD_SIZES, seed: int | None = None, tol: float = 1e-4,
+                  interpreted_sizes=INTERPRETED_SIZES) -> list[dict]:
     """The op (backend 'auto': Triton on CUDA) in fp32 with IEEE matmuls against float64 on fresh
-    random inputs (``seed`` None: drawn now, and reported) at odd sizes, ignored targets included:
-    relative errors of loss, dh and dW, and whether each is within ``tol``."""
+    random inputs (``seed`` None: drawn now, and reported) at odd sizes, the first target of each size
+    ignored and others too: relative errors of loss, dh and dW, and whether each is within ``tol``. On a
+    CPU where Triton interprets, the Triton row pass too at ``interpreted_sizes``."""
     device = torch.device(device)
     seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
+    runs = [(select_backend("auto", device, torch.float32, s[2]), s) for s in sizes]
+    if device.type == "cpu" and interpreted_here(device):
+        runs += [("triton", s) for s in interpreted_sizes]    # the row pass a GPU runs, checked here too
     rows = []
     with precision.tf32_mode(False):
-        for i, (n, d, vp, v, chunk) in enumerate(sizes):
+        for i, (backend, (n, d, vp, v, chunk)) in enumerate(runs):
             h, w, t = make_inputs(n, d, v, vp, device, seed + i)
             w = w * 50                                   # logits of order 1, not 0.02
+            t[0] = -100                                  # an ignored target at every size, however few rows
             ref_loss, ref_gh, ref_gw = reference(h, w, t, v)
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-            loss = fused_linear_cross_entropy(hh, ww, t, vocab=v, chunk=chunk)
+            loss = fused_linear_cross_entropy(hh, ww, t, vocab=v, chunk=chunk, backend=backend)
             loss.backward()
             errs = {"loss": abs(float(loss.detach()) - ref_loss) / abs(ref_loss), "dh": _rel(hh.grad, ref_gh),
                     "dW": _rel(ww.grad, ref_gw)}
             rows.append({"N": n, "D": d, "V_pad": vp, "V": v, "chunk": chunk, "seed": seed + i,
+                         "backend": backend + (" (interpreted)" if backend == "triton" and device.type == "cpu"
+                                               else ""),
                          **{f"{k} rel. error": e for k, e in errs.items()},
                          "padded rows of dW": float(ww.grad[v:].abs().max()) if vp > v else 0.0,
                          "within tolerance": all(e < tol for e in errs.values())})

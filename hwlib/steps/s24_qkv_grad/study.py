@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import bench
+from ...ops.sources import interpreted_here
 from ...studies.kernel_records import alone_words, timed_row
 from ...studies.kernel_records import kernel_records as records_of
 from . import STEP, op
@@ -21,6 +22,10 @@ LAUNCHES = 20
 INPUT_SETS = 4          # 4 x (dq, dk, dv, dqkv) at 16,384 x 3 x 768 bf16: ~600 MB, far beyond a 50 MB L2
 # (B, T, C, heads): T a multiple of nothing; head widths 16, 32 and 64, which cuDNN's kernels take
 ODD_SIZES = ((2, 9, 48, 3), (1, 70, 64, 2), (3, 33, 128, 2))
+# On a CPU the packing kernel also runs interpreted (``interpreted_here``), at a size small enough for a
+# fraction of a second: two blocks of BLOCK_N (64) rows, the second partial and across a sequence's end;
+# heads 12 wide, in tiles of 16 lanes.
+INTERPRETED_SIZES = ((2, 37, 36, 3),)
 FP32_TOL = 1e-5        # relative, against float64 (CPU, fp32)
 ERROR_FACTOR, ERROR_SLACK = 1.5, 4e-3   # GPU, bf16: no worse than the unfused path's error by this bound
 
@@ -46,15 +51,18 @@ def unfused(x, weight, bias, n_head):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
 
 
-def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
+def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, interpreted_sizes=INTERPRETED_SIZES) -> list[dict]:
     """The op against float64 on fresh inputs of sizes that are multiples of nothing: on a CPU in fp32
     within fp32's bound; on a GPU under bf16 autocast (cuDNN's attention takes 16-bit operands), no
-    worse than the unfused path's error on the same operands (``ERROR_FACTOR`` x it + ``ERROR_SLACK``)."""
+    worse than the unfused path's error on the same operands (``ERROR_FACTOR`` x it + ``ERROR_SLACK``).
+    On a CPU where Triton interprets, the packing kernel too at ``interpreted_sizes``."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
-    backend = op.select_backend("auto", device)
+    runs = [(op.select_backend("auto", device), s) for s in sizes]
+    if device.type == "cpu" and interpreted_here(device):
+        runs += [("triton", s) for s in interpreted_sizes]    # the kernel a GPU runs, checked here too
     rows = []
-    for B, T, C, H in sizes:
+    for backend, (B, T, C, H) in runs:
         leaves, dy = _draw(B, T, C, gen, device)
         ref = _grads(op.qkv_attention_reference, [t.double() for t in leaves], dy.double(), H)
         err = lambda got: {k: float((got[k].double() - ref[k]).norm() / ref[k].norm()) for k in ref}
@@ -67,7 +75,8 @@ def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
                          **{f"{k} unfused": v for k, v in theirs.items()}, "within tolerance": ok})
         else:
             ours = err(_grads(op.qkv_attention, leaves, dy, H, backend=backend))
-            rows.append({"B": B, "T": T, "C": C, "heads": H, "backend": backend, "precision": "fp32",
+            rows.append({"B": B, "T": T, "C": C, "heads": H,
+                         "backend": backend + (" (interpreted)" if backend == "triton" else ""), "precision": "fp32",
                          **{f"{k} rel err": v for k, v in ours.items()},
                          "within tolerance": max(ours.values()) < FP32_TOL})
     return rows

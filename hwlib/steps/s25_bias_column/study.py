@@ -8,11 +8,14 @@ back-to-back calls over input sets that rotate (together larger than L2).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import bench
+from ...ops.sources import interpreted_here
 from ...studies.kernel_records import kernel_records as records_of, not_timed_words
-from ..s21_fused_layernorm.op import BIAS_COLUMNS, with_bias_column
+from ..s21_fused_layernorm.op import BIAS_COLUMNS, add_layer_norm, add_layer_norm_reference, with_bias_column
 from ..s22_gelu_epilogue import op as gelu_epilogue_op
 from . import STEP
 
@@ -20,6 +23,12 @@ NOTEBOOK = STEP.name   # the records' notebook: the step's own, which bears its 
 LAUNCHES = 20
 INPUT_SETS = 4          # 4 x (dpre, x) at GPT-2 small's MLP: ~500 MB, far beyond a 50 MB L2
 ODD_SIZES = ((67, 16, 64, 24), (129, 64, 256, 64), (5, 8, 8, 8))   # (rows, K, N, C): widths multiples of 8
+# On a CPU the LayerNorm's Triton kernels, which write the column in the step, also run interpreted
+# (``interpreted_here``), with step 23's branch bias as the step launches them: the MLP (torch on a CPU)
+# reads the column they wrote, and the gradient of the LayerNorm's stream input comes back through their
+# backward, which must pass over the column's gradient. A partial block of rows, an odd width; a
+# fraction of a second.
+INTERPRETED_SIZES = ((5, 33, 40, 9),)
 FP32_TOL = 1e-5      # relative, against float64 (CPU, fp32)
 
 
@@ -33,33 +42,65 @@ def _draw(M, K, N, C, gen, device, dtype):
     return [t.to(device, dtype) for t in ts], dy.to(device, dtype)
 
 
-def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES) -> list[dict]:
+def _through_layernorm(x, ws, dy, gen):
+    """``x`` [M, K] as the stream into the LayerNorm's Triton kernels (with a branch r, its bias c, and the
+    norm's w and b, drawn from ``gen``) that write the MLP's input with the bias column: (got, ref, the
+    MLP's input gradient beyond K all zero), got and ref as ``odd_size_rows``' names, dx being the
+    stream's gradient; ref in float64."""
+    M, K = x.shape
+    ln = [torch.randn(M, K, generator=gen, dtype=torch.float64), 0.3 * torch.randn(K, generator=gen, dtype=torch.float64),
+          1 + 0.1 * torch.randn(K, generator=gen, dtype=torch.float64), 0.1 * torch.randn(K, generator=gen, dtype=torch.float64)]
+
+    def grads(leaves, norm, mlp):
+        x, r, c, w, b, *mlp_ws = leaves
+        _, y = norm(x, r, w, b, r_bias=c)
+        out = mlp(y, *mlp_ws)
+        g = torch.autograd.grad(out, [y, x, *mlp_ws], dy.to(out.dtype))
+        return [out.detach(), *g[1:]], g[0]
+    got, dy_wide = grads([t.detach().to(x, copy=True).requires_grad_() for t in (x, *ln, *ws)],
+                         functools.partial(add_layer_norm, ones_column=True, backend="triton"),
+                         functools.partial(gelu_epilogue_op.gelu_mlp, bias_column=True))
+    ref, _ = grads([t.detach().double().requires_grad_() for t in (x, *ln, *ws)], add_layer_norm_reference,
+                   gelu_epilogue_op.gelu_mlp_reference)
+    return got, ref, float(dy_wide[:, K:].abs().max()) == 0.0
+
+
+def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, interpreted_sizes=INTERPRETED_SIZES) -> list[dict]:
     """The MLP with the bias column (the backend ``auto`` picks: cuBLASLt in bf16 on a GPU, torch in fp32
     on a CPU) against float64 on fresh inputs: the output and the gradients of x (its first K columns;
     the rest must be exactly zero), both weights and both biases. On a GPU no worse than the same op
-    without the column on the same operands (``gelu_mlp.no_worse_than_unfused``)."""
+    without the column on the same operands (``gelu_mlp.no_worse_than_unfused``). On a CPU where Triton
+    interprets, at ``interpreted_sizes`` the column written by the LayerNorm's Triton kernels
+    (``_through_layernorm``; dx: the LayerNorm's stream input's)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     names = ("y", "dx", "dw_fc", "db_fc", "dw_proj", "db_proj")
+    runs = [(False, s) for s in sizes]
+    if device.type == "cpu" and interpreted_here(device):
+        runs += [(True, s) for s in interpreted_sizes]    # the kernels that write the column on a GPU, here too
     rows = []
-    for M, K, N, C in sizes:
+    for interpreted, (M, K, N, C) in runs:
         (x, *ws), dy = _draw(M, K, N, C, gen, device, dtype)
-        ref64 = [t.double().requires_grad_() for t in (x, *ws)]
-        y64 = gelu_epilogue_op.gelu_mlp_reference(*ref64)
-        ref = [y64.detach(), *torch.autograd.grad(y64, ref64, dy.double())]
+        if interpreted:
+            got, ref, pad_zero = _through_layernorm(x, ws, dy, gen)
+            backend = "triton LayerNorm (interpreted), torch MLP"
+        else:
+            ref64 = [t.double().requires_grad_() for t in (x, *ws)]
+            y64 = gelu_epilogue_op.gelu_mlp_reference(*ref64)
+            ref = [y64.detach(), *torch.autograd.grad(y64, ref64, dy.double())]
 
-        def run(xin, column):
-            leaves = [xin.detach().clone().requires_grad_()] + [t.detach().clone().requires_grad_() for t in ws]
-            y = gelu_epilogue_op.gelu_mlp(*leaves, bias_column=column)
-            return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+            def run(xin, column):
+                leaves = [xin.detach().clone().requires_grad_()] + [t.detach().clone().requires_grad_() for t in ws]
+                y = gelu_epilogue_op.gelu_mlp(*leaves, bias_column=column)
+                return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
 
-        got = run(with_bias_column(x), True)
-        pad_zero = float(got[1][:, K:].abs().max()) == 0.0
-        got[1] = got[1][:, :K]
+            got = run(with_bias_column(x), True)
+            pad_zero = float(got[1][:, K:].abs().max()) == 0.0
+            got[1] = got[1][:, :K]
+            backend = gelu_epilogue_op.select_backend("auto", device, dtype, (K, N, C))
         err = [float((g.double() - r).norm() / r.norm()) for g, r in zip(got, ref)]
-        row = {"rows": M, "K": K, "N": N, "C": C,
-               "backend": gelu_epilogue_op.select_backend("auto", device, dtype, (K, N, C)),
+        row = {"rows": M, "K": K, "N": N, "C": C, "backend": backend,
                **{f"{n} rel err": e for n, e in zip(names, err)}, "dx's extra columns zero": pad_zero}
         if device.type == "cuda":
             base = [float((g.double() - r).norm() / r.norm()) for g, r in zip(run(x, False), ref)]
