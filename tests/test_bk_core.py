@@ -1174,3 +1174,20 @@ def test_the_accuracy_sweep_reuses_its_float64_reference(monkeypatch):
                                                     ("theta/phi (seed)", "complex128"), ("stable form", "complex128")]]
     assert all(r["rel_err"] == 0.0 for r in rows if r["method"] == "stable form" and r["dtype"] == "complex128")
     assert all(0 < r["rel_err"] < 1e-5 for r in rows if r["method"] == "stable form" and r["dtype"] == "complex64")
+
+
+def test_notebook_12s_gradient_check_runs_the_interpreted_kernel_on_a_cpu_and_catches_a_wrong_one(triton_device,
+                                                                                                 monkeypatch):
+    """Notebook 12 (``triton_on_cpu=True``) checks ``gradient_rows`` over every available backend: on a CPU
+    that holds the Triton backward, interpreted (N = 13), against autograd through the dense inverse; a
+    backward kernel whose gradients are 1e-6 too large fails the notebook's bound (1e-9)."""
+    from hwlib.studies import bk_core as bk_study
+    if triton_device != "cpu":
+        pytest.skip("on a GPU the kernels are compiled; this checks the CPU's interpreted rows")
+    assert "triton" in [k for k, v in available_backends("cpu").items() if v is None]
+    key = "max relative error of (da, db, dc)"
+    assert bk_study.gradient_rows(["triton"], "cpu")[0][key] < 1e-9
+    tk = bk_core._triton()
+    real = tk.bk_backward
+    monkeypatch.setattr(tk, "bk_backward", lambda *a, **kw: tuple(g * (1 + 1e-6) for g in real(*a, **kw)))
+    assert bk_study.gradient_rows(["triton"], "cpu")[0][key] > 1e-9
