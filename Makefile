@@ -46,8 +46,10 @@ $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned: pyproject.toml $(if $(PIN),$(C
 	$(VENV)/bin/python -m pip install -q --no-compile $(PIP_PIN) "$(TORCH_SPEC)"
 	# torch comes from pip (it may take a local wheel file, and pip's config may cap its version); the rest
 	# from uv where it can be had: 15 s against pip's 131 s for the same packages, on a 2-core machine.
+	# --compile-bytecode compiles all of site-packages, torch included, on every core, once: without it the
+	# first processes that import torch each compile it, side by side, and a test's kernel misses its limit.
 	if $(VENV)/bin/python -m pip install -q uv; then \
-	    $(VENV)/bin/python -m uv pip install -q --python $(VENV)/bin/python $(PIP_PIN) -e ".[all,test]"; \
+	    $(VENV)/bin/python -m uv pip install -q --compile-bytecode --python $(VENV)/bin/python $(PIP_PIN) -e ".[all,test]"; \
 	else $(VENV)/bin/python -m pip install -q $(PIP_PIN) -e ".[all,test]"; fi
 	rm -f $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned
 	touch $@

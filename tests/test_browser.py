@@ -159,7 +159,7 @@ def test_dashboard_notebook_runs_and_reacts_in_a_browser(lab):
             before, img_before = table.inner_html(), img.get_attribute("src")
             assert "monitor=live" in before and img_before
             ex.screenshot(path=str(lab["shots"] / "explorer-before.png"))
-            ex.locator(".hwlib-explorer-metric select").select_option(label="tokens_per_s")
+            ex.locator(".hwlib-explorer-metric select").select_option(label="tokens_per_s (tokens/s)")
             page.wait_for_function("""([sel, old]) => {
                 const t = document.querySelector(sel); return t && t.innerHTML !== old;
             }""", arg=[f"{panel} .hwlib-explorer .hwlib-explorer-table", before], timeout=20_000)

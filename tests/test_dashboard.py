@@ -186,6 +186,9 @@ def test_a_changed_selection_changes_the_table_and_the_plot(two_runs):
     before, plot_before = ex.widgets["table"].value, bytes(ex.widgets["plot"].value)
     assert "<td style='padding:2px 6px'>200</td>" in before and "could not" not in before
     assert plot_before.startswith(b"\x89PNG")
+    # the metric's choices name their units; choosing one selects the metric's name
+    assert ex.widgets["metric"].options == (("ms_per_step (ms)", "ms_per_step"), ("tokens_per_s (tokens/s)", "tokens_per_s"))
+    assert ex.widgets["metric"].label == "ms_per_step (ms)"
     ex.widgets["metric"].value = "tokens_per_s"
     after = ex.widgets["table"].value
     assert after != before and "5,000" in after and ex.metric == "tokens_per_s"

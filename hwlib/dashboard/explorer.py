@@ -90,6 +90,11 @@ class RunData:
         ms = {r["metric"] for r in self.records if r.get("workload") == workload and _num(r.get("value")) is not None}
         return sorted(ms, key=lambda m: (m != "ms_per_step", m))
 
+    def units(self, workload: str) -> dict[str, str]:
+        """Each metric's unit for ``workload``, as its records give it (the newest record's)."""
+        return {r["metric"]: str(r["unit"]) for r in self.records
+                if r.get("workload") == workload and r.get("unit") and _num(r.get("value")) is not None}
+
     def steps(self, workload: str) -> list[str]:
         return _ordered({str(r.get("step")) for r in self.records if r.get("workload") == workload})
 
@@ -354,8 +359,11 @@ class Explorer:
         if self.metric and self.metric not in metrics:
             metrics.append(self.metric)   # kept selectable, and said to be missing in place
         steps = _ordered({s for d in both for s in d.steps(self.workload)}) if self.workload else []
+        units = {k: v for d in reversed(both) for k, v in (d.units(self.workload) if self.workload else {}).items()}
+        # The dropdown shows each metric with its unit ("ms_per_step (ms)") and selects the metric's name.
+        labels = [(f"{m} ({units[m]})" if m in units else m, m) for m in metrics]
         return {"runs": list(self.runs), "references": [NONE] + list(self.runs), "workloads": wls,
-                "metrics": metrics, "steps": steps}
+                "metrics": metrics, "metric_labels": labels, "steps": steps}
 
     def update(self) -> None:
         """Recompute messages, table and comparison for the current selection; never raises."""
@@ -399,7 +407,7 @@ class Explorer:
             "reference": w.Dropdown(options=opts["references"], value=self.ref_label or NONE,
                                     description="compare with", **dd),
             "workload": w.Dropdown(options=opts["workloads"], value=self.workload, description="workload", **dd),
-            "metric": w.Dropdown(options=opts["metrics"], value=self.metric, description="metric", **dd),
+            "metric": w.Dropdown(options=opts["metric_labels"], value=self.metric, description="metric", **dd),
             "steps": w.SelectMultiple(options=opts["steps"], value=tuple(opts["steps"]), description="steps",
                                       rows=min(8, max(2, len(opts["steps"]))), **dd),
         }
@@ -448,7 +456,7 @@ class Explorer:
                 opts = self.options()
             wd["workload"].options = opts["workloads"]
             wd["workload"].value = self.workload if self.workload in opts["workloads"] else None
-            wd["metric"].options = opts["metrics"]
+            wd["metric"].options = opts["metric_labels"]
             wd["metric"].value = self.metric if self.metric in opts["metrics"] else None
             wd["steps"].options = opts["steps"]
             wd["steps"].value = tuple(opts["steps"])
