@@ -14,13 +14,12 @@ import inspect
 import math
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from . import ceilings, paths, query, results, roofline, steps
+from . import ceilings, query, results, roofline, steps
 from .device import datasheet, format_env_report, info, resolve_device
 from .ladder import record as record_mod
 from .ladder.gradients import GradCheck, assert_same_gradients, same_gradients
@@ -29,6 +28,7 @@ from .ladder.same_math import (BF16_BEFORE, BF16_STEP, MathCheck, bf16_bound, bf
                                needs_bf16_floor, same_math)
 from .ops.sources import read_kernel_source
 from .paths import apply_compile_cache_env, compile_cache_env, read_dir, run_dir
+from .stacks import arm_stack_dump
 from .profiles import Plan, auto_profile, choose_profile, plan as plan_for, resolve_profile
 from .steps import STEP_NAMES, chain, describe, get_step, previous
 
@@ -37,47 +37,6 @@ def resolve(profile: str = "auto", device: str = "auto") -> tuple[str, str]:
     """The notebook's parameters after ``HWLIB_PROFILE`` and 'auto' are applied: (profile, device)."""
     dev = resolve_device(device)
     return choose_profile(profile, dev)[0], dev.type
-
-
-_STACKS: list = []   # the open file faulthandler writes stack dumps to: kept for the process's life
-STACKS_MARGIN_S = 3.0   # the dump comes this long before the limit, so that it is written before the kernel is ended
-
-
-def arm_stack_dump() -> str | None:
-    """Under ``hwlib reproduce`` (``$HWLIB_STACKS_FILE``), have every thread's Python stack dumped into
-    that file a few seconds before this notebook (``$HWLIB_STACKS_DEADLINE``, its end in epoch
-    seconds) or the cell running then (``$HWLIB_STACKS_CELL_S``, each cell's limit) runs out of time:
-    what a notebook that is then ended was doing. faulthandler's timer dumps from a thread of its own,
-    which needs nothing from the stuck one (a kernel stuck in inductor's compile on an H100 dumped this
-    way, where a signal sent to it from outside left nothing). Re-armed as each cell starts. Returns
-    the file, or None where nothing was armed."""
-    import faulthandler
-    if _STACKS:
-        return _STACKS[0].name
-    path = os.environ.get(paths.STACKS_FILE)
-    deadline = float(os.environ.get(paths.STACKS_DEADLINE) or "inf")
-    cell_s = float(os.environ.get(paths.STACKS_CELL_S) or "inf")
-    if not path or (deadline == cell_s == float("inf")):
-        return None
-    f = open(path, "w")   # noqa: SIM115 (faulthandler writes to its descriptor until the process ends)
-    _STACKS.append(f)
-
-    def arm(*_info) -> None:
-        # a dump from a cell that then finished in time is not this cell's: start the file afresh
-        f.seek(0)
-        f.truncate()
-        left = min(deadline - time.time(), cell_s) - STACKS_MARGIN_S
-        faulthandler.dump_traceback_later(max(left, 1.0), file=f)
-
-    arm()
-    try:
-        from IPython import get_ipython
-        ip = get_ipython()
-    except ImportError:
-        ip = None
-    if ip is not None:
-        ip.events.register("pre_run_cell", arm)
-    return path
 
 
 def setup(profile: str = "auto", device: str = "auto", run=None, *, triton_on_cpu: bool = False) -> tuple[str, str]:

@@ -30,7 +30,7 @@ class RunNameError(ValueError):
 
 
 # The environment a notebook run by `hwlib reproduce` reads to dump its stacks before its time runs out
-# (hwlib.runs sets them, hwlib.notebook.arm_stack_dump reads them).
+# (hwlib.runs sets them, hwlib.stacks.arm_stack_dump reads them).
 STACKS_FILE, STACKS_DEADLINE, STACKS_CELL_S = "HWLIB_STACKS_FILE", "HWLIB_STACKS_DEADLINE", "HWLIB_STACKS_CELL_S"
 
 def outputs_root() -> Path:

@@ -193,7 +193,7 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-# Where and when a notebook's kernel dumps its stacks (``hwlib.notebook.arm_stack_dump``): set by
+# Where and when a notebook's kernel dumps its stacks (``hwlib.stacks.arm_stack_dump``): set by
 # ``hwlib reproduce`` for each notebook it runs.
 
 

@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parent.parent / "hwlib"
 
 # The first path component under hwlib/ decides the layer (docs/architecture.md, Layers).
 LAYERS = {
-    "base": {"__init__", "paths", "device", "precision", "blas", "bench", "results", "profiles", "telemetry", "trace", "noise", "source", "settings", "extras"},
+    "base": {"__init__", "paths", "device", "precision", "blas", "bench", "results", "profiles", "telemetry", "trace", "noise", "source", "settings", "extras", "stacks"},
     "core": {"ops", "kernels", "workloads", "steps", "data", "ceilings", "shapes", "roofline"},
     "runners": {"ladder", "studies", "memory", "distributed"},
     "edge": {"query", "report", "seeds", "dashboard", "notebook", "cli", "runs", "release", "series"},

@@ -1,5 +1,5 @@
 """The stack dump of a notebook that runs out of time under ``hwlib reproduce``
-(``hwlib.notebook.arm_stack_dump``): tests that mostly wait for a time limit, so ``make test`` runs
+(``hwlib.stacks.arm_stack_dump``): tests that mostly wait for a time limit, so ``make test`` runs
 them beside the CPU-bound suites (test-unit-waits)."""
 
 import json
@@ -17,8 +17,8 @@ def test_a_notebook_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
     leaves none."""
     d = tmp_path / "hang_nbs"
     d.mkdir()
-    make_nb(d / "00_quick.ipynb", "from hwlib.notebook import arm_stack_dump\nassert arm_stack_dump()")
-    make_nb(d / "01_hangs.ipynb", "from hwlib.notebook import arm_stack_dump\nassert arm_stack_dump()\n"
+    make_nb(d / "00_quick.ipynb", "from hwlib.stacks import arm_stack_dump\nassert arm_stack_dump()")
+    make_nb(d / "01_hangs.ipynb", "from hwlib.stacks import arm_stack_dump\nassert arm_stack_dump()\n"
                                   "import time\n\ndef stuck_here():\n    time.sleep(300)\n\nstuck_here()")
     # the dump comes 3 s before the limit: the kernel has that long to start and arm on a busy machine
     assert cli.main(["reproduce", "--notebooks", str(d), "--run", "hang", "--profile", "smoke", "--device", "cpu",
@@ -39,7 +39,7 @@ def test_a_cell_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
     never the stuck one's; re-armed, the stuck cell's dump replaces it."""
     d = tmp_path / "cell_nbs"
     d.mkdir()
-    make_nb(d / "00_cell.ipynb", "from hwlib.notebook import arm_stack_dump\nassert arm_stack_dump()")
+    make_nb(d / "00_cell.ipynb", "from hwlib.stacks import arm_stack_dump\nassert arm_stack_dump()")
     nb = nbf.read(d / "00_cell.ipynb", as_version=4)
     nb.cells.append(nbf.v4.new_code_cell("import time\n\ndef slow_but_in_time():\n    time.sleep(6.5)\n\nslow_but_in_time()"))
     nb.cells.append(nbf.v4.new_code_cell("def stuck_in_cell():\n    time.sleep(300)\n\nstuck_in_cell()"))
@@ -52,3 +52,13 @@ def test_a_cell_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
     assert state["00_cell"]["status"] == "failed" and str(stacks) in state["00_cell"]["reason"], state["00_cell"]
     text = stacks.read_text()
     assert "stuck_in_cell" in text and "slow_but_in_time" not in text, text
+
+
+def test_arming_needs_no_torch():
+    """A kernel arms its stack dump within a second of starting: the module imports no torch (on a busy
+    machine, importing torch alone outlasted an 8 s cell limit)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys, hwlib.stacks; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
