@@ -345,7 +345,7 @@ def test_make_setup_pin_installs_with_the_constraints():
         assert r.returncode == 0, r.stderr
         lines = [l for l in r.stdout.splitlines() if "pip install" in l]
         # the installs of torch and of the package (by uv, else by pip), not of the installer uv itself
-        return [l for l in lines if '"torch"' in l or '".[all,test]"' in l]
+        return [l for l in lines if '"torch' in l or '".[all,test]"' in l]   # TORCH_SPEC may name a version
     pinned, plain = dry("PIN=1"), dry()
     assert len(pinned) == 3 and all("-c constraints/h100.txt" in l for l in pinned), pinned
     assert len(plain) == 3 and not any("-c " in l for l in plain), plain
