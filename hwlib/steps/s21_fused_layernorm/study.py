@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ... import bench
+from ...ops.sources import interpreted_here
 from ...studies.kernel_records import alone_words, timed_row
 from ...studies.kernel_records import kernel_records as records_of
 from . import STEP, op
@@ -64,14 +65,6 @@ def _stream_tol(stream) -> float:
     if stream not in tols:
         raise ValueError(f"stream must be torch.float32 or torch.bfloat16, got {stream!r}")
     return tols[stream]
-
-
-def interpreted_here(device) -> bool:
-    """Whether the Triton kernels can run here interpreted (a CPU device, TRITON_INTERPRET=1 from before
-    triton's import: ``notebook.setup(triton_on_cpu=True)``), beside the torch backend that ``auto`` picks."""
-    from ...ops.sources import triton_device_problem, triton_interpreter_mismatch
-    return (torch.device(device).type == "cpu" and triton_device_problem(torch.device("cpu")) is None
-            and triton_interpreter_mismatch() is None)
 
 
 def odd_size_rows(device, seed: int = 0, sizes=ODD_SIZES, branch_bias: bool = False,
