@@ -297,7 +297,6 @@ def seed_mixed_precision(ns: list[int], *, batch: int = 4, seed: int = 0, potent
 
 # --- the notebook's grid: rows, then records (workload "bk_core", x-values in fields) -----------------
 
-NOTEBOOK = "12_bk_core"
 CUSPARSE = "cuSPARSE gtsv2StridedBatch (1 RHS)"
 CORRECTNESS_CASES = [((), 1), ((3,), 2), ((2, 5), 17), ((3,), 257)]    # (batch shape, N)
 CORRECTNESS_DTYPES = [torch.float32, torch.float64]
@@ -337,14 +336,14 @@ def _ready(prebuilt: Prebuild | None, backend: str, direction: str, dtype, batch
         prebuilt.wait(launch_builds(direction, dtype, batch, n))
 
 
-def prebuild_records(prebuilt: Prebuild, *, profile: str, device: str) -> list[dict]:
+def prebuild_records(prebuilt: Prebuild, *, notebook: str, profile: str, device: str) -> list[dict]:
     """metric "triton_prebuild_s": the prebuild's wall seconds (start to its last build), with
     what the cells waited for it (``waited_s``), its builds' states and seconds in ``params``; n/a
     with the reason where nothing was built in the background."""
     wall = prebuilt.wall_s
     built = bool(prebuilt.builds) and wall is not None
     reason = None if built else (prebuilt.reason or "builds still running when recorded")
-    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric="triton_prebuild_s",
+    return [make_record(notebook=notebook, workload="bk_core", step=None, metric="triton_prebuild_s",
                         value=wall if built else None, unit="s", profile=profile, device=device,
                         status="ok" if built else "n/a", reason=reason,
                         params={"wall_s": wall, "waited_s": prebuilt.waited_s, "kernels": len(prebuilt.builds),
@@ -471,10 +470,10 @@ def add_share_of_copy(rows: list[dict], copy_gbps: float | None) -> list[dict]:
     return rows
 
 
-def speed_records(rows: list[dict], *, profile: str, device: str) -> list[dict]:
+def speed_records(rows: list[dict], *, notebook: str, profile: str, device: str) -> list[dict]:
     """Records of ``speed_rows``: metric "<direction>_ms" ("solve_ms" for cuSPARSE), step None,
     fields {"backend", "B", "N"}."""
-    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric=f"{r['direction']}_ms",
+    return [make_record(notebook=notebook, workload="bk_core", step=None, metric=f"{r['direction']}_ms",
                         value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile, device=device,
                         fields={"backend": r["backend"], "B": r["B"], "N": r["N"]},
                         params={"gbps": r["GB/s"], "share_of_copy": r.get("share of copy"), "wall_s": r.get("wall_s"),
@@ -487,10 +486,10 @@ def first_failing_n(acc: list[dict], tol: float = 1e-4) -> dict[str, int | None]
                      and not r["rel_err"] < tol), default=None) for dt in ("complex64", "complex128")}
 
 
-def first_failing_records(first_bad: dict, *, profile: str, device: str) -> list[dict]:
+def first_failing_records(first_bad: dict, *, notebook: str, profile: str, device: str) -> list[dict]:
     """metric "theta_phi_first_failing_N", fields {"dtype"}; a dtype that never failed is recorded
     as n/a with the reason, not as a number."""
-    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric="theta_phi_first_failing_N",
+    return [make_record(notebook=notebook, workload="bk_core", step=None, metric="theta_phi_first_failing_N",
                         value=v, unit="N", profile=profile, device=device, fields={"dtype": dt},
                         status="ok" if v is not None else "n/a",
                         reason=None if v is not None else "no failing N in the measured range")
@@ -561,10 +560,10 @@ def targets(rows: list[dict], batch: int, n: int) -> list[dict]:
     return out
 
 
-def target_records(tgts: list[dict], *, profile: str, device: str) -> list[dict]:
+def target_records(tgts: list[dict], *, notebook: str, profile: str, device: str) -> list[dict]:
     """metric "target", fields {"target": text}, value = the measured number (its wording in
     ``params["measured"]``), status ok / failed (n/a where it could not be judged)."""
-    return [make_record(notebook=NOTEBOOK, workload="bk_core", step=None, metric="target", value=t["value"],
+    return [make_record(notebook=notebook, workload="bk_core", step=None, metric="target", value=t["value"],
                         unit=t["unit"], profile=profile, device=device, fields={"target": t["target"]},
                         params={"measured": t["measured"]},
                         status="n/a" if t["met"] is None else "ok" if t["met"] else "failed",
