@@ -35,7 +35,7 @@ def test_the_prebuild_is_a_no_op_where_nothing_compiles(monkeypatch):
         assert time.perf_counter() - t0 < 1 and h.wall_s == 0 and h.counts() == {}
         assert h.summary() == f"prebuild: nothing built in the background ({h.reason})"
         h.close()
-        (rec,) = bk_study.prebuild_records(h, profile="smoke", device="cpu")
+        (rec,) = bk_study.prebuild_records(h, notebook="12_bk_core", profile="smoke", device="cpu")
         assert (rec["metric"], rec["value"], rec["status"], rec["reason"]) == ("triton_prebuild_s", None, "n/a", h.reason)
     assert "cpu" in bk_study.prebuild_kernels([(64, 63)], "cpu").reason
     # the study's launches wait on a no-op handle without planning anything
@@ -162,7 +162,7 @@ def test_workers_build_report_failures_and_leave_no_process(triton_device, capsy
     assert all(p.wait(timeout=60) == 0 for p in h._procs)
     s = h.summary()
     assert "2 of 4 Triton kernels built in 1 background processes" in s and "1 failed" in s and "1 compiled in the notebook" in s
-    (rec,) = bk_study.prebuild_records(h, profile="smoke", device="cpu")
+    (rec,) = bk_study.prebuild_records(h, notebook="12_bk_core", profile="smoke", device="cpu")
     assert rec["status"] == "ok" and rec["value"] == h.wall_s and rec["params"]["states"] == h.counts()
 
     h2 = Prebuild([Build.of("forward", torch.float32, 3, 7), Build.of("forward", torch.float32, 3, 8)])._start(

@@ -37,7 +37,9 @@ helper.kill()
 # A notebook that waits until the test lets it finish.
 HOLD = '''import json, os, time
 run = os.environ["HWLIB_RUN"]
-json.dump([os.getpid(), os.getppid()], open(os.path.join(run, "pids.json"), "w"))
+with open(os.path.join(run, "pids.tmp"), "w") as f:   # whole or absent: the test polls for the file
+    json.dump([os.getpid(), os.getppid()], f)
+os.replace(os.path.join(run, "pids.tmp"), os.path.join(run, "pids.json"))
 t0 = time.time()
 while not os.path.exists(os.path.join(run, "release")) and time.time() - t0 < 60:
     time.sleep(0.05)
