@@ -1056,16 +1056,16 @@ def test_kernel_only_timing_refuses_auto_and_unknown_directions():
 def test_study_records_keep_x_values_in_fields():
     from hwlib.studies import bk_core as bk_study
     rows = bk_study.add_share_of_copy(bk_study.speed_rows([(4, 9)], ["torch_loop", "torch"], "cpu", loop_iters=1), None)
-    recs = bk_study.speed_records(rows, profile="smoke", device="cpu")
+    recs = bk_study.speed_records(rows, notebook="12_bk_core", profile="smoke", device="cpu")
     assert {r["metric"] for r in recs} == {"forward_ms", "forward+backward_ms"}
     assert sorted((r["fields"]["backend"], r["fields"]["B"], r["fields"]["N"], r["metric"]) for r in recs) == sorted(
         (be, 4, 9, f"{d}_ms") for be in ("torch", "torch_loop") for d in bk_study.DIRECTIONS)
     assert all(r["step"] is None and r["workload"] == "bk_core" and r["params"]["share_of_copy"] is None for r in recs)
-    first = bk_study.first_failing_records({"complex64": 123, "complex128": None}, profile="smoke", device="cpu")
+    first = bk_study.first_failing_records({"complex64": 123, "complex128": None}, notebook="12_bk_core", profile="smoke", device="cpu")
     assert [(r["metric"], r["fields"], r["value"], r["status"]) for r in first] == [
         ("theta_phi_first_failing_N", {"dtype": "complex64"}, 123, "ok"),
         ("theta_phi_first_failing_N", {"dtype": "complex128"}, None, "n/a")]
-    tg = bk_study.target_records(bk_study.targets(rows, 4, 9), profile="smoke", device="cpu")
+    tg = bk_study.target_records(bk_study.targets(rows, 4, 9), notebook="12_bk_core", profile="smoke", device="cpu")
     assert [(r["metric"], r["status"]) for r in tg] == [("target", "n/a"), ("target", "failed")]   # no ceiling; loop
     assert tg[0]["fields"] == {"target": "best forward >= 60% of copy bandwidth"}
 
@@ -1082,7 +1082,7 @@ def test_kernel_targets_judge_the_kernels_timed_alone_against_the_copy_ceiling()
     assert got["cuda forward+backward alone >= 65% of copy bandwidth"] is False
     assert got["triton forward alone >= 50% of copy bandwidth"] is None      # no ceiling: n/a, not met
     assert got["best forward >= 60% of copy bandwidth"] is True
-    recs = bk_study.target_records(bk_study.targets(rows, 4, 16), profile="smoke", device="cpu")
+    recs = bk_study.target_records(bk_study.targets(rows, 4, 16), notebook="12_bk_core", profile="smoke", device="cpu")
     assert [r["status"] for r in recs][:3] == ["ok", "failed", "n/a"]
     assert recs[2]["reason"] == "no copy ceiling measured in this run"
     assert bk_study.targets(rows, 4, 64) == []                               # nothing timed at that size
@@ -1111,7 +1111,7 @@ def test_a_sweep_draws_each_sizes_inputs_once(monkeypatch):
     # each row says what it cost: its timing and check, and its size's draw (one figure per size)
     assert all(r["wall_s"] > 0 and r["draw_s"] > 0 for r in rows)
     assert len({r["draw_s"] for r in rows if r["B"] == 3}) == 1
-    recs = bk_study.speed_records(rows, profile="smoke", device="cpu")
+    recs = bk_study.speed_records(rows, notebook="12_bk_core", profile="smoke", device="cpu")
     assert [r["params"]["wall_s"] for r in recs] == [r["wall_s"] for r in rows]
     per_size = max(bk_study.sets_needed(3, 9, direction=d) for d in bk_study.DIRECTIONS)
     assert drawn == [((B, 9), i) for B in (3, 4) for i in range(per_size)]
