@@ -175,3 +175,34 @@ def test_sdpa_toggles_are_na_where_the_attention_does_not_go_through_sdpa():
     assert why and "QKV op" in why and "not through SDPA" in why
     assert "not SDPA" in t.applies("gpt", settings_for("03_bf16_autocast"), None)
     assert "no softmax attention" in t.applies("resnet_bk", settings_for("09_cuda_graphs"), None)
+
+
+def test_the_workspace_toggle_runs_without_cublass_workspace_on_a_gpu_only(tmp_path, monkeypatch):
+    """Retired step 28 as a toggle: its "with" arm's windows (its CUDA graphs' recording included) run
+    inside hwlib.blas.no_workspace, its "without" arm as the step is; a session each, the same math; on a
+    CPU a 'skipped' record that says why, and no session built."""
+    from hwlib import blas
+    t = ablation.get_toggle("no_gemm_workspace")
+    assert t.rebuild and t.same_math and t.without.context is None and t.with_.skip is None
+    assert not blas.workspace_free()
+    with t.with_.context(None, {}):
+        assert blas.workspace_free() and blas.lt_workspace_bytes() == 0
+    assert not blas.workspace_free() and blas.lt_workspace_bytes() == blas.LT_WORKSPACE_BYTES
+    assert t.skips(types.SimpleNamespace(kind="cuda")) is None
+    assert "CUDA setting" in t.skips(types.SimpleNamespace(kind="cpu"))
+    # retired: the step is no longer on the ladder, so there is no removal toggle of it
+    with pytest.raises(ChoiceError):
+        ablation.get_toggle("without_28_gemm_workspace")
+    if torch.cuda.is_available():
+        return   # what follows is a CPU's skip
+
+    def no_session(*a, **k):
+        raise AssertionError("a skipped toggle builds no session")
+
+    monkeypatch.setattr(ablation, "_build", no_session)
+    run = tmp_path / "ws"
+    rows = ablation.measure("gpt", "05_fused_optimizer", ["no_gemm_workspace"], profile="smoke", device="cpu",
+                            window=TINY, run=run, notebook="19_ablations")
+    assert rows[0]["status"] == "skipped" and "measured on a GPU only" in rows[0]["reason"]
+    rec = query.select(query.load(run), metric="speedup", toggle="no_gemm_workspace")
+    assert len(rec) == 1 and rec[0]["status"] == "skipped" and rec[0]["value"] is None

@@ -8,7 +8,8 @@ step without over the time with (above 1: the change helps), with a bootstrap in
   alternate (``noise.interleaved_order``: A B B A A B ...), each window a few untimed settling
   steps and then ``steps`` steps timed by ``bench.StepClock``. A *switch* toggle (cudnn.benchmark,
   zero_grad, the optimizer, the loader's options) flips the change on one live session between
-  windows; a *rebuild* toggle (a ladder step removed, the SDPA backend, a model variant) keeps two
+  windows; a *rebuild* toggle (a ladder step removed, the SDPA backend, a model variant, cuBLAS's
+  workspace, which must hold while the CUDA graphs are recorded) keeps two
   sessions alive, each model of its own class so that the compiler never hands one arm the graph
   it compiled for the other (its cache is keyed by code, and both arms run the same code).
 - ``measure_in_processes``: every window in a fresh Python process (``python -m
@@ -43,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from .. import bench, noise, results
+from .. import bench, blas, noise, results
 from ..data.loader import LoaderBatches, default_workers
 from ..device import ChoiceError, info, other_gpu_processes, resolve_device
 from ..ladder.run import check_plan, compile_seconds
@@ -286,6 +287,19 @@ def _vit_only(workload, st, di, step=None):
     return None if workload == "vit_bdh" else "a change inside the Vision-BDH model"
 
 
+def _no_workspace(sess, store):
+    # Entered around every window of the arm, warm-up included: the CUDA graphs are recorded inside it, and
+    # a graph keeps the kernels (and the memsets before them) it recorded.
+    return blas.no_workspace(True)
+
+
+def _needs_cublas(di) -> str | None:
+    if di.kind != "cuda":
+        return (f"cuBLAS's workspace is a CUDA setting: on {di.kind} both arms would run the same matmuls "
+                "(measured on a GPU only)")
+    return None
+
+
 def _sdpa_toggle(backend: str, label: str) -> Toggle:
     return Toggle(f"sdpa_{backend.lower()}", f"SDPA forced to its {label} kernel (vs its math kernel)",
                   without=Arm(context=_sdpa("MATH")), with_=Arm(context=_sdpa(backend)), rebuild=True,
@@ -311,6 +325,11 @@ TOGGLES: dict[str, Toggle] = {t.name: t for t in (
            Arm(model=_rope_live), Arm(), rebuild=True, applies=_vit_only),
     Toggle("head_layout", "per-head weights as one batched matmul over the head axis (vs broadcasting matmuls)",
            Arm(model=_broadcast_layout), Arm(), rebuild=True, applies=_vit_only),
+    # Step 28 of GPT-2's ladder until its gain over step 25 measured within the noise (hwlib.steps.retired):
+    # the same matmuls, another tile scheduler, so the arms' curves must agree within the step's tolerance.
+    Toggle("no_gemm_workspace", "torch's matmuls and hwlib's plain cuBLASLt matmul without cuBLAS's workspace "
+           "(hwlib.blas.no_workspace): no memset before them in the CUDA graph (retired step 28)",
+           Arm(), Arm(context=_no_workspace), rebuild=True, skips=_needs_cublas, same_math=True),
     _sdpa_toggle("FLASH_ATTENTION", "flash"),
     _sdpa_toggle("EFFICIENT_ATTENTION", "memory-efficient"),
     _sdpa_toggle("CUDNN_ATTENTION", "cuDNN"),
