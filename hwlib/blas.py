@@ -7,9 +7,10 @@ own, and the matmul after it starts a few microseconds later than after a kernel
 of GPT-2's step 25 on an H100, 130 memsets a step (one before most matmuls and two per attention)
 came with 0.56 ms of gaps around them and 0.10 ms of their own, in a 31.7 ms step. Without a
 workspace cuBLAS picks the same tiles with a scheduler that needs no counters (``ssched`` in the
-kernel's name) and no memset. The products are computed in the same tiles and precision; notebook
-28 measures what it changes (``hwlib.steps.s28_gemm_workspace.study``), and its table of memsets per call
-shows whether the setting took on the torch at hand.
+kernel's name) and no memset. The products are computed in the same tiles and precision. This was
+step 28 of GPT-2's ladder until its gain over step 25 measured within the noise on the reference H100
+(``hwlib.steps.retired``); notebook 19 now measures it as a toggle on step 25 (``no_gemm_workspace`` in
+``hwlib.studies.ablation``), a session per arm, each CUDA graph recorded inside its arm's setting.
 
 How the size is set. torch 2.13 and later: ``torch.backends.cuda.cublas_workspace_size`` and
 ``cublaslt_workspace_size``, reset to torch's own choice on leaving. Before that, torch reads
@@ -24,7 +25,7 @@ while it replays.
 torch keeps one workspace per cuBLAS handle and stream. In torch 2.11 it is allocated at the size in
 force at its first use and handed to cuBLAS at the size in force at each call: one first made inside
 ``no_workspace`` is empty, and cuBLAS failed writing past it once the size was back
-(``CUBLAS_STATUS_EXECUTION_FAILED``, notebook 28's first run on an H100). So ``no_workspace`` drops
+(``CUBLAS_STATUS_EXECUTION_FAILED``, step 28's first run on an H100). So ``no_workspace`` drops
 torch's workspaces on entry and on exit (``torch._C._cuda_clearCublasWorkspaces``, as inductor's
 CUDA-graph trees do around every recording), and each is made again at the size of its next use. A
 CUDA graph captured before must not be replayed afterwards: the workspace it wrote to may be reused.

@@ -80,7 +80,7 @@ def test_the_notebook_s_own_step_stands_out_and_branches_are_named():
     from matplotlib.colors import to_hex
     base = dict(unit="tokens/s", ms_p20=9.0, ms_p80=11.0, device="Test GPU", profile="full", model_tflops=1.0)
     steps = ["09_cuda_graphs", "17_fused_lm_head", "18_fp8", "21_fused_layernorm", "22_gelu_epilogue",
-             "23_branch_bias", "24_qkv_grad", "25_bias_column", "26_fp8_head", "27_bf16_stream", "28_gemm_workspace"]
+             "23_branch_bias", "24_qkv_grad", "25_bias_column", "26_fp8_head", "27_bf16_stream", "29_shared_qk_attention"]
     rows = [dict(base, step=s, throughput=1000.0 + i, ms_per_step=10.0, speedup_vs_baseline=1.0)
             for i, s in enumerate(steps)]
     fig = ladder_figure(rows, "gpt", {"matmul_tflops": {"bf16": 800.0}}, highlight="25_bias_column")
@@ -88,8 +88,8 @@ def test_the_notebook_s_own_step_stands_out_and_branches_are_named():
     colors = [to_hex(p.get_facecolor()) for p in ax.patches]
     assert colors.count(HIGHLIGHT) == 1 and colors.index(HIGHLIGHT) == steps.index("25_bias_column")
     labels = [t.get_text() for t in ax.get_xticklabels()]
-    # 21 builds on 17, not on the FP8 branch drawn before it; 28 on 25, not on 26.
-    assert labels[3] == "21 fused layernorm (on 17)" and labels[10] == "28 gemm workspace (on 25)"
+    # 21 builds on 17, not on the FP8 branch drawn before it; 29 (another workload's) on 10, not on 27.
+    assert labels[3] == "21 fused layernorm (on 17)" and labels[10] == "29 shared qk attention (on 10)"
     assert [lab for i, lab in enumerate(labels) if i not in (3, 10)] == [
         "09 cuda graphs", "17 fused lm head", "18 fp8", "22 gelu epilogue", "23 branch bias", "24 qkv grad",
         "25 bias column", "26 fp8 head", "27 bf16 stream"]

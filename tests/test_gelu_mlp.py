@@ -340,7 +340,7 @@ def test_the_epilogues_compute_the_tanh_gelu_and_its_derivative(ws_bytes):
 
 
 def test_step_25s_check_runs_the_interpreted_layernorm_on_a_cpu_and_catches_a_wrong_column(triton_device, monkeypatch):
-    """Notebooks 25 and 28 check ``s25_bias_column.study.odd_size_rows``: on a CPU its rows hold the
+    """Notebook 25 checks ``s25_bias_column.study.odd_size_rows``: on a CPU its rows hold the
     LayerNorm's Triton kernels, interpreted, writing the bias column the MLP reads, beside the torch
     backend; a forward kernel that writes 0.999 for the column's ones fails them (db_fc)."""
     from hwlib.steps.s21_fused_layernorm import op as A

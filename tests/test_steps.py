@@ -18,7 +18,26 @@ def test_ladder_is_cumulative():
         # each recipe step adds exactly its own change to the step it builds on; a step past the recipe none
         a = steps.previous(b.name)
         assert steps.settings_for(b.name).diff(steps.settings_for(a.name)).keys() == b.change.keys()
-        assert (b.apply or b.context) is not None if b.beyond_recipe else (not b.apply and not b.context)
+        assert b.apply is not None if b.beyond_recipe else b.apply is None
+
+
+def test_a_retired_step_left_the_ladder_its_folder_and_notebook_for_a_toggle():
+    """A step whose gain measured within the noise is off the ladder: no step, folder or notebook of its
+    name; it built on a step still there, and notebook 19's toggle of its name measures the change."""
+    from hwlib.paths import REPO_ROOT
+    from hwlib.studies import ablation
+    assert steps.RETIRED_NAMES == ("28_gemm_workspace",)
+    for r in steps.RETIRED:
+        assert r.name not in steps.STEP_NAMES and steps.get_retired(r.name) is steps.get_retired(r.name[:2]) is r
+        with pytest.raises(ChoiceError):
+            steps.get_step(r.name)
+        assert not any(s.name.startswith(r.name[:3]) for s in steps.LADDER)   # its number is not reused
+        assert not (REPO_ROOT / "hwlib" / "steps" / f"s{r.name}").exists()
+        assert not (REPO_ROOT / "notebooks" / f"{r.name}.ipynb").exists()
+        assert steps.get_step(r.after).name == r.after and r.why and r.title
+        assert all(not steps.not_applicable(steps.get_step(r.after), w) for w in r.workloads)
+        assert ablation.get_toggle(r.toggle).name == r.toggle
+    assert steps.get_retired("25_bias_column") is None
 
 
 def test_a_step_built_on_an_earlier_step_leaves_the_branch_between_out():

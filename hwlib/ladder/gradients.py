@@ -55,7 +55,7 @@ import torch
 from .. import precision as math_modes
 from ..device import ChoiceError, info, resolve_device
 from ..ops.sources import backends_used, forget_backends
-from ..steps import (LADDER, STEP_NAMES, Settings, contexts, get_step, not_applicable, previous, resolve_autocast,
+from ..steps import (LADDER, STEP_NAMES, Settings, get_step, not_applicable, previous, resolve_autocast,
                      settings_for, unavailable)
 from ..workloads import get_workload
 from . import session
@@ -104,7 +104,6 @@ TOLERANCES: dict[str, tuple[float, str]] = {
                           "check is reported, not asserted (``checked`` False); the loss-curve check and notebook 26's "
                           "300-step run bound it (GPU-only: skipped on CPU)"),
     "27_bf16_stream": (FP32, INERT.format(what="the residual stream in autocast's 16-bit dtype")),
-    "28_gemm_workspace": (FP32, EXACT.format(how="matmuls without cuBLAS's workspace")),
     "29_shared_qk_attention": (FP32, EXACT.format(how="Q = K's scores from one bmm, the shared values summed per "
                                                        "sample, dq as (dS + dS^T) q")),
     "30_bk_fused_head": (FP32, EXACT.format(how="ResNet-BK's head's log-sum-exp online over vocabulary tiles "
@@ -275,9 +274,8 @@ def _place(model: torch.nn.Module, settings: Settings, dev: torch.device) -> tor
 
 @contextlib.contextmanager
 def _math_mode(step: str, tf32: bool):
-    """IEEE fp32 (TF32 only where asked) in the contexts of the step's chain (``Step.context``: step 28's
-    matmuls without cuBLAS's workspace)."""
-    with math_modes.tf32_mode(tf32), contexts(step):
+    """IEEE fp32 (TF32 only where asked)."""
+    with math_modes.tf32_mode(tf32):
         yield
 
 

@@ -15,7 +15,7 @@ from .. import precision
 from ..memory.accumulation import accumulate, batch_size, plan_micro_batches
 from ..memory.offload import OffloadedAdamW
 from ..ops import fallbacks
-from ..steps import Settings, apply_chain, chain, contexts, get_step, settings_for
+from ..steps import Settings, apply_chain, chain, get_step, settings_for
 from ..workloads import get_workload
 
 
@@ -153,9 +153,8 @@ class Session:
 
     @contextlib.contextmanager
     def precision(self):
-        """The fp32 math mode of these settings (TF32 or IEEE) and the contexts of the steps in the chain
-        (``Step.context``: step 28's matmuls without cuBLAS's workspace), for the whole session's work."""
-        with precision.tf32_mode(self.settings.tf32), (contexts(self.step_name, self.skip) if self.step_name else contextlib.nullcontext()):
+        """The fp32 math mode of these settings (TF32 or IEEE), for the whole session's work."""
+        with precision.tf32_mode(self.settings.tf32):
             yield
 
     def autocast(self):

@@ -5,15 +5,18 @@
 modules in, its roofline ``predict``, the op it introduces (``op.py``; later steps import it from
 there) and its study (``study.py``: the op against float64 and its kernels alone). A study is a runner:
 nothing in the core, this package's ``__init__``, ``apply``, ``predict`` and ``op`` included, imports
-one. The helpers below find a step, its chain and its settings.
+one. The helpers below find a step, its chain and its settings. ``RETIRED`` (``retired.py``) lists the
+steps taken off the ladder, for the records they left.
 """
 
 from ..settings import Settings
-from .ladder import (LADDER, RECIPE_NAMES, STEP_NAMES, apply_chain, chain, contexts, describe, get_step,
+from .ladder import (LADDER, RECIPE_NAMES, STEP_NAMES, apply_chain, chain, describe, get_step,
                      not_applicable, previous, resolve_autocast, runs_here, settings_for, unavailable, uses_fp8)
 from .prediction import floor_ms, precision_of, predict
+from .retired import RETIRED, RETIRED_NAMES, Retired, get_retired
 from .step import Precondition, Step
 
-__all__ = ["LADDER", "RECIPE_NAMES", "STEP_NAMES", "Precondition", "Settings", "Step", "apply_chain", "chain",
-           "contexts", "describe", "floor_ms", "get_step", "not_applicable", "precision_of", "predict", "previous", "resolve_autocast", "runs_here",
-           "settings_for", "unavailable", "uses_fp8"]
+__all__ = ["LADDER", "RECIPE_NAMES", "RETIRED", "RETIRED_NAMES", "STEP_NAMES", "Precondition", "Retired", "Settings", "Step",
+           "apply_chain", "chain", "describe", "floor_ms", "get_retired", "get_step", "not_applicable",
+           "precision_of", "predict", "previous", "resolve_autocast", "runs_here", "settings_for", "unavailable",
+           "uses_fp8"]

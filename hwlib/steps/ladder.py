@@ -11,7 +11,6 @@ reordering of sums can use up; bf16 changes the arithmetic and gets a stated loo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import re
@@ -147,13 +146,12 @@ def runs_here(di: DeviceInfo) -> list[dict]:
 
 def describe(name: str) -> list[dict]:
     """The step's change against the step it builds on, as rows for a table: the settings a recipe step
-    changes, or the function through which a step past the recipe changes the model (or the session)."""
+    changes, or the function through which a step past the recipe changes the model."""
     step = get_step(name)
     prev = previous(name)
-    hook = step.apply or step.context
-    if hook is not None:
-        return [{"setting": "apply" if step.apply else "context", "before": prev.name if prev else "-",
-                 "after": f"{hook.__module__}.{hook.__qualname__}"}]
+    if step.apply is not None:
+        return [{"setting": "apply", "before": prev.name if prev else "-",
+                 "after": f"{step.apply.__module__}.{step.apply.__qualname__}"}]
     before = settings_for(prev.name) if prev else Settings()
     after = settings_for(step.name)
     return [{"setting": k, "before": a, "after": b} for k, (a, b) in after.diff(before).items()]
@@ -168,18 +166,6 @@ def apply_chain(model: torch.nn.Module, name: str, skip: tuple[str, ...] = ()) -
         if st.apply is not None and st.name not in skip:
             st.apply(model)
     return model
-
-
-@contextlib.contextmanager
-def contexts(name: str, skip: tuple[str, ...] = ()):
-    """The contexts the chain of ``name`` runs its work in (``Step.context``), entered in chain order, but
-    those of the steps named in ``skip``."""
-    skip = {get_step(s).name for s in skip}
-    with contextlib.ExitStack() as stack:
-        for st in chain(name):
-            if st.context is not None and st.name not in skip:
-                stack.enter_context(st.context())
-        yield
 
 
 def uses_fp8(name: str) -> bool:

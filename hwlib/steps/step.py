@@ -34,8 +34,6 @@ class Step:
     # Past the recipe: swaps this step's modules into a model built with the recipe's settings (and every
     # earlier step of its chain applied); raises Precondition when the model is not one it can change.
     apply: Callable | None = None
-    # A context the whole session's work runs in (a library setting rather than a module), or None.
-    context: Callable | None = None
     # Runs the session's training step itself: trainer(session) -> (batch -> loss), or None where it cannot
     # (the session then steps as usual). Step 31's whole step replayed as a CUDA graph per bucket.
     trainer: Callable | None = None

@@ -254,8 +254,9 @@ def workspace_bytes(call: str) -> int:
     """The cuBLASLt workspace of one of ``EPILOGUE_CALLS``. The two epilogue matmuls keep theirs: without
     one (``hwlib.blas.no_workspace``) cuBLASLt answered the DGELU matmul with a plain matmul and a separate
     epilogue kernel, 472 us against 158 us a call, and the GELU forward with a kernel that took 160 us
-    against 158 (H100, GPT-2's MLP, captured in CUDA graphs: notebook 28's matmul table in a run made
-    before these two kept their workspace). The plain input gradient follows ``hwlib.blas``."""
+    against 158 (H100, GPT-2's MLP, captured in CUDA graphs: the matmul table of step 28, since retired, in
+    a run made before these two kept their workspace). The plain input gradient follows ``hwlib.blas`` (notebook
+    19's ``no_gemm_workspace`` toggle)."""
     if call not in EPILOGUE_CALLS:
         raise ValueError(f"call must be one of {EPILOGUE_CALLS}, got {call!r}")
     return lt_workspace_bytes() if call in FOLLOW_BLAS else LT_WORKSPACE_BYTES
