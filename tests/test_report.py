@@ -73,15 +73,14 @@ def test_every_ladder_row_has_the_same_columns_when_the_first_step_did_not_run(i
 
 
 def test_a_branch_steps_prose_compares_it_with_the_step_it_builds_on(isolated_run):
-    """28 builds on 25: its words say how it did against 25, not against 27 listed just before it."""
-    put("25_bias_column", ms=4.0, tps=2500.0, check=1e-5)
-    put("26_fp8_head", ms=3.0, tps=3333.0, check=1e-3)
-    put("27_bf16_stream", ms=2.9, tps=3448.0, check=1e-4)
-    put("28_gemm_workspace", ms=3.96, tps=2525.0, check=1e-5)
+    """21 builds on 17: its words say how it did against 17, not against 18 listed just before it."""
+    put("17_fused_lm_head", ms=4.0, tps=2500.0, check=1e-5)
+    put("18_fp8", ms=3.0, tps=3333.0, check=1e-3)
+    put("21_fused_layernorm", ms=3.96, tps=2525.0, check=1e-5)
     rows = query.ladder_rows(query.load(), "gpt")
-    text = report.step_prose(rows, "gpt", "28_gemm_workspace")
-    assert "Against 25_bias_column (4.00 ms/step) that is 1.01x, within the p20-p80 spread" in text
-    assert "27_bf16_stream" not in text
+    text = report.step_prose(rows, "gpt", "21_fused_layernorm")
+    assert "Against 17_fused_lm_head (4.00 ms/step) that is 1.01x, within the p20-p80 spread" in text
+    assert "18_fp8" not in text
 
 
 def test_markdown_table_and_prose_use_the_numbers(ladder):
@@ -162,7 +161,8 @@ def test_the_readme_shows_the_results_before_the_rest(monkeypatch):
     s = json.loads((paths.REPO_ROOT / "outputs/reference/h100/summary.json").read_text())
     for w in s["workloads"]:
         assert f"- **{w}**: " in glance and f"/outputs/reference/h100/figures/{w}_ladder.png)" in glance
-    assert "-> 514,672 tokens/s, 01_baseline_fp32 -> 28_gemm_workspace" in glance   # summary.json's last gpt step
+    # the fastest gpt step without FP8 on the ladder (retired 28's records are left out)
+    assert "-> 513,663 tokens/s, 01_baseline_fp32 -> 25_bias_column" in glance
     assert len(text.splitlines()) < 400
 
 
@@ -225,7 +225,7 @@ def test_glance_takes_the_fastest_exact_step_and_says_the_fp8_branch_and_a_peer(
     put("09_cuda_graphs", ms=2.0, tps=5000.0, check=1e-5, mfu=0.4)
     put("25_bias_column", ms=1.7, tps=5900.0, check=1e-5, mfu=0.5)
     put("26_fp8_head", ms=1.5, tps=6600.0, check=1e-3, mfu=0.55)
-    put("28_gemm_workspace", ms=1.6, tps=6000.0, check=0.5, check_status="failed", mfu=0.52)   # math changed
+    put("24_qkv_grad", ms=1.6, tps=6000.0, check=0.5, check_status="failed", mfu=0.52)   # math changed
     common = dict(notebook="16_where_time_goes", workload="gpt", step="25_bias_column", profile="full",
                   device={"name": "Test GPU"})
     results.append([results.make_record(metric="sol_share", value=0.61, unit="ratio", **common),
@@ -474,3 +474,43 @@ def test_the_glance_reads_peers_from_the_machines_sibling_runs_only(monkeypatch)
     assert pages.sibling_runs("reference/h100") == ["reference/h100-anchor"]
     assert pages.sibling_runs(paths.REPO_ROOT / "outputs" / "reference" / "h100") == ["reference/h100-anchor"]
     assert pages.sibling_runs("reference/h200x2") == ["reference/h200x2-rungs"]
+
+
+def _spread(step, value, lo, hi):
+    return results.make_record(notebook="19_ablations", workload="gpt", step=step, metric="process_spread", value=value,
+                               unit="x", fields={"processes": 2}, params={"interval": {"lo": lo, "hi": hi}},
+                               profile="full", device={"name": "Test GPU"})
+
+
+def test_a_retired_steps_records_leave_the_ladder_for_a_block_of_their_own(isolated_run):
+    """The committed runs hold records of step 28, since retired (hwlib.steps.retired). The ladder tables
+    leave them out, on purpose: the ladder is hwlib.steps.LADDER. The "Retired steps" block shows the step
+    against the step it built on, with both spreads across processes; the time table marks its notebook."""
+    from hwlib import runs
+    assert "| 28_gemm_workspace | gpt | not measured in this run |" in report.retired_block(isolated_run)
+    put("25_bias_column", ms=4.0, tps=2500.0, check=1e-5)
+    put("28_gemm_workspace", ms=3.99, tps=2505.0, check=1e-5)
+    results.append([_spread("25_bias_column", 1.003, 0.996, 1.008), _spread("28_gemm_workspace", 1.005, 0.992, 1.011)])
+    recs = query.load()
+    assert [r["step"] for r in query.ladder_rows(recs, "gpt")] == ["25_bias_column"]
+    assert "28_gemm_workspace" not in report.markdown_table(query.ladder_rows(recs, "gpt"))
+    (r,) = report.retired_rows(recs)
+    assert r["speedup_vs_after"] == pytest.approx(2505 / 2500) and r["within_noise"] is True
+    assert ("| 28_gemm_workspace | gpt | 4.0 (3.6-4.4) on Test GPU (full) | 25_bias_column: 4.0 (3.6-4.4) | "
+            "1.002 (within noise) | 28: 1.005x (0.992-1.011); 25: 1.003x (0.996-1.008) | "
+            "notebook 19, toggle `no_gemm_workspace` on 25_bias_column |") in report.retired_block(isolated_run)
+    put("28_gemm_workspace", ms=3.0, tps=3300.0, check=1e-5)   # measured again: a gain beyond both spreads
+    assert "| 1.320 (outside the noise) |" in report.retired_block(isolated_run)
+    runs.update_state(isolated_run, **{n: {"status": "ok", "seconds": 1.0, "reason": ""}
+                                       for n in ("25_bias_column", "28_gemm_workspace")})
+    listed = [line.split("|")[1].strip() for line in report.time_table(isolated_run).splitlines()[4:]]
+    assert listed == ["25_bias_column", "28_gemm_workspace (retired step)"]
+
+
+def test_the_readme_says_which_steps_were_retired_from_the_reference_records(monkeypatch):
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
+    text = (paths.REPO_ROOT / "README.md").read_text()
+    block = _block(text, report.RETIRED_START, report.RETIRED_END)
+    assert block == report.retired_block("reference/h100").strip(), "the retired steps are stale: run `make readme`"
+    assert "| 28_gemm_workspace | gpt | 31.8 (31.6-32.7) on NVIDIA H100 80GB HBM3 (full) |" in block
+    assert "1.002 (within noise)" in block and "notebooks/28_gemm_workspace.ipynb" not in text

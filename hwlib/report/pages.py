@@ -2,7 +2,7 @@
 
 A page holds any of the blocks below, each between its pair of markers; ``render_page`` rebuilds
 every block it finds. The README keeps what a reader takes in first (the two commands and how long
-they took, one line and one figure per workload); docs/results.md holds the long tables (every
+they took, one line and one figure per workload) and the steps retired from the ladder; docs/results.md holds the long tables (every
 ladder, the toggles, several GPUs, the smaller profile's run, the first look's times, the seeds'
 claims).
 
@@ -24,8 +24,8 @@ from ..series import order_names
 from ..steps import uses_fp8
 from . import tables
 from .tables import (CLAIMS_END, CLAIMS_START, FIRST_END, FIRST_LOOK_RUN, FIRST_START, README_END, README_START,
-                     SMALL_END, SMALL_START, claims_block, first_look_block, raw_url, readme_block, repo_url,
-                     small_gpu_block)
+                     RETIRED_END, RETIRED_START, SMALL_END, SMALL_START, claims_block, first_look_block, raw_url,
+                     readme_block, repo_url, retired_block, small_gpu_block)
 
 GLANCE_START, GLANCE_END = "<!-- glance:start -->", "<!-- glance:end -->"
 COMMANDS_START, COMMANDS_END = "<!-- commands:start -->", "<!-- commands:end -->"
@@ -220,7 +220,8 @@ def blocks(run) -> list[tuple[str, str, object]]:
             (SMALL_START, SMALL_END, lambda: small_gpu_block(reference_runs())),
             (FIRST_START, FIRST_END, first_look_block),
             (GLANCE_START, GLANCE_END, lambda: glance_block(run)),
-            (COMMANDS_START, COMMANDS_END, lambda: commands_block(run))]
+            (COMMANDS_START, COMMANDS_END, lambda: commands_block(run)),
+            (RETIRED_START, RETIRED_END, lambda: retired_block(run))]
 
 
 def _between(text: str, start: str, end: str, body: str) -> str:

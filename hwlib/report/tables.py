@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -19,6 +20,7 @@ from .. import noise, results, source
 from ..paths import REPO_ROOT, run_dir
 from ..query import _num, ladder_rows, reference_runs, workloads_in
 from ..series import order_names
+from ..steps.retired import RETIRED_NAMES
 from . import recipe
 from .. import query
 from . import claims
@@ -30,6 +32,7 @@ README_START, README_END = "<!-- reference-table:start -->", "<!-- reference-tab
 CLAIMS_START, CLAIMS_END = "<!-- claims-table:start -->", "<!-- claims-table:end -->"
 SMALL_START, SMALL_END = "<!-- small-gpu:start -->", "<!-- small-gpu:end -->"
 FIRST_START, FIRST_END = "<!-- first-look:start -->", "<!-- first-look:end -->"
+RETIRED_START, RETIRED_END = "<!-- retired-steps:start -->", "<!-- retired-steps:end -->"
 FIRST_LOOK_RUN = "reference/h100-first-look"   # ``make first-look`` from cold caches on the reference H100
 
 
@@ -154,6 +157,86 @@ def ladder_rows_with_noise(recs: list[dict], workload: str) -> list[dict]:
     for r in rows:
         r["device_kind"] = kinds.get(r["step"])
     return rows
+
+
+# --- retired steps (hwlib.steps.retired) ------------------------------------------------------------
+
+def retired_rows(recs: list[dict]) -> list[dict]:
+    """One row per retired step and workload that a run's records measured (the ladder tables leave them
+    out: ``ladder_rows`` reads the ladder only): its ms/step and throughput, the step it built on as the
+    ladder has it, the ratio of their throughputs, and each one's spread across processes where notebook
+    19 measured one that still ``describes`` its row; ``within_noise`` as ``mark_within_noise`` says it."""
+    from ..steps import RETIRED
+    out = []
+    for ret in RETIRED:
+        for w in ret.workloads:
+            own: dict[str, dict] = {}
+            for r in recs:   # the newest of each metric, as ladder_rows reads a step's records
+                if r.get("workload") == w and r.get("step") == ret.name and not r.get("fields"):
+                    own[r["metric"]] = r
+            ms = own.get("ms_per_step")
+            thr = next((v for k, v in own.items() if k.endswith("_per_s")), None)
+            before = next((x for x in ladder_rows(recs, w) if x["step"] == ret.after), None)
+            if ms is None or thr is None or before is None or not before.get("throughput") \
+                    or ms.get("status", "ok") != "ok" or _num(thr.get("value")) is None:
+                continue
+            row = {"step": ret.name, "throughput": _num(thr["value"]), "prev_step": ret.after,
+                   "speedup_vs_prev": _num(thr["value"]) / before["throughput"],
+                   "measured_at": ms.get("time"), "code_digest": ms.get("code_digest")}
+            spreads = process_spreads(recs, w)
+            before_m, row_m = mark_within_noise([before, row], spreads)
+            out.append({"step": ret.name, "workload": w, "title": ret.title, "why": ret.why, "toggle": ret.toggle,
+                        "after": ret.after, "ms_per_step": _num(ms.get("value")), "ms_p20": _num(ms.get("p20")),
+                        "ms_p80": _num(ms.get("p80")), "throughput": row["throughput"], "unit": thr.get("unit"),
+                        "after_ms": before["ms_per_step"], "after_p20": before["ms_p20"],
+                        "after_p80": before["ms_p80"], "after_throughput": before["throughput"],
+                        "speedup_vs_after": row["speedup_vs_prev"], "within_noise": row_m["within_noise"],
+                        "spread": spreads.get(ret.name) if row_m["process_spread"] is not None else None,
+                        "after_spread": spreads.get(ret.after) if before_m["process_spread"] is not None else None,
+                        "device": (ms.get("device") or {}).get("name"), "profile": ms.get("profile")})
+    return out
+
+
+def _spread_words(step: str, sp: dict | None) -> str | None:
+    if not sp:
+        return None
+    iv = f" ({sp['lo']:.3f}-{sp['hi']:.3f})" if sp.get("lo") is not None and sp.get("hi") is not None else ""
+    return f"{step[:2]}: {sp['spread']:.3f}x{iv}"
+
+
+def retired_block(run) -> str:
+    """The README's "Retired steps": each step taken off the ladder against the step it built on, from the
+    run's records (``retired_rows``), and why it left; a retired step the run never measured says so."""
+    from ..steps import RETIRED
+    recs = query.load(run)
+    rows = {(r["step"], r["workload"]): r for r in retired_rows(recs)}
+    where = Path(os.path.relpath(run_dir(run), REPO_ROOT)).as_posix()
+    lines = ["A step stays on a workload's ladder while its gain over the step it builds on lies outside the spread "
+             "measured across fresh processes on the reference GPU (notebook 19); one inside it leaves the ladder, "
+             "its folder and notebook with it, and becomes a toggle of notebook 19, measured there with its own "
+             f"interval. Figures from `{where}/results.jsonl`; the spreads are slowest over fastest process, with "
+             "their interval.", "",
+             "| retired step | workload | ms/step (p20-p80) | built on: ms/step (p20-p80) | x vs it | "
+             "spread across processes | measured now by |", "|---|---|---|---|---|---|---|"]
+    whys = []
+    for ret in RETIRED:
+        for w in ret.workloads:
+            r = rows.get((ret.name, w))
+            now = f"notebook 19, toggle `{ret.toggle}` on {ret.after}"
+            if r is None:
+                lines.append(f"| {ret.name} | {w} | not measured in this run | {ret.after} | - | - | {now} |")
+                continue
+            x = f"{r['speedup_vs_after']:.3f}" + {True: " (within noise)", False: " (outside the noise)"}.get(
+                r["within_noise"], "")
+            spreads = "; ".join(filter(None, (_spread_words(ret.name, r["spread"]),
+                                              _spread_words(ret.after, r["after_spread"])))) or "not measured"
+            lines.append(f"| {ret.name} | {w} | {_fmt(r['ms_per_step'], '.1f')} ({_fmt(r['ms_p20'], '.1f')}-"
+                         f"{_fmt(r['ms_p80'], '.1f')}) on {r['device']} ({r['profile']}) | {ret.after}: "
+                         f"{_fmt(r['after_ms'], '.1f')} ({_fmt(r['after_p20'], '.1f')}-{_fmt(r['after_p80'], '.1f')}) | "
+                         f"{x} | {spreads} | {now} |")
+        whys.append(f"- **{ret.name}**: {ret.title}. Retired: its gain over {ret.after} measured within the noise "
+                    f"above, and {ret.why}.")
+    return "\n".join(lines + [""] + whys)
 
 
 # --- what a CPU or smoke run's numbers are worth ---------------------------------------------------
@@ -664,7 +747,9 @@ def time_table(run) -> str:
     for k, v in nbs.items():
         c = compile_s.get(k)
         share = v["seconds"] / total if total > 0 else None   # every entry 0 s: no share to give
-        row = f"| {k} | {md_cell(v['status'])} | {v['seconds']:.1f} | {_fmt(share, '.0%')} | {_fmt(c, '.1f')} |"
+        # a retired step's notebook ran in this run but is no longer in the series (hwlib.steps.retired)
+        name = f"{k} (retired step)" if k in RETIRED_NAMES else k
+        row = f"| {name} | {md_cell(v['status'])} | {v['seconds']:.1f} | {_fmt(share, '.0%')} | {_fmt(c, '.1f')} |"
         if params:
             p = v.get("parameters") or {}
             row += " " + md_cell("; ".join(f"`{n}={json.dumps(x)}`" for n, x in p.items()) or "-") + " |"
