@@ -49,3 +49,16 @@ def test_notebook_99_asks_for_the_reference_before_it_reads_its_run():
     assert 0 <= asked < code.find("report.write_all(run)") and asked < code.find('"summary.json"')
     assert "if not hwlib.paths.is_reference(run):" in code   # a committed reference is never rewritten
     assert "no ladder rows in this run: run the ladder notebooks first" not in code
+
+
+def test_notebook_99_shows_retired_steps_apart_from_the_ladders(said):
+    """The reference holds records of step 28, since retired: 99's ladders leave them out and its
+    "Retired steps" block shows them (``report.retired_block``), as the README does."""
+    from hwlib.report import tables as report
+    from hwlib.steps import RETIRED_NAMES
+    book = json.loads((ROOT / "notebooks" / "99_speedup_tables.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code")
+    assert "nb.markdown(report.retired_block(run))" in code and "RETIRED_NAMES" in code
+    rows = nb.show_ladder("gpt", nb.REFERENCE, figure=False)
+    assert rows and not {r["step"] for r in rows} & set(RETIRED_NAMES)
+    assert "| 28_gemm_workspace | gpt | 31.8 (31.6-32.7)" in report.retired_block(nb.REFERENCE)
