@@ -158,3 +158,24 @@ def test_hwlib_version(capsys):
     assert "version" in PROJECT["dynamic"] and "version" not in PROJECT
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]["version"] == \
         {"attr": "hwlib.__version__"}
+
+
+def test_the_ladder_notebooks_are_tested_without_any_extra():
+    """The ladder's notebook suite (00-11 and 99) runs with tests/without_extras on PYTHONPATH: there,
+    every module of a reader's extra is absent, as after `pip install hwlib`, and the test runner's own
+    modules are not."""
+    make = (ROOT / "Makefile").read_text()
+    target = make[make.index("\ntest-notebooks-ladder:"):]
+    target = target[:target.index("\n\n")]
+    assert "PYTHONPATH=$(CURDIR)/tests/without_extras" in target and "--nbval-current-env" in target
+    child = ("import importlib, json, sitecustomize\nout = {}\nfor m in ['transformers', 'peft', 'tokenizers', "
+             "'ipywidgets', 'scipy', 'jupyterlab', 'nbval', 'pytest']:\n    try:\n        importlib.import_module(m)\n"
+             "        out[m] = 'imported'\n    except ModuleNotFoundError:\n        out[m] = 'absent'\n"
+             "print(json.dumps([out, sitecustomize.BLOCKED]))")
+    res = subprocess.run([sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "tests" / "without_extras")})
+    assert res.returncode == 0, res.stderr[-2000:]
+    got, blocked = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {**{m: "absent" for m in ("transformers", "peft", "tokenizers", "ipywidgets", "scipy", "jupyterlab")},
+                   "nbval": "imported", "pytest": "imported"}
+    assert set(blocked) == set(NOT_CORE) - {"nbval", "pytest", "playwright"}   # every reader's extra, no more
