@@ -109,6 +109,12 @@ $(SUITES): export TORCHINDUCTOR_VEC_ISA_OK := 1
 # Inductor on a CPU stays tested where it is the subject: the ops' "under torch.compile" tests and
 # compile_model's own test (tests/test_fallbacks.py) call inductor themselves.
 $(SUITES): export HWLIB_CPU_COMPILE_BACKEND := aot_eager
+# The notebooks compile each workload at each of their compiled steps: there dynamo's tracing
+# alone (the eager backend: the forward's fake implementations, graph breaks) is checked, and AOT
+# autograd's joint graph is left to the unit suites above, which trace it under aot_eager and inductor.
+# Notebook 08 alone (its steps before it measured too) took 66 s of CPU under aot_eager and 43 s under
+# eager on a 2-core machine.
+test-notebooks-ladder test-notebooks-studies: export HWLIB_CPU_COMPILE_BACKEND := eager
 test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-b test-kernels test-browser
 
 # The unit suites load no nbval: with it, pytest imports nbformat before tests/conftest.py can keep

@@ -73,15 +73,17 @@ def build_model(workload: str, step: str | None, cfg, seed: int = 0, settings: S
 
 
 CPU_COMPILE_BACKEND_ENV = "HWLIB_CPU_COMPILE_BACKEND"
-CPU_COMPILE_BACKENDS = ("inductor", "aot_eager")
+CPU_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def cpu_compile_backend() -> str:
     """The backend ``torch.compile`` uses on a CPU: inductor, unless ``HWLIB_CPU_COMPILE_BACKEND`` says
-    ``aot_eager``. That one still runs what a GPU compile shares with a CPU one (dynamo's tracing, the
-    custom ops' fake implementations, AOT autograd's joint graph) but not inductor's C++ code
-    generation, which no GPU run uses and which costs 20-80 s per graph on a small CPU: the test suites
-    set it for the notebooks (the Makefile says why). A GPU always compiles with inductor."""
+    ``aot_eager`` or ``eager``. ``aot_eager`` still runs what a GPU compile shares with a CPU one
+    (dynamo's tracing, the custom ops' fake implementations, AOT autograd's joint graph) but not
+    inductor's C++ code generation, which no GPU run uses and which costs 20-80 s per graph on a small
+    CPU; ``eager`` keeps dynamo's tracing (the forward's fake implementations and graph breaks) and
+    leaves out the joint graph too. The test suites set them (the Makefile says which and why). A GPU
+    always compiles with inductor."""
     backend = os.environ.get(CPU_COMPILE_BACKEND_ENV, "inductor") or "inductor"
     if backend not in CPU_COMPILE_BACKENDS:
         raise ValueError(f"{CPU_COMPILE_BACKEND_ENV}={backend!r}: must be one of {CPU_COMPILE_BACKENDS}")
