@@ -253,16 +253,28 @@ def workloads_in(records: list[dict]) -> list[str]:
     return seen
 
 
+def step_metrics(records: list[dict], workload: str, names) -> dict[str, dict[str, dict]]:
+    """step -> metric -> the newest record of ``workload`` for each step in ``names``; records with fields
+    (variants, studies) are not a step's own. Where the step time names its measurement, only metrics of
+    that measurement are kept."""
+    by_step: dict[str, dict] = {}
+    for r in records:
+        if r.get("workload") != workload or r.get("step") not in names or r.get("fields"):
+            continue
+        by_step.setdefault(r["step"], {})[r["metric"]] = r
+    for name, m in by_step.items():
+        meas = (m.get("ms_per_step") or {}).get("measurement")
+        if meas:
+            by_step[name] = {k: v for k, v in m.items() if v.get("measurement") in (None, meas)}
+    return by_step
+
+
 def ladder_rows(records: list[dict], workload: str) -> list[dict]:
     """One dict per measured ladder step of ``workload``, in ladder order, with speed-ups against
     the first measured step and the one before. Records with fields (variants, studies) are not
     ladder rows."""
     from .steps import LADDER, STEP_NAMES, chain   # torch: see workloads_in
-    by_step: dict[str, dict] = {}
-    for r in records:
-        if r.get("workload") != workload or r.get("step") not in STEP_NAMES or r.get("fields"):
-            continue
-        by_step.setdefault(r["step"], {})[r["metric"]] = r
+    by_step = step_metrics(records, workload, STEP_NAMES)
     rows = []
     base = None
     measured: dict[str, float] = {}   # step -> throughput, for "x vs prev" along each step's chain
@@ -273,8 +285,6 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
             # records only (notebook 16's breakdown of a step the ladder has not run) is not a ladder row
             continue
         ms = m["ms_per_step"]
-        if ms.get("measurement"):   # only metrics of the same measurement as the newest step time
-            m = {k: v for k, v in m.items() if v.get("measurement") in (None, ms["measurement"])}
         status = ms.get("status", "ok")
         if status == "ok" and ms.get("contended"):   # timed beside another GPU process: never a clean ok
             status = "contended"

@@ -272,13 +272,6 @@ def _place(model: torch.nn.Module, settings: Settings, dev: torch.device) -> tor
     return model
 
 
-@contextlib.contextmanager
-def _math_mode(step: str, tf32: bool):
-    """IEEE fp32 (TF32 only where asked)."""
-    with math_modes.tf32_mode(tf32):
-        yield
-
-
 class Stepper:
     """One training step of ``step``'s model in fp32 on batch 0, in two halves: ``backward`` (the loss
     and every gradient) and ``update`` (the optimizer step from gradients it is handed), each tensor by
@@ -306,9 +299,9 @@ class Stepper:
 
     def backward(self) -> tuple[torch.Tensor, dict]:
         forget_backends()
-        with _math_mode(self.step, self.tf32), math_modes.autocast(self.autocast, self.dev):
+        with math_modes.tf32_mode(self.tf32), math_modes.autocast(self.autocast, self.dev):
             loss = self.wl.loss(self.model, self.batch)
-        with _math_mode(self.step, self.tf32):
+        with math_modes.tf32_mode(self.tf32):
             loss.backward()
         self.op_backends = dict(backends_used())
         grads = {n: (p.grad.detach().float().cpu().clone() if p.grad is not None else torch.zeros(p.shape))
@@ -323,7 +316,7 @@ class Stepper:
             common = tuple(slice(0, min(x, y)) for x, y in zip(p.shape, grads[n].shape))
             g[common] = grads[n][common].to(g.device, g.dtype)
             p.grad = g
-        with _math_mode(self.step, False):
+        with math_modes.tf32_mode(False):
             self.opt.step()
         names = {id(p): n for n, p in self.params.items()}
         state = {f"{k} {names[id(p)]}": v.detach().float().cpu()

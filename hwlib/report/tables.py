@@ -18,9 +18,9 @@ from pathlib import Path
 
 from .. import noise, results, source
 from ..paths import REPO_ROOT, run_dir
-from ..query import _num, ladder_rows, reference_runs, workloads_in
+from ..query import _num, ladder_rows, reference_runs, step_metrics, workloads_in
 from ..series import order_names
-from ..steps.retired import RETIRED_NAMES
+from ..steps.retired import RETIRED, RETIRED_NAMES
 from . import recipe
 from .. import query
 from . import claims
@@ -166,14 +166,10 @@ def retired_rows(recs: list[dict]) -> list[dict]:
     out: ``ladder_rows`` reads the ladder only): its ms/step and throughput, the step it built on as the
     ladder has it, the ratio of their throughputs, and each one's spread across processes where notebook
     19 measured one that still ``describes`` its row; ``within_noise`` as ``mark_within_noise`` says it."""
-    from ..steps import RETIRED
     out = []
     for ret in RETIRED:
         for w in ret.workloads:
-            own: dict[str, dict] = {}
-            for r in recs:   # the newest of each metric, as ladder_rows reads a step's records
-                if r.get("workload") == w and r.get("step") == ret.name and not r.get("fields"):
-                    own[r["metric"]] = r
+            own = step_metrics(recs, w, (ret.name,)).get(ret.name, {})
             ms = own.get("ms_per_step")
             thr = next((v for k, v in own.items() if k.endswith("_per_s")), None)
             before = next((x for x in ladder_rows(recs, w) if x["step"] == ret.after), None)
@@ -207,7 +203,6 @@ def _spread_words(step: str, sp: dict | None) -> str | None:
 def retired_block(run) -> str:
     """The README's "Retired steps": each step taken off the ladder against the step it built on, from the
     run's records (``retired_rows``), and why it left; a retired step the run never measured says so."""
-    from ..steps import RETIRED
     recs = query.load(run)
     rows = {(r["step"], r["workload"]): r for r in retired_rows(recs)}
     where = Path(os.path.relpath(run_dir(run), REPO_ROOT)).as_posix()

@@ -13,10 +13,10 @@ from ..settings import Settings
 from .ladder import (LADDER, RECIPE_NAMES, STEP_NAMES, apply_chain, chain, describe, get_step,
                      not_applicable, previous, resolve_autocast, runs_here, settings_for, unavailable, uses_fp8)
 from .prediction import floor_ms, precision_of, predict
-from .retired import RETIRED, RETIRED_NAMES, Retired, get_retired
+from .retired import RETIRED, RETIRED_NAMES, Retired
 from .step import Precondition, Step
 
 __all__ = ["LADDER", "RECIPE_NAMES", "RETIRED", "RETIRED_NAMES", "STEP_NAMES", "Precondition", "Retired", "Settings", "Step",
-           "apply_chain", "chain", "describe", "floor_ms", "get_retired", "get_step", "not_applicable",
+           "apply_chain", "chain", "describe", "floor_ms", "get_step", "not_applicable",
            "precision_of", "predict", "previous", "resolve_autocast", "runs_here", "settings_for", "unavailable",
            "uses_fp8"]

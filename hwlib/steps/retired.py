@@ -33,7 +33,3 @@ RETIRED: tuple[Retired, ...] = (
 )
 RETIRED_NAMES = tuple(r.name for r in RETIRED)
 
-
-def get_retired(name: str) -> Retired | None:
-    """The retired step ``name`` (its full name or its number), or None where no step of that name retired."""
-    return next((r for r in RETIRED if name in (r.name, r.name.split("_", 1)[0])), None)
