@@ -3,6 +3,7 @@
 `pip install hwlib` without extras is simulated in a child Python where every module of an extra
 is absent (None in sys.modules: its import raises ModuleNotFoundError, as when it is not installed)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,13 +21,12 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OPTIONAL = PROJECT["optional-dependencies"]
 
 
-def _names(reqs) -> set[str]:
-    import re
-    return {re.split(r"[<>=!~ \[;]", r.strip(), maxsplit=1)[0].lower() for r in reqs}
-
-
-# the import name of each distribution an extra brings, where it differs from the distribution's
-IMPORT_NAME = {"liger-kernel": "liger_kernel", "cut-cross-entropy": "cut_cross_entropy"}
+# The names of requirements and the import name of each distribution where it differs, as the ladder's
+# notebook suite blocks them (tests/without_extras), read without its blocking.
+_spec = importlib.util.spec_from_file_location("without_extras", ROOT / "tests" / "without_extras" / "sitecustomize.py")
+WITHOUT_EXTRAS = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(WITHOUT_EXTRAS)
+_names, IMPORT_NAME = WITHOUT_EXTRAS.names, WITHOUT_EXTRAS.IMPORT_NAME
 # Every extra's modules but triton: torch's CUDA wheels depend on it, and the modules that import it at
 # their top (Triton kernels) are loaded on a GPU only.
 NOT_CORE = sorted(IMPORT_NAME.get(n, n) for n in _names(r for reqs in OPTIONAL.values() for r in reqs)

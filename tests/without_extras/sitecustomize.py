@@ -20,8 +20,15 @@ READER_EXTRAS = ("generation", "dashboard", "bk-core", "lab", "compare")
 # distribution name -> import name, where they differ
 IMPORT_NAME = {"liger-kernel": "liger_kernel", "cut-cross-entropy": "cut_cross_entropy"}
 
+
+
+def names(reqs) -> set[str]:
+    """The distribution names of requirement strings, lower-cased."""
+    return {re.split(r"[<>=!~ \[;]", r.strip(), maxsplit=1)[0].lower() for r in reqs}
+
+
 BLOCKED = sorted({IMPORT_NAME.get(n, n) for extra in READER_EXTRAS
-                  for n in (re.split(r"[<>=!~ \[;]", r.strip(), maxsplit=1)[0].lower()
-                            for r in _PROJECT["optional-dependencies"][extra])} - {"hwlib"})
-for _name in BLOCKED:
-    sys.modules[_name] = None            # import raises ModuleNotFoundError: not installed
+                  for n in names(_PROJECT["optional-dependencies"][extra])} - {"hwlib"})
+if __name__ == "sitecustomize":          # as Python's start-up loads it; tests/test_extras.py reads the names only
+    for _name in BLOCKED:
+        sys.modules[_name] = None        # import raises ModuleNotFoundError: not installed
