@@ -33,7 +33,8 @@ CLAIMS_START, CLAIMS_END = "<!-- claims-table:start -->", "<!-- claims-table:end
 SMALL_START, SMALL_END = "<!-- small-gpu:start -->", "<!-- small-gpu:end -->"
 FIRST_START, FIRST_END = "<!-- first-look:start -->", "<!-- first-look:end -->"
 RETIRED_START, RETIRED_END = "<!-- retired-steps:start -->", "<!-- retired-steps:end -->"
-FIRST_LOOK_RUN = "reference/h100-first-look"   # ``make first-look`` from cold caches on the reference H100
+# ``make first-look`` from cold caches, one run per GPU it was measured on (the reference H100 first).
+FIRST_LOOK_RUNS = ("reference/h100-first-look", "reference/h200-first-look")
 
 
 def repo_url(path: str) -> str:
@@ -776,15 +777,17 @@ def small_gpu_block(runs: list[str]) -> str:
     return "\n".join(out) if out else "No reference run in a smaller profile yet."
 
 
-def first_look_block(run=FIRST_LOOK_RUN) -> str:
-    """The README's part on ``make first-look``: where the time of its reference run went."""
-    folder = run_dir(run, create=False)
-    if not (folder / "state.json").is_file():
-        return "No first-look reference run yet."
-    recs = query.load(run)
-    dev = _device_name(recs)
-    name = f"outputs/{run}" if isinstance(run, str) else folder.name
-    return f"**`{name}`**, {dev}, from cold caches:\n\n" + time_table(run)
+def first_look_block(runs=FIRST_LOOK_RUNS) -> str:
+    """The README's part on ``make first-look``: where the time of each of its reference runs went (one
+    run, or several: one per GPU)."""
+    parts = []
+    for run in ((runs,) if isinstance(runs, (str, Path)) else runs):
+        folder = run_dir(run, create=False)
+        if not (folder / "state.json").is_file():
+            continue
+        name = f"outputs/{run}" if isinstance(run, str) else folder.name
+        parts.append(f"**`{name}`**, {_device_name(query.load(run))}, from cold caches:\n\n" + time_table(run))
+    return "\n\n".join(parts) or "No first-look reference run yet."
 
 
 def source_markdown(source: str) -> str:
