@@ -276,7 +276,7 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
     from .steps import LADDER, STEP_NAMES, chain   # torch: see workloads_in
     by_step = step_metrics(records, workload, STEP_NAMES)
     rows = []
-    base = None
+    base = base_step = None   # the first measured step: 01 in a whole series, another in a partial run
     measured: dict[str, float] = {}   # step -> throughput, for "x vs prev" along each step's chain
     for st in LADDER:
         m = by_step.get(st.name)
@@ -313,13 +313,14 @@ def ladder_rows(records: list[dict], workload: str) -> list[dict]:
         # A step whose math changed keeps its measured speed-up; its status says not to trust it.
         if row["throughput"]:
             base = base or row["throughput"]
+            base_step = base_step or st.name
             prev = next((s.name for s in reversed(chain(st.name)[:-1]) if s.name in measured), None)
             row["speedup_vs_baseline"] = row["throughput"] / base
             row["speedup_vs_prev"] = row["throughput"] / measured[prev] if prev else None
-            row["prev_step"] = prev
+            row["prev_step"], row["base_step"] = prev, base_step
             measured[st.name] = row["throughput"]
         else:
-            row["speedup_vs_baseline"] = row["speedup_vs_prev"] = row["prev_step"] = None
+            row["speedup_vs_baseline"] = row["speedup_vs_prev"] = row["prev_step"] = row["base_step"] = None
         rows.append(row)
     return rows
 

@@ -70,6 +70,10 @@ def test_every_ladder_row_has_the_same_columns_when_the_first_step_did_not_run(i
     assert by["21_fused_layernorm"]["prev_step"] == "17_fused_lm_head"
     assert by["21_fused_layernorm"]["speedup_vs_prev"] == pytest.approx(2600 / 2500)
     assert Path(report.write_all()["gpt.csv"]).read_text().count("\n") == len(rows) + 1
+    # the speed-up column names the step it is taken against: 03, the first one measured here, not 01
+    assert all(r["base_step"] == "03_bf16_autocast" for r in rows if r["throughput"])
+    head = report.markdown_table(rows).splitlines()[0]
+    assert "| x vs 03 |" in head and "x vs 01" not in head
 
 
 def test_a_branch_steps_prose_compares_it_with_the_step_it_builds_on(isolated_run):

@@ -65,7 +65,7 @@ def md_cell(v) -> str:
 
 TABLE_COLUMNS = [  # (header, key, format)
     ("step", "step", ""), ("status", "status", ""), ("ms/step (p20-p80)", None, ""),
-    ("{unit}", "throughput", ",.0f"), ("x vs 01", "speedup_vs_baseline", ".2f"),
+    ("{unit}", "throughput", ",.0f"), ("x vs {base}", "speedup_vs_baseline", ".2f"),
     ("x vs prev", "speedup_vs_prev", ".2f"), ("TFLOP/s", "model_tflops", ".1f"), ("MFU", "mfu", ".1%"),
     ("peak GiB", "peak_mem_gib", ".2f"), ("same math (max rel / tol)", None, ""),
     ("final loss", "final_loss", ".4f"),
@@ -77,7 +77,9 @@ def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return "_no measurements yet_\n"
     unit = rows[0].get("unit", "items/s")
-    heads = [h.format(unit=unit) for h, _, _ in TABLE_COLUMNS]
+    # the speed-up column names the step it is taken against: the first one measured in this run
+    base = next((r["base_step"][:2] for r in rows if r.get("base_step")), "01")
+    heads = [h.format(unit=unit, base=base) for h, _, _ in TABLE_COLUMNS]
     lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in heads) + "|"]
     for r in rows:
         cells = []
