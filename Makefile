@@ -32,6 +32,13 @@ SETUP_STAMP := $(VENV)/.hwlib-setup$(if $(PIN),-pinned)
 PIP_PIN := $(if $(PIN),-c $(CONSTRAINTS))
 endif
 
+# Bytecode is written where a module is first imported, once for every later process. Some machines (CI's)
+# set PYTHONDONTWRITEBYTECODE: then every process compiled torch's Python from source again (`import torch`
+# took 7.1 s of CPU instead of 3.1, torch._dynamo 18.4 instead of 6.2). An empty value lets Python write it:
+# only what is imported gets compiled, where compiling all of site-packages at set-up took about 40 s on two
+# cores before any test could start.
+export PYTHONDONTWRITEBYTECODE :=
+
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
@@ -49,12 +56,6 @@ $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned: pyproject.toml $(if $(PIN),$(C
 	if $(VENV)/bin/python -m pip install -q uv; then \
 	    $(VENV)/bin/python -m uv pip install -q --compile-bytecode --python $(VENV)/bin/python $(PIP_PIN) -e ".[all,test]"; \
 	else $(VENV)/bin/python -m pip install -q $(PIP_PIN) -e ".[all,test]"; fi
-	# uv compiles what it installed to bytecode; compileall then compiles the rest on every core, once: torch
-	# and what came with it from pip (sympy, networkx, mpmath, jinja2). Where PYTHONDONTWRITEBYTECODE is set
-	# (CI machines set it) no import writes bytecode, and without this every process compiled torch's Python
-	# from source again: `import torch` took 7.1 s of CPU instead of 3.1, torch._dynamo 18.4 instead of 6.2.
-	$(VENV)/bin/python -m compileall -q -j 0 "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null \
-	    || echo "setup: some files in site-packages did not compile to bytecode; they compile when imported"
 	rm -f $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned
 	touch $@
 
