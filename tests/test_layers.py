@@ -4,6 +4,7 @@ Every import is read from the source (module level and inside functions alike), 
 hide behind a function-local import."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -46,12 +47,17 @@ def layer_of(module: str) -> str:
     raise AssertionError(f"{module}: no layer for hwlib.{top}; add it to LAYERS (and docs/architecture.md)")
 
 
+@functools.cache
+def known_modules() -> frozenset[str]:
+    return frozenset(module_name(p) for p in PKG.rglob("*.py"))
+
+
 def imports_of(path: Path) -> set[str]:
     """hwlib modules that ``path`` imports, resolved to module names (a ``from x import y`` of a
     submodule counts as that submodule)."""
     me = module_name(path)
     pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    known = {module_name(p) for p in PKG.rglob("*.py")}
+    known = known_modules()
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -72,9 +78,11 @@ def imports_of(path: Path) -> set[str]:
     return {m for m in out if m != me}
 
 
-def graph() -> dict[str, set[str]]:
+# Read once per session: every test below reads the same sources, and the files do not change under it.
+@functools.cache
+def graph() -> dict[str, frozenset[str]]:
     files = [p for p in PKG.rglob("*.py") if "kernels" not in p.relative_to(PKG).parts]
-    return {module_name(p): imports_of(p) for p in files}
+    return {module_name(p): frozenset(imports_of(p)) for p in files}
 
 
 def test_every_module_has_a_layer():
