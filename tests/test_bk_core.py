@@ -834,24 +834,43 @@ def test_build_wait_must_be_a_number(monkeypatch, value):
 CU_FILES = sorted(KERNELS_DIR.glob("*.cu"))
 
 
+@pytest.fixture(scope="module")
+def nvcc_object(tmp_path_factory):
+    """``nvcc_object(cu)``: the nvcc run that compiles ``cu`` for sm_90 to an object file, once per module
+    (the plain-nvcc check and the host library below share 12_bk_core.cu's, which takes most of a minute
+    of CPU on a loaded machine). Plain nvcc flags, with the host code position-independent so that the
+    object links into a shared library, and at -O2, whose host warnings are a superset of -O0's."""
+    if NVCC is None:
+        pytest.skip("nvcc not on PATH")
+    out, done = tmp_path_factory.mktemp("nvcc"), {}
+
+    def compile_cu(cu: Path) -> tuple[subprocess.CompletedProcess, Path]:
+        if cu not in done:
+            obj = out / f"{cu.stem}.o"
+            r = subprocess.run([NVCC, "-arch=sm_90", "-c", "-Xcompiler", "-fPIC,-O2", str(cu), "-o", str(obj)],
+                               capture_output=True, text=True, timeout=300)
+            done[cu] = (r, obj)
+        return done[cu]
+    return compile_cu
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("cu", CU_FILES, ids=lambda p: p.name)
-def test_cu_compiles_with_plain_nvcc(cu, tmp_path):
-    r = subprocess.run([NVCC, "-arch=sm_90", "-c", str(cu), "-o", str(tmp_path / "k.o")],
-                       capture_output=True, text=True, timeout=300)
+def test_cu_compiles_with_plain_nvcc(cu, nvcc_object):
+    r, _ = nvcc_object(cu)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "warning" not in r.stderr.lower(), r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
-def bk_host_lib(tmp_path_factory):
+def bk_host_lib(tmp_path_factory, nvcc_object):
     """kernels/12_bk_core.cu as a shared library: its host path runs the device code's block
     logic. Its launchers are declared to ctypes from 12_bk_core.h (``bk_cuda.bind_ctypes``)."""
-    if NVCC is None:
-        pytest.skip("nvcc not on PATH")
+    r, obj = nvcc_object(KERNELS_DIR / "12_bk_core.cu")
+    assert r.returncode == 0, r.stderr[-3000:]
     so = tmp_path_factory.mktemp("bk") / "libbk_core.so"
-    r = subprocess.run([NVCC, "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC,-O2", str(KERNELS_DIR / "12_bk_core.cu"),
-                        "-o", str(so)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([NVCC, "-arch=sm_90", "-shared", str(obj), "-o", str(so)], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return bk_cuda.bind_ctypes(ctypes.CDLL(str(so)))
 
