@@ -191,14 +191,29 @@ def test_a_checkout_records_its_head(fresh_provenance):
 
 # --- installed from git, run outside the clone ----------------------------------------------------
 
-CHECK = r"""
-import json, sys
-import hwlib
+# Notebook 00's own cells up to its set-up call (the Colab cell among them), then what the test reads:
+# a record written the way notebook 00 writes its ceilings (its measurement, seconds of CPU that prove
+# nothing about where the code came from, is left out: the notebook suite runs notebook 00 whole), and
+# where hwlib and its kernel sources were found, from inside the notebook's kernel.
+RECORD = """nb.record_ceilings({"kind": device, "copy_gbps": 1.0, "matmul_tflops": {}}, notebook=NOTEBOOK,
+                   profile=profile, run=run)"""
+CHECK = """import json
 from hwlib.ops import sources
-from hwlib.paths import KERNELS_DIR
-names = json.loads(sys.argv[1])
-print(json.dumps({"hwlib": hwlib.__file__, "kernels": {n: str(sources.kernel_path(n)) for n in names}}))
-"""
+names = json.loads(os.environ["HWLIB_TEST_KERNELS"])
+pathlib.Path(os.environ["HWLIB_TEST_FOUND"]).write_text(json.dumps(
+    {"hwlib": hwlib.__file__, "kernels": {n: str(sources.kernel_path(n)) for n in names}}))"""
+
+
+def _notebook_00_set_up(path: Path) -> Path:
+    """Notebook 00's cells to its ``nb.setup`` call, then RECORD and CHECK, written to ``path``."""
+    import nbformat
+    nb = nbformat.read(ROOT / "notebooks" / "00_environment.ipynb", as_version=4)
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    assert "import hwlib; from hwlib import notebook as nb" in nb.cells[code[0]].source   # the Colab cell
+    (last,) = [i for i in code if "nb.setup(profile, device, run)" in nb.cells[i].source]
+    nb.cells = nb.cells[:last + 1] + [nbformat.v4.new_code_cell(RECORD), nbformat.v4.new_code_cell(CHECK)]
+    nbformat.write(nb, path)
+    return path
 
 
 def _missing_tools() -> list[str]:
@@ -212,7 +227,9 @@ def _missing_tools() -> list[str]:
 
 
 def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
-    """What the Colab cell does, then notebook 00 (smoke) from a folder that is another git repository."""
+    """What the Colab cell does, then notebook 00's set-up (smoke) from a folder that is another git
+    repository: its records say where the code came from, and hwlib and its kernel sources are the
+    installed copy's."""
     if _missing_tools():
         pytest.skip(f"{', '.join(_missing_tools())} not installed here: cannot install from git offline")
     repo, site, elsewhere, out = tmp_path / "repo", tmp_path / "site", tmp_path / "elsewhere", tmp_path / "out"
@@ -236,11 +253,13 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
 
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "HWLIB_KERNELS", "HWLIB_RUN", "TORCH_EXTENSIONS_DIR")}
+    kernels = sorted(p.name for p in (repo / "kernels").iterdir() if p.is_file())
+    found = tmp_path / "found.json"
     env.update(PYTHONPATH=str(site), HWLIB_OUTPUTS=str(out), HWLIB_RUN="colab", HWLIB_PROFILE="smoke",
-               HWLIB_DATA=str(tmp_path / "data"))
+               HWLIB_DATA=str(tmp_path / "data"), HWLIB_TEST_KERNELS=json.dumps(kernels), HWLIB_TEST_FOUND=str(found))
     # papermill as `hwlib reproduce` starts it (cli.PAPERMILL: without rfc3987_syntax's seconds-long import)
     r = subprocess.run([sys.executable, "-c", cli.PAPERMILL, "-k", "python3", "--cwd", str(elsewhere),
-                        str(ROOT / "notebooks" / "00_environment.ipynb"), str(tmp_path / "00.ipynb")],
+                        str(_notebook_00_set_up(tmp_path / "00_environment.ipynb")), str(tmp_path / "00.ipynb")],
                        capture_output=True, text=True, cwd=elsewhere, env=env, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
@@ -254,11 +273,7 @@ def test_installed_from_git_a_notebook_runs_outside_the_clone(tmp_path):
         assert x["code_digest"] == results.code_digest(repo)   # the wheel shipped every file of hwlib/
         assert x["versions"]["packages"]["torch"] == importlib.metadata.version("torch")
 
-    kernels = sorted(p.name for p in (repo / "kernels").iterdir() if p.is_file())
-    r = subprocess.run([sys.executable, "-c", CHECK, json.dumps(kernels)], capture_output=True, text=True,
-                       cwd=elsewhere, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(found.read_text())
     inside = (site / "hwlib").resolve()
     assert Path(got["hwlib"]).resolve() == inside / "__init__.py"
     assert set(got["kernels"]) == set(kernels) and kernels
