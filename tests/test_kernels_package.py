@@ -153,30 +153,46 @@ def test_constant_result_marks_a_function_as_torch_does():
     assert vars(ours)["_dynamo_marked_constant"] == vars(torchs)["_dynamo_marked_constant"]
 
 
-def test_importing_the_notebook_helpers_imports_no_compiler():
+# One child process answers both tests below (each start of Python with torch costs seconds of CPU):
+# first what the imports alone brought in, then what ``notebook.setup`` added; a module setup imported
+# after the imports shows in the second list whatever the first held.
+NOTEBOOK_IMPORTS = """
+import sys
+import hwlib.notebook, hwlib.steps.s26_fp8_head.op, hwlib.steps.s22_gelu_epilogue.op, hwlib.steps.s24_qkv_grad.op
+print('imports:', sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))
+import hwlib.notebook as nb, hwlib.paths as p
+nb.setup('smoke', 'cpu', 'setup-imports')
+print('setup:', sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))
+print('folder:', p._inductor_default_cache_dir())
+"""
+
+
+@pytest.fixture(scope="module")
+def notebook_imports(tmp_path_factory) -> tuple[str, str, str]:
+    """(modules the notebook helpers' imports loaded, modules after ``notebook.setup``, the cache folder
+    setup read) from one fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "HWLIB_OUTPUTS": str(tmp_path_factory.mktemp("nb-imports") / "outputs")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", NOTEBOOK_IMPORTS], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    said = dict(line.split(": ", 1) for line in out.stdout.splitlines()
+                if line.startswith(("imports: ", "setup: ", "folder: ")))
+    assert len(said) == 3, out.stdout + out.stderr
+    return said["imports"], said["setup"], said["folder"]
+
+
+def test_importing_the_notebook_helpers_imports_no_compiler(notebook_imports):
     """``from hwlib import notebook`` (every notebook's first import) stays clear of torch._dynamo and
     triton: about a second of import per process, and Triton's interpreter mode must be settable
     after it (``sources.triton_interpreter_mismatch``)."""
-    code = "import sys, hwlib.notebook, hwlib.steps.s26_fp8_head.op, hwlib.steps.s22_gelu_epilogue.op, " \
-           "hwlib.steps.s24_qkv_grad.op\n" \
-           "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert notebook_imports[0] == "[]", notebook_imports
 
 
-def test_a_notebooks_set_up_imports_no_compiler_and_knows_inductors_cache_folder(tmp_path):
+def test_a_notebooks_set_up_imports_no_compiler_and_knows_inductors_cache_folder(notebook_imports):
     """``notebook.setup`` reads inductor's default cache folder without importing inductor (4 s a
     notebook on a small CPU): its rule gives the folder inductor's own function gives."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    code = "import sys, hwlib.notebook as nb, hwlib.paths as p\n" \
-           "nb.setup('smoke', 'cpu', 'setup-imports')\n" \
-           "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n" \
-           "print(p._inductor_default_cache_dir())"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
-           "HWLIB_OUTPUTS": str(tmp_path / "outputs")}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    imported, folder = out.stdout.strip().splitlines()[-2:]
-    assert imported == "[]", out.stdout + out.stderr
+    _, imported, folder = notebook_imports
+    assert imported == "[]", notebook_imports
     assert folder == default_cache_dir()
