@@ -182,20 +182,29 @@ NB_CACHE = $$($(PY) -c "from pathlib import Path; from hwlib.paths import compil
     from hwlib.results import code_digest; \
     print(' '.join(f'{k}={v}' for k, v in compile_cache_env(Path('$(CURDIR)/outputs/nbval-cache'), code_digest()).items()))")
 
+# nbval starts a kernel per notebook: each forks from a process that has imported torch and hwlib once
+# (tests/forkkernel.py) instead of importing them again; in the ladder's half, where no notebook runs Triton
+# interpreted, torch.compile's stack too. FORK_KERNEL= runs the plain kernel of this Python.
+FORK_KERNEL ?= 1
+NB_KERNEL = $(if $(FORK_KERNEL),JUPYTER_PATH=$(CURDIR)/tests)
+NB_KERNEL_ARG = $(if $(FORK_KERNEL),--nbval-kernel-name hwlib-fork,--nbval-current-env)
+NB_KERNEL_STOP = $(if $(FORK_KERNEL),$(PY) tests/forkkernel.py --stop,true)
+
 # The ladder's half runs as `pip install hwlib` without extras would (tests/without_extras: every module
 # only an extra brings is absent): notebooks 00-11 and 99 are shown to need the core alone.
 test-notebooks-ladder: setup
 	rm -rf outputs/nbval
 	nbs="$(call RUN_ORDER,$(NB_LADDER))" && test -n "$$nbs" && \
-	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval \
-	    PYTHONPATH=$(CURDIR)/tests/without_extras$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m pytest -q -p no:cacheprovider \
-	    --nbval-lax --nbval-current-env $$nbs
+	export $(NB_CACHE) $(NB_KERNEL) HWLIB_FORK_KERNEL_PRELOAD=torch._dynamo,torch._inductor.compile_fx \
+	    HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval \
+	    PYTHONPATH=$(CURDIR)/tests/without_extras$(if $(PYTHONPATH),:$(PYTHONPATH)) && \
+	{ $(PY) -m pytest -q -p no:cacheprovider --nbval-lax $(NB_KERNEL_ARG) $$nbs; rc=$$?; $(NB_KERNEL_STOP); exit $$rc; }
 
 test-notebooks-studies: setup
 	rm -rf outputs/nbval-studies
 	nbs="$(call RUN_ORDER,$(NB_STUDIES))" && test -n "$$nbs" && \
-	env $(NB_CACHE) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies $(PY) -m pytest -q -p no:cacheprovider \
-	    --nbval-lax --nbval-current-env $$nbs
+	export $(NB_CACHE) $(NB_KERNEL) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies && \
+	{ $(PY) -m pytest -q -p no:cacheprovider --nbval-lax $(NB_KERNEL_ARG) $$nbs; rc=$$?; $(NB_KERNEL_STOP); exit $$rc; }
 
 # Kernel sources (kernels/, shipped inside the package as hwlib/kernels) are plain CUDA: they compile with nvcc
 # alone, with their own headers, no torch headers, no GPU needed.

@@ -1,0 +1,118 @@
+"""The notebook suites' forked kernel (tests/forkkernel.py): a kernel forked from the warm server behaves as
+one jupyter_client started itself: it runs in the launcher's directory and environment, an interrupt
+reaches it, a shutdown or a killed launcher leaves no process, and another environment gets its own server."""
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import forkkernel  # noqa: E402
+
+pytest.importorskip("jupyter_client")
+from jupyter_client.manager import start_new_kernel  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _run(kc, code: str, timeout: float = 120) -> str:
+    out = []
+    reply = kc.execute_interactive(code, timeout=timeout,
+                                   output_hook=lambda m: out.append(m["content"].get("text", "")))
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return "".join(out).strip()
+
+
+def _gone(pid: int, within: float = 30.0) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie of ours (the launcher is jupyter_client's child) counts as gone
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def fork_env(monkeypatch, tmp_path):
+    """An environment of its own (so a server of its own), the spec on JUPYTER_PATH, nothing preloaded
+    beyond the base; the server is stopped afterwards."""
+    monkeypatch.setenv("JUPYTER_PATH", str(TESTS))
+    monkeypatch.setenv("HWLIB_FORK_TEST", uuid.uuid4().hex)
+    monkeypatch.delenv(forkkernel.PRELOAD_VAR, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    forkkernel.stop()
+    assert _gone_socket(forkkernel.socket_path())
+
+
+def _gone_socket(path: str, within: float = 30.0) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end and os.path.exists(path):
+        time.sleep(0.1)
+    return not os.path.exists(path)
+
+
+def test_a_kernel_is_forked_from_the_warm_server_in_the_launchers_place(fork_env):
+    km, kc = start_new_kernel(kernel_name="hwlib-fork", cwd=str(fork_env))
+    try:
+        launcher = km.provisioner.process.pid
+        got = _run(kc, "import os, sys; print(os.getpid(), os.getppid(), os.getcwd(), os.environ['HWLIB_FORK_TEST'], "
+                       "'torch' in sys.modules, any(p.rstrip('/').endswith('tests') for p in sys.path))")
+        pid, ppid, cwd, marker, warm, sees_tests = got.split()
+        assert int(pid) != launcher and int(ppid) != launcher     # forked by the server, not started by us
+        assert cwd == str(fork_env) and marker == os.environ["HWLIB_FORK_TEST"]
+        assert warm == "True" and sees_tests == "False"
+        assert os.path.exists(forkkernel.socket_path())
+        # an interrupt sent to the launcher (jupyter_client's way) stops a running cell in the kernel
+        kc.execute("import time; time.sleep(60)")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        km.interrupt_kernel()
+        msg = kc.get_shell_msg(timeout=30)
+        assert msg["content"]["status"] == "error" and msg["content"]["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - t0 < 30
+    finally:
+        km.shutdown_kernel(now=False)
+        kc.stop_channels()
+    assert _gone(int(pid)) and _gone(launcher)
+
+
+def test_a_killed_launcher_takes_its_kernel_with_it(fork_env):
+    km, kc = start_new_kernel(kernel_name="hwlib-fork", cwd=str(fork_env))
+    try:
+        pid = int(_run(kc, "import os; print(os.getpid())"))
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        assert _gone(pid), "the kernel outlived its killed launcher"
+    finally:
+        kc.stop_channels()
+        km.cleanup_resources()
+
+
+def test_each_environment_has_its_own_server_and_the_shells_variables_do_not_count():
+    base = {"PATH": "/usr/bin", "PYTHONPATH": "/a", "HWLIB_RUN": "outputs/x", "SHLVL": "1", "_": "/usr/bin/env"}
+    same = {**base, "SHLVL": "2", "_": "/bin/sh", "JPY_PARENT_PID": "7", "PYTEST_CURRENT_TEST": "t (call)"}
+    assert forkkernel.socket_path(base) == forkkernel.socket_path(same)
+    for k, v in (("PYTHONPATH", "/b"), ("HWLIB_RUN", "outputs/y"), ("TRITON_INTERPRET", "1"),
+                 ("OMP_NUM_THREADS", "2"), (forkkernel.PRELOAD_VAR, "torch._dynamo")):
+        assert forkkernel.socket_path({**base, k: v}) != forkkernel.socket_path(base), k
+
+
+def test_the_suites_use_it():
+    """make test's notebook suites name the forked kernel (and the ladder's preloads torch.compile's stack)."""
+    text = (TESTS.parent / "Makefile").read_text()
+    assert "--nbval-kernel-name hwlib-fork" in text and "tests/forkkernel.py --stop" in text
+    assert "HWLIB_FORK_KERNEL_PRELOAD=torch._dynamo" in text
+    assert (TESTS / "kernels" / "hwlib-fork" / "kernel.json").is_file()
