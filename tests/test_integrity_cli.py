@@ -4,6 +4,7 @@ machine and profile; damaged files are skipped with a warning; bad arguments are
 docs/integrity.md lists these promises beside the tests here that hold them."""
 
 import json
+import multiprocessing
 import os
 import signal
 import stat
@@ -66,11 +67,61 @@ def args(nbs, run="r", *extra):
             "--timeout", "60", "--quiet", *extra]
 
 
-def start_cli(nbs, run="r") -> subprocess.Popen:
-    # the checkout first, and whatever the environment already adds (a GPU image's own packages)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "hwlib.cli", *args(nbs, run)], cwd=REPO, env=env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Cli:
+    """``hwlib reproduce`` in a process of its own, in a session of its own, as a shell starts it: a fork
+    of this process running ``cli.main`` as ``python -m hwlib.cli`` does (``sys.exit(main())``), in the
+    checkout with the checkout first on PYTHONPATH. Forked, it starts with torch imported: a fresh
+    interpreter took about 3 CPU-s importing it (the CLI reads the device through it) for each run a
+    test starts. The part of ``subprocess.Popen`` the tests use; its output goes to files beside the
+    notebooks."""
+
+    def __init__(self, nbs: Path, run: str):
+        self._out, self._err = nbs.parent / f"cli-{run}.out", nbs.parent / f"cli-{run}.err"
+        # daemon: one a failed test leaves running is ended (SIGTERM: it ends its notebooks) as pytest exits,
+        # not waited for
+        self._proc = multiprocessing.get_context("fork").Process(target=self._main, args=(args(nbs, run),),
+                                                                 daemon=True)
+        self._proc.start()
+        self.pid, self.returncode = self._proc.pid, None
+
+    def _main(self, argv):
+        os.setsid()
+        os.chdir(REPO)
+        # the checkout first, and whatever the environment already adds (a GPU image's own packages)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        for fd, path in ((1, self._out), (2, self._err)):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+        try:
+            code = cli.main(argv)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        sys.exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self.returncode = self._proc.exitcode        # -N for a signal N, as Popen's
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired("hwlib reproduce", timeout)
+        return self._out.read_text(), self._err.read_text()
+
+
+def start_cli(nbs, run="r") -> Cli:
+    return Cli(nbs, run)
 
 
 def wait_for(pred, what, timeout=60.0):
