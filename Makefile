@@ -53,9 +53,11 @@ $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned: pyproject.toml $(if $(PIN),$(C
 	$(VENV)/bin/python -m pip install -q --no-compile $(PIP_PIN) "$(TORCH_SPEC)"
 	# torch comes from pip (it may take a local wheel file, and pip's config may cap its version); the rest
 	# from uv where it can be had: 15 s against pip's 131 s for the same packages, on a 2-core machine.
+	# No bytecode is compiled here (see PYTHONDONTWRITEBYTECODE above): uv's --compile-bytecode took 34 of
+	# this line's 39 s on a 2-core machine.
 	if $(VENV)/bin/python -m pip install -q uv; then \
-	    $(VENV)/bin/python -m uv pip install -q --compile-bytecode --python $(VENV)/bin/python $(PIP_PIN) -e ".[all,test]"; \
-	else $(VENV)/bin/python -m pip install -q $(PIP_PIN) -e ".[all,test]"; fi
+	    $(VENV)/bin/python -m uv pip install -q --python $(VENV)/bin/python $(PIP_PIN) -e ".[all,test]"; \
+	else $(VENV)/bin/python -m pip install -q --no-compile $(PIP_PIN) -e ".[all,test]"; fi
 	rm -f $(VENV)/.hwlib-setup $(VENV)/.hwlib-setup-pinned
 	touch $@
 
