@@ -199,13 +199,19 @@ NB_KERNEL = $(if $(FORK_KERNEL),JUPYTER_PATH=$(CURDIR)/tests)
 NB_KERNEL_ARG = $(if $(FORK_KERNEL),--nbval-kernel-name hwlib-fork,--nbval-current-env)
 NB_KERNEL_STOP = $(if $(FORK_KERNEL),$(PY) tests/forkkernel.py --stop,true)
 
+# The ladder's notebooks (01-11) read HWLIB_WORKLOADS: here GPT-2 and the two seed systems whose steps the
+# ladder has (10's convolutions in Vision-BDH, 11's packing in the NLI encoder). ResNet-BK runs in its own
+# notebooks (12, 30) and Vision-BDH's linear form in 29; every workload's every step is checked by
+# tests/test_same_gradients.py. The two left out took about 11 s of CPU per ladder notebook here.
+NB_LADDER_WORKLOADS ?= gpt,vit_bdh,encoder_nli
+
 # The ladder's half runs as `pip install hwlib` without extras would (tests/without_extras: every module
 # only an extra brings is absent): notebooks 00-11 and 99 are shown to need the core alone.
 test-notebooks-ladder: setup
 	rm -rf outputs/nbval
 	nbs="$(call RUN_ORDER,$(NB_LADDER))" && test -n "$$nbs" && \
 	export $(NB_CACHE) $(NB_KERNEL) HWLIB_FORK_KERNEL_PRELOAD=torch._dynamo,torch._inductor.compile_fx \
-	    HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval \
+	    HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval HWLIB_WORKLOADS=$(NB_LADDER_WORKLOADS) \
 	    PYTHONPATH=$(CURDIR)/tests/without_extras$(if $(PYTHONPATH),:$(PYTHONPATH)) && \
 	{ $(PY) -m pytest -q -p no:cacheprovider --nbval-lax $(NB_KERNEL_ARG) $$nbs; rc=$$?; $(NB_KERNEL_STOP); exit $$rc; }
 

@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -288,3 +289,26 @@ def test_every_document_the_code_cites_is_in_the_repository():
     missing = {doc: sorted(where) for doc, where in cited.items()
                if not (ROOT / doc).is_file() and not any(ROOT.glob(f"**/{doc}"))}
     assert not missing, missing
+
+
+def test_the_ladder_notebooks_read_their_workloads_from_the_environment(monkeypatch):
+    """Notebooks 01-11 measure every workload unless HWLIB_WORKLOADS names fewer (nbval cannot inject a
+    parameter; make test's ladder suite names some); papermill's --workloads still overrides it."""
+    from hwlib.workloads import WORKLOADS
+    ladder = [p for p in NOTEBOOKS if 1 <= int(p.name[:2]) <= 11]
+    assert len(ladder) == 11
+    for path in ladder:
+        cell = next(c for c in json.loads(path.read_text())["cells"]
+                    if "parameters" in c.get("metadata", {}).get("tags", []))
+        for env, want in ((None, list(WORKLOADS)), ("gpt,encoder_nli", ["gpt", "encoder_nli"])):
+            if env is None:
+                monkeypatch.delenv("HWLIB_WORKLOADS", raising=False)
+            else:
+                monkeypatch.setenv("HWLIB_WORKLOADS", env)
+            ns = {"os": os}
+            exec("".join(cell["source"]), ns)
+            assert ns["workloads"] == want, (path.name, env, ns["workloads"])
+    make = (ROOT / "Makefile").read_text()
+    names = re.search(r"^NB_LADDER_WORKLOADS \?= (\S+)$", make, re.M).group(1).split(",")
+    assert "gpt" in names and set(names) < set(WORKLOADS)
+    assert "HWLIB_WORKLOADS=$(NB_LADDER_WORKLOADS)" in make
