@@ -196,7 +196,7 @@ NB_CACHE = $$($(PY) -c "from pathlib import Path; from hwlib.paths import compil
 # interpreted, torch.compile's stack too. FORK_KERNEL= runs the plain kernel of this Python.
 FORK_KERNEL ?= 1
 NB_KERNEL = $(if $(FORK_KERNEL),JUPYTER_PATH=$(CURDIR)/tests)
-NB_KERNEL_ARG = $(if $(FORK_KERNEL),--nbval-kernel-name hwlib-fork,--nbval-current-env)
+NB_KERNEL_ARG = $(if $(FORK_KERNEL),--nbval-kernel-name hwlib-fork --nbval-kernel-startup-timeout 240,--nbval-current-env)
 NB_KERNEL_STOP = $(if $(FORK_KERNEL),$(PY) tests/forkkernel.py --stop,true)
 
 # The ladder's notebooks (01-11) read HWLIB_WORKLOADS: here GPT-2 and the two seed systems whose steps the

@@ -40,7 +40,7 @@ PRELOAD = ("numpy", "torch", "matplotlib", "matplotlib.pyplot", "IPython", "ipyk
 # (TRITON_INTERPRET) at its first import, which notebook.setup(triton_on_cpu=True) must come before.
 PRELOAD_VAR = "HWLIB_FORK_KERNEL_PRELOAD"
 IDLE_S = 60.0                 # the server ends once no kernel has run for this long
-START_TIMEOUT_S = 300.0       # a loaded 2-core machine imports torch slowly
+START_TIMEOUT_S = 120.0       # a loaded 2-core machine imports torch slowly (the suites give nbval 240 s)
 # What decides what the server's imports found and set up: the interpreter's search path and flags, the
 # lab's own variables, and the libraries' thread, compile and backend settings. A launcher whose values
 # differ gets a server of its own (or none); the rest of its environment (the shell's, jupyter_client's
@@ -193,10 +193,11 @@ def _server(path: str) -> socket.socket | None:
         conn = _connect(path)
         if conn is not None:
             return conn
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", path], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", path],
+                                  start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and server.poll() is None:   # a server that failed: no waiting
             time.sleep(0.1)
             conn = _connect(path)
             if conn is not None:
@@ -209,7 +210,9 @@ def _own_kernel(argv: list[str]) -> None:
 
 
 def launch(argv: list[str]) -> None:
-    conn = _server(socket_path())
+    path = socket_path()
+    # a Unix socket's address holds at most 107 bytes: under a long TMPDIR, the kernel of this process
+    conn = _server(path) if len(os.fsencode(path)) <= 100 else None
     if conn is None:
         _own_kernel(argv)
     req = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "launcher": os.getpid()}

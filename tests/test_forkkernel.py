@@ -116,3 +116,29 @@ def test_the_suites_use_it():
     assert "--nbval-kernel-name hwlib-fork" in text and "tests/forkkernel.py --stop" in text
     assert "HWLIB_FORK_KERNEL_PRELOAD=torch._dynamo" in text
     assert (TESTS / "kernels" / "hwlib-fork" / "kernel.json").is_file()
+
+
+def test_a_launcher_whose_server_cannot_start_runs_its_own_kernel(fork_env, monkeypatch):
+    """A server that dies at its start costs no wait, and under a temporary folder too long for a socket's
+    address no server is tried: the launcher runs the ordinary kernel in its own process, which works."""
+    real = forkkernel.subprocess.Popen
+
+    def broken(cmd, **kw):
+        return real([sys.executable, "-c", "raise SystemExit(3)"], **kw)
+    monkeypatch.setattr(forkkernel.subprocess, "Popen", broken)
+    t0 = time.monotonic()
+    assert forkkernel._server(forkkernel.socket_path()) is None
+    assert time.monotonic() - t0 < 20, "the launcher waited for a server that had died"
+    # a long temporary folder: no socket can be made there, and the kernel is the launcher's own
+    long = fork_env / ("x" * 120)
+    long.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long))
+    monkeypatch.setattr(forkkernel.tempfile, "tempdir", None)   # read again here, and restored after
+    km, kc = start_new_kernel(kernel_name="hwlib-fork", cwd=str(fork_env))
+    try:
+        launcher = km.provisioner.process.pid
+        pid = int(_run(kc, "import os; print(os.getpid())"))
+        assert pid == launcher   # exec'd in place: the ordinary kernel
+    finally:
+        km.shutdown_kernel(now=False)
+        kc.stop_channels()
