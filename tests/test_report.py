@@ -262,10 +262,13 @@ def test_commands_block_reads_each_runs_state(ladder, tmp_path):
     results.write_json(ladder / "state.json", {
         "_profile": "full", "_device": "Test GPU", "00_environment": {"status": "ok", "seconds": 20.0, "reason": ""},
         "16_where_time_goes": {"status": "ok", "seconds": 160.0, "reason": ""}})
-    block = pages.commands_block(ladder, tmp_path / "never_ran")
+    block = pages.commands_block(ladder, (tmp_path / "never_ran",))
     first, whole = block.splitlines()[2:]
     assert first.endswith("| no reference run yet |") and "make first-look" in first
     assert "| 00_environment, 16_where_time_goes | 180 s (3 min) on Test GPU (full profile)" in whole
+    # of several first-look runs, those that exist, one row each
+    rows = pages.commands_block(ladder, (tmp_path / "never_ran", ladder)).splitlines()[2:]
+    assert len(rows) == 2 and "make first-look" in rows[0] and "on Test GPU" in rows[0]
 
 
 def test_a_rerun_with_fewer_metrics_does_not_mix_with_stale_ones(isolated_run):
@@ -382,12 +385,12 @@ def test_time_table_lists_a_runs_notebooks_in_the_order_the_run_went(tmp_path):
 
 
 def test_first_look_block_is_the_time_table_of_its_run(ladder, tmp_path):
-    assert report.first_look_block(tmp_path / "never_ran") == "No first-look reference run yet."
+    assert report.first_look_block((tmp_path / "never_ran",)) == "No first-look reference run yet."
     results.write_json(ladder / "state.json", {
         "_profile": "full", "00_environment": {"status": "ok", "seconds": 20.0, "reason": ""},
         "16_where_time_goes": {"status": "ok", "seconds": 60.0, "reason": "",
                                "parameters": {"steps": ["09_cuda_graphs", "25_bias_column"]}}})
-    block = report.first_look_block(ladder)
+    block = report.first_look_block((ladder,))
     assert "from cold caches" in block and "80 s over 2 notebooks" in block
     assert '| 16_where_time_goes | ok | 60.0 | 75% | - | `steps=["09_cuda_graphs", "25_bias_column"]` |' in block
 

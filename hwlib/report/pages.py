@@ -197,14 +197,12 @@ def _minutes(seconds: float) -> str:
 def commands_block(run=REFERENCE_RUN, first=FIRST_LOOK_RUNS) -> str:
     """The first look and the whole series, each with the notebooks its reference run ran and how long
     they took (state.json's seconds per notebook, added up), on which machine: the first look once per
-    reference run of it (``first``: one run or several)."""
+    reference run of it that exists (``first``: its runs)."""
     rows = ["| command | what it runs | how long it took |", "|---|---|---|"]
-    firsts = (first,) if isinstance(first, (str, Path)) else tuple(first)
-    todo = [("`make first-look` (`hwlib first-look`)", r, "from cold caches") for r in firsts]
-    found = [c for c in todo if _took(c[1]) is not None]
-    todo = (found or todo[:1]) + [("`make reproduce` (`hwlib reproduce`)", run, "the notebooks' seconds added up")]
-    for cmd, r, how in todo:
-        t = _took(r)
+    firsts = [(r, _took(r)) for r in first]
+    firsts = [f for f in firsts if f[1] is not None] or firsts[:1]
+    for cmd, t, how in ([("`make first-look` (`hwlib first-look`)", t, "from cold caches") for _, t in firsts]
+                        + [("`make reproduce` (`hwlib reproduce`)", _took(run), "the notebooks' seconds added up")]):
         if t is None:
             rows.append(f"| {cmd} | - | no reference run yet |")
             continue

@@ -781,9 +781,9 @@ def small_gpu_block(runs: list[str]) -> str:
 
 def first_look_block(runs=FIRST_LOOK_RUNS) -> str:
     """The README's part on ``make first-look``: where the time of each of its reference runs went (one
-    run, or several: one per GPU)."""
+    per GPU)."""
     parts = []
-    for run in ((runs,) if isinstance(runs, (str, Path)) else runs):
+    for run in runs:
         folder = run_dir(run, create=False)
         if not (folder / "state.json").is_file():
             continue

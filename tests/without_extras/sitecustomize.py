@@ -21,7 +21,6 @@ READER_EXTRAS = ("generation", "dashboard", "bk-core", "lab", "compare")
 IMPORT_NAME = {"liger-kernel": "liger_kernel", "cut-cross-entropy": "cut_cross_entropy"}
 
 
-
 def names(reqs) -> set[str]:
     """The distribution names of requirement strings, lower-cased."""
     return {re.split(r"[<>=!~ \[;]", r.strip(), maxsplit=1)[0].lower() for r in reqs}
