@@ -113,7 +113,6 @@ def serve(path: str) -> None:
         os.unlink(path)
     srv.bind(path)
     srv.listen(16)
-    srv.settimeout(0.2)
     kernels: dict[int, socket.socket] = {}
     last = time.monotonic()
     try:
