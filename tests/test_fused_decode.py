@@ -149,6 +149,31 @@ def test_triton_kernels_match_float64_references_at_odd_sizes(triton_device):
     assert (out.double().cpu() - want).abs().max() < 1e-5
 
 
+def test_matvec_kernel_matches_float64_in_every_form_at_odd_sizes(triton_device):
+    from hwlib.ops.sources import load_python_kernel
+    mv = load_python_kernel("14_decode_matvec_triton.py")
+    g = torch.Generator().manual_seed(11)
+    dev = triton_device
+    # rows 3 and 13 of the 16 a tile holds, N and K off every tile size, K split unevenly
+    for M, N, K, split in ((3, 100, 200, 3), (13, 70, 130, 2)):
+        x = torch.randn(M, K, generator=g, dtype=torch.float64)
+        w = torch.randn(N, K, generator=g, dtype=torch.float64) * K ** -0.5
+        xf, wf = x.float().to(dev), w.float().to(dev)
+        for form, sp in (("plain", 1), ("split", split), ("gated", 1)):
+            out = torch.full(mv.out_shape(M, N, form, sp), float("nan"), device=dev)
+            mv.matvec(xf, wf, out, form, split=sp, block_n=16, block_k=32, num_stages=2)
+            got = (out.sum(0) if form == "split" else out).double().cpu()
+            want = mv.reference(x, w, form)
+            assert got.shape == want.shape, form
+            assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max()), (form, M, N, K)
+    x = torch.randn(17, 64)
+    with pytest.raises(ValueError, match="x: 17 rows"):
+        mv.matvec(x.to(dev), torch.randn(8, 64, device=dev), torch.empty(17, 8, device=dev))
+    with pytest.raises(ValueError, match="out: shape"):
+        mv.matvec(x[:4].to(dev), torch.randn(8, 64, device=dev), torch.empty(4, 8, device=dev), "gated")
+    assert mv.config(1024, 2048, "split", 132)["split"] == 8 and mv.config(4096, 4096, "plain", 132)["split"] == 1
+
+
 def test_bad_rung_backend_and_sizes_are_refused(lm):
     cfg, pm, prompts = lm
     with pytest.raises(ChoiceError):

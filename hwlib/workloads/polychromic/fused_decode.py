@@ -19,6 +19,10 @@ the current length. The rungs, each cumulative (``RUNGS``):
                  (``decode_kernels.qk_norm_rope_cache``)
 ``decode_attn``  attention by a Triton decode kernel that reads the cache only up to the current
                  length, each K/V element once per GQA group (``decode_kernels.decode_attention``)
+``matvec``       the four block matmuls by a Triton kernel for batches of at most 16 rows
+                 (``kernels/14_decode_matvec_triton.py``): SiLU(gate) * up computed in the gate/up
+                 matmul's epilogue, o and down split over K into float32 partial sums that the
+                 residual add before the next RMSNorm sums (no split-K reduce kernel, no SiLU kernel)
 ===============  ================================================================================
 
 Measured and kept out of the ladder (``SLOWER``): on an H100 it made the step slower than
@@ -46,10 +50,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...ops.sources import load_python_kernel
 from .config import PolyConfig
 from .decode import sample_top_p, static_rows
 
-RUNGS = ("graph", "concat", "compile", "rope_cache", "decode_attn")
+RUNGS = ("graph", "concat", "compile", "rope_cache", "decode_attn", "matvec")
 # Timed on an H100 and slower than the rung before it (see above): asked for by name only
 # (decode_bench --rungs), so that the measurement can be repeated.
 SLOWER = ("sampler",)
@@ -61,6 +66,8 @@ CHANGES = {
                "and the sampler",
     "rope_cache": "q/k RMSNorm, RoPE and the cache write in one Triton kernel",
     "decode_attn": "a Triton decode-attention kernel reading the cache only up to the current length",
+    "matvec": "the block matmuls by a Triton kernel for at most 16 rows: SiLU x up in the gate/up epilogue, "
+              "o and down split over K, their partial sums added in the residual add",
     "sampler": "top-p sorts the bf16 logits (half the radix passes of float32 probabilities) and draws "
                "without scattering back to vocabulary order (eager)",
 }
@@ -134,6 +141,13 @@ def add_rms(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> 
     (normed, new residual)."""
     r = res + x
     return rms(r, w, eps), r
+
+
+def add_rms_parts(parts: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms`` of a matmul split over K: its float32 partial sums [S, B, N] summed and rounded to
+    the model dtype (where the unsplit matmul rounds its output), then the residual add and RMSNorm."""
+    return add_rms(parts.sum(0).to(res.dtype), res, w, eps)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -288,11 +302,14 @@ class FusedDecoder:
         self.logits = torch.empty(batch, cfg.vocab, dtype=dt, device=self.device)
         self.tokens = torch.zeros(batch, max_len, dtype=torch.long, device=self.device)
         self.fns = self._functions()
+        if "matvec" in self.fns:
+            self._matvec_buffers(dt)
         self.graphs: dict = {}
 
     # the pieces this rung runs, compiled from the compile rung on (a GPU only)
     def _functions(self) -> dict:
-        fns = {"add_rms": add_rms, "rms": rms, "silu_mul": silu_mul, "norm_rope": norm_rope,
+        matvec = self.level >= ALL_RUNGS.index("matvec")
+        fns = {"add_rms": add_rms_parts if matvec else add_rms, "rms": rms, "silu_mul": silu_mul, "norm_rope": norm_rope,
                "sample": sample_top_p_sorted if self.level >= ALL_RUNGS.index("sampler") else sample_top_p}
         if self.level >= RUNGS.index("compile") and self.use_graph:
             # emulate_precision_casts: a fused kernel rounds each intermediate the eager op would
@@ -307,13 +324,32 @@ class FusedDecoder:
         if self.level >= RUNGS.index("decode_attn"):
             from . import decode_kernels as dk
             fns["decode_attention"] = dk.decode_attention
+        if matvec:
+            fns["matvec"] = load_python_kernel("14_decode_matvec_triton.py").matvec
         return fns
+
+    def _matvec_buffers(self, dt) -> None:
+        """The matvec rung's outputs, allocated once (the captured graph keeps their addresses), and
+        each projection's tiles and K split (``config``)."""
+        mv = load_python_kernel("14_decode_matvec_triton.py")
+        lw, B, dev = self.w.layers[0], self.batch, self.device
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        self.mv_cfg = {k: mv.config(lw[k].shape[0], lw[k].shape[1], form, sms)
+                       for k, form in (("qkv", "plain"), ("o", "split"), ("gu", "gated"), ("d", "split"))}
+        shape = lambda k, form: mv.out_shape(B, lw[k].shape[0], form, self.mv_cfg[k]["split"])   # noqa: E731
+        self.qkv_buf = torch.empty(shape("qkv", "plain"), dtype=dt, device=dev)
+        self.act_buf = torch.empty(shape("gu", "gated"), dtype=dt, device=dev)
+        self.o_parts = torch.empty(shape("o", "split"), dtype=torch.float32, device=dev)
+        self.d_parts = torch.empty(shape("d", "split"), dtype=torch.float32, device=dev)
 
     def _attention(self, i: int, h: torch.Tensor, lw: dict) -> torch.Tensor:
         B, H, HKV, D = self.batch, self.H, self.HKV, self.D
         kc, vc = self.k_cache[i], self.v_cache[i]
         if self.level >= RUNGS.index("rope_cache"):     # (the fused QKV matmul from rung concat on)
-            qkv = F.linear(h, lw["qkv"])
+            if "matvec" in self.fns:
+                qkv = self.fns["matvec"](h, lw["qkv"], self.qkv_buf, "plain", **self.mv_cfg["qkv"])
+            else:
+                qkv = F.linear(h, lw["qkv"])
             self.fns["qk_norm_rope_cache"](qkv, lw["qn"], lw["kn"], self.cos, self.sin, self.pos, self.q_buf,
                                            kc, vc, self.eps, H, HKV)
             q = self.q_buf
@@ -336,6 +372,8 @@ class FusedDecoder:
             with self._sdpa():
                 o = F.scaled_dot_product_attention(q[:, :, None], kc, vc, attn_mask=mask, scale=self.scale,
                                                    enable_gqa=True)
+        if "matvec" in self.fns:      # float32 partial sums over K: add_rms_parts sums them
+            return self.fns["matvec"](o.reshape(B, H * D), lw["o"], self.o_parts, "split", **self.mv_cfg["o"])
         return F.linear(o.reshape(B, H * D), lw["o"])
 
     def _sdpa(self):
@@ -346,6 +384,9 @@ class FusedDecoder:
         return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[self.sdpa_backend]))
 
     def _mlp(self, h: torch.Tensor, lw: dict) -> torch.Tensor:
+        if "matvec" in self.fns:
+            a = self.fns["matvec"](h, lw["gu"], self.act_buf, "gated", **self.mv_cfg["gu"])
+            return self.fns["matvec"](a, lw["d"], self.d_parts, "split", **self.mv_cfg["d"])
         if self.level >= 1:
             a = self.fns["silu_mul"](F.linear(h, lw["gu"]))
         else:
