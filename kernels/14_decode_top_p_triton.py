@@ -401,7 +401,8 @@ class TopPSampler:
             raise ValueError(f"bin_block must be a power of two in [16, 65536], got {bin_block}")
         from hwlib.ops.sources import triton_interpreted
         self.batch, self.vocab, self.dtype, self.kind = batch, vocab, dtype, KINDS[dtype]
-        self.device = torch.device(device)
+        # the device a tensor reports ("cuda" names cuda:<current>; tensors always say cuda:N)
+        self.device = torch.empty(0, device=device).device
         self.block, self.bin_block = block, bin_block
         self.nch, self.nbc = triton.cdiv(vocab, block), NBINS // bin_block
         self.zb = _p2(triton.cdiv(NBINS, self.nch))        # bins each draw program zeroes

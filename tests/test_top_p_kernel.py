@@ -23,6 +23,12 @@ FILE = "14_decode_top_p_triton.py"
 B, V = 3, 3001          # odd: three chunks of 1,024 tokens, the last one short
 
 
+def blocks(dev: str, block: int) -> dict:
+    """The interpreter's large blocks (few reductions: ~1 ms each) on a CPU; on a GPU the sampler's
+    own bin block and a token block of at most 2,048 (a 32,768-bin tile takes minutes to compile)."""
+    return dict(block=block, bin_block=32768) if dev == "cpu" else dict(block=min(block, 2048), bin_block=1024)
+
+
 @pytest.fixture(scope="module")
 def K(triton_device):
     from hwlib.ops.sources import load_python_kernel
@@ -85,7 +91,7 @@ def check_tokens(K, sampler, logits, noise, temperature, top_p, unstable_too=Tru
 
 @pytest.fixture(scope="module")
 def bf16_sampler(K, triton_device):
-    return K.TopPSampler(B, V, triton_device, torch.bfloat16, block=1024, bin_block=32768)
+    return K.TopPSampler(B, V, triton_device, torch.bfloat16, **blocks(triton_device, 1024))
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 0.5), (0.9, 0.9), (1.3, 1.0), (0.9, 0.95)])
@@ -101,11 +107,11 @@ def test_bf16_tokens_and_kept_set_match_the_sorted_reference(K, bf16_sampler, te
 
 def test_float32_and_fp16_logits(K, triton_device):
     g = torch.Generator().manual_seed(7)
-    s = K.TopPSampler(B, 1001, triton_device, torch.float32, block=512, bin_block=32768)
+    s = K.TopPSampler(B, 1001, triton_device, torch.float32, **blocks(triton_device, 512))
     for temperature, top_p in ((0.7, 0.9), (1.3, 0.5)):
         logits = torch.randn(B, 1001, generator=g) * 2.5
         check_tokens(K, s, logits, noise_rows(g, B, 1001), temperature, top_p)
-    h = K.TopPSampler(2, 1001, triton_device, torch.float16, block=512, bin_block=32768)
+    h = K.TopPSampler(2, 1001, triton_device, torch.float16, **blocks(triton_device, 512))
     logits = (torch.randn(2, 1001, generator=g) * 3).to(torch.float16)
     check_tokens(K, h, logits, noise_rows(g, 2, 1001), 0.9, 0.9)
 
@@ -147,7 +153,7 @@ def test_tied_logits_greedy_takes_the_first_maximum_and_a_cut_group_its_first_to
 def test_the_real_vocabulary(K, triton_device):
     g = torch.Generator().manual_seed(17)
     v = 151936
-    s = K.TopPSampler(2, v, triton_device, torch.bfloat16, block=16384, bin_block=32768)
+    s = K.TopPSampler(2, v, triton_device, torch.bfloat16, **blocks(triton_device, 16384))
     logits = (torch.randn(2, v, generator=g) * 2.5).to(torch.bfloat16)
     # torch's CPU float32 softmax sums Z ~8.5e-6 high at this V (its probabilities sum to 1 + 8.7e-6;
     # the kernel's Z is within ~1e-7), which moves the reference's boundary by about a token here
@@ -156,7 +162,7 @@ def test_the_real_vocabulary(K, triton_device):
 
 def test_histograms_are_left_zeroed_for_the_next_call(K, triton_device):
     g = torch.Generator().manual_seed(19)
-    s = K.TopPSampler(2, 700, triton_device, torch.float32, block=512, bin_block=32768)
+    s = K.TopPSampler(2, 700, triton_device, torch.float32, **blocks(triton_device, 512))
     logits = torch.randn(2, 700, generator=g)
     noise = noise_rows(g, 2, 700)
     first = draw(K, s, logits, noise, 0.9, 0.9)

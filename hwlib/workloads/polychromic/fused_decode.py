@@ -23,6 +23,9 @@ the current length. The rungs, each cumulative (``RUNGS``):
                  (``kernels/14_decode_matvec_triton.py``): SiLU(gate) * up computed in the gate/up
                  matmul's epilogue, o and down split over K into float32 partial sums that the
                  residual add before the next RMSNorm sums (no split-K reduce kernel, no SiLU kernel)
+``top_p``        top-p sampling without a sort: the threshold logit from a per-row histogram of
+                 the logits' order keys, then the exponential race over the kept tokens, in five
+                 Triton launches (``kernels/14_decode_top_p_triton.py``)
 ===============  ================================================================================
 
 Measured and kept out of the ladder (``SLOWER``): on an H100 it made the step slower than
@@ -54,11 +57,13 @@ from ...ops.sources import load_python_kernel
 from .config import PolyConfig
 from .decode import sample_top_p, static_rows
 
-RUNGS = ("graph", "concat", "compile", "rope_cache", "decode_attn", "matvec")
+RUNGS = ("graph", "concat", "compile", "rope_cache", "decode_attn", "matvec", "top_p")
 # Timed on an H100 and slower than the rung before it (see above): asked for by name only
 # (decode_bench --rungs), so that the measurement can be repeated.
 SLOWER = ("sampler",)
 ALL_RUNGS = RUNGS + SLOWER
+# the rung each one set apart was measured on (its other pieces are that rung's)
+BUILDS_ON = {"sampler": "decode_attn"}
 CHANGES = {
     "graph": "the whole step (plain PyTorch ops, SDPA over the static cache, sampling) in one CUDA graph",
     "concat": "QKV as one matmul and gate/up as one matmul (concatenated weights built once)",
@@ -68,6 +73,7 @@ CHANGES = {
     "decode_attn": "a Triton decode-attention kernel reading the cache only up to the current length",
     "matvec": "the block matmuls by a Triton kernel for at most 16 rows: SiLU x up in the gate/up epilogue, "
               "o and down split over K, their partial sums added in the residual add",
+    "top_p": "top-p from a histogram of the logits' order keys (no sort), the draw over the kept tokens: 5 launches",
     "sampler": "top-p sorts the bf16 logits (half the radix passes of float32 probabilities) and draws "
                "without scattering back to vocabulary order (eager)",
 }
@@ -147,7 +153,12 @@ def add_rms_parts(parts: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: 
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms`` of a matmul split over K: its float32 partial sums [S, B, N] summed and rounded to
     the model dtype (where the unsplit matmul rounds its output), then the residual add and RMSNorm."""
-    return add_rms(parts.sum(0).to(res.dtype), res, w, eps)
+    # the slices added one by one (unrolled when traced): an elementwise chain that inductor fuses into the
+    # norm's kernel, where parts.sum(0) compiles to a reduction kernel of its own (56 more launches a step)
+    x = parts[0]
+    for i in range(1, parts.shape[0]):
+        x = x + parts[i]
+    return add_rms(x.to(res.dtype), res, w, eps)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -271,7 +282,7 @@ class FusedDecoder:
             raise ChoiceError("rung", rung, ALL_RUNGS)
         model = pm.get_base_model() if hasattr(pm, "get_base_model") else pm
         self.model, self.cfg, self.rung = model, cfg, rung
-        self.level = ALL_RUNGS.index(rung)
+        self.level = RUNGS.index(BUILDS_ON.get(rung, rung))
         self.device = torch.device(device)
         self.batch, self.max_len = batch, max_len
         if sdpa_backend is not None and sdpa_backend not in SDPA_BACKENDS:
@@ -308,15 +319,15 @@ class FusedDecoder:
 
     # the pieces this rung runs, compiled from the compile rung on (a GPU only)
     def _functions(self) -> dict:
-        matvec = self.level >= ALL_RUNGS.index("matvec")
+        matvec = self.level >= RUNGS.index("matvec")
         fns = {"add_rms": add_rms_parts if matvec else add_rms, "rms": rms, "silu_mul": silu_mul, "norm_rope": norm_rope,
-               "sample": sample_top_p_sorted if self.level >= ALL_RUNGS.index("sampler") else sample_top_p}
+               "sample": sample_top_p_sorted if self.rung == "sampler" else sample_top_p}
         if self.level >= RUNGS.index("compile") and self.use_graph:
             # emulate_precision_casts: a fused kernel rounds each intermediate the eager op would
             # store in bf16 (the residual before its norm), so fusion changes no value
             opts = {"emulate_precision_casts": True}
             fns = {k: torch.compile(f, dynamic=False, fullgraph=True, options=opts) for k, f in fns.items()}
-            if self.level >= ALL_RUNGS.index("sampler"):
+            if self.rung == "sampler":
                 fns["sample"] = sample_top_p_sorted        # eager: see SLOWER
         if self.level >= RUNGS.index("rope_cache"):
             from . import decode_kernels as dk
@@ -324,9 +335,19 @@ class FusedDecoder:
         if self.level >= RUNGS.index("decode_attn"):
             from . import decode_kernels as dk
             fns["decode_attention"] = dk.decode_attention
+        if self.level >= RUNGS.index("top_p"):
+            fns["sample"] = self._top_p_sampler()
         if matvec:
             fns["matvec"] = load_python_kernel("14_decode_matvec_triton.py").matvec
         return fns
+
+    def _top_p_sampler(self):
+        """The sort-free sampler with its workspace (built once: a captured graph keeps its buffers),
+        called as ``sample_top_p`` is."""
+        top_p = load_python_kernel("14_decode_top_p_triton.py")
+        sampler = top_p.TopPSampler(self.batch, self.cfg.vocab, self.device, dtype=self.logits.dtype)
+        out = torch.empty(self.batch, dtype=torch.long, device=self.device)
+        return lambda logits, noise, temperature, p: sampler(logits, noise, temperature, p, out)
 
     def _matvec_buffers(self, dt) -> None:
         """The matvec rung's outputs, allocated once (the captured graph keeps their addresses), and
