@@ -162,6 +162,42 @@ def _flush(out: Path, rows: list, records: list) -> None:
     size = rows[0]["model_size"].replace(".", "_")
     (out / f"decode_rows_{size}.json").write_text(json.dumps(rows, indent=1, default=str))
     (out / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in pack(records)))
+    write_table(out)
+
+
+def _cell(v, fmt: str) -> str:
+    return "" if v is None else format(v, fmt)
+
+
+def table(rows: list[dict]) -> str:
+    """The ladder as a Markdown table, one line per (model size, rung), from the rows as written."""
+    head = ("| model | rung | ms/step (p20-p80) | x vs rung before | GB/s | of copy | floor ms | greedy agreement "
+            "| divergences at ties |\n|" + " --- |" * 9)
+    lines, prev = [head], {}
+    for r in rows:
+        size, ms = r.get("model_size"), r.get("decode_ms_per_step")
+        if r.get("status") != "ok" or ms is None:
+            lines.append(f"| {size} | {r.get('rung')} | {r.get('status')}: {str(r.get('reason'))[:70]} | | | | | | |")
+            continue
+        before = prev.get(size)
+        gain = f"{before / ms:.2f}x" if before and str(r.get("rung")) != "14d_static_own" else ""
+        if str(r.get("rung")) != "14d_static_own":
+            prev[size] = ms
+        span = f" ({r['ms_p20']:.3f}-{r['ms_p80']:.3f})" if r.get("ms_p20") is not None else ""
+        lines.append(f"| {size} | {r.get('rung')} | {ms:.3f}{span} | {gain} | {_cell(r.get('decode_gbps'), ',.0f')} "
+                     f"| {_cell(r.get('decode_share_of_copy'), '.1%')} | {_cell(r.get('decode_floor_ms'), '.3f')} "
+                     f"| {_cell(r.get('agreement'), '.2f')} | {r.get('divergences_at_ties')}/{r.get('divergences')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: Path) -> Path:
+    """``decode_table.md`` from every ``decode_rows_*.json`` under ``out`` (smallest model first)."""
+    rows = []
+    for f in sorted(Path(out).glob("decode_rows_*.json"), key=lambda f: ("8b" in f.name, f.name)):
+        rows += json.loads(f.read_text())
+    path = Path(out) / "decode_table.md"
+    path.write_text(table(rows))
+    return path
 
 
 def main(argv=None) -> None:
