@@ -11,9 +11,9 @@ a damaged JSON file reads as absent. Each damaged file gets one warning naming i
 
 from __future__ import annotations
 
-import copy
 import json
 import math
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -148,7 +148,9 @@ def read_records(path: str | Path) -> list[dict]:
             if why:
                 bad.append((n, why))
             else:
-                stamps[rec["stamp"]] = {k: rec[k] for k in STAMP_FIELDS}
+                # pickled once: each record gets its own copy at C speed (copy.deepcopy per record
+                # took two thirds of reading a reference's 30,000 records)
+                stamps[rec["stamp"]] = pickle.dumps({k: rec[k] for k in STAMP_FIELDS})
             continue
         why = _valid(rec)
         if why:
@@ -159,7 +161,7 @@ def read_records(path: str | Path) -> list[dict]:
             if st is None:   # kept: its value stands, only where it ran is unknown
                 kept.append(n)
             else:
-                rec.update(copy.deepcopy(st))
+                rec.update(pickle.loads(st))
         recs.append(rec)
     if bad or kept:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
