@@ -122,7 +122,10 @@ $(SUITES): export HWLIB_CPU_COMPILE_BACKEND := aot_eager
 # Notebook 08 alone (its steps before it measured too) took 66 s of CPU under aot_eager and 43 s under
 # eager on a 2-core machine.
 test-notebooks-ladder test-notebooks-studies: export HWLIB_CPU_COMPILE_BACKEND := eager
-test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-c test-unit-b test-kernels test-browser
+# test-kernels is not among them: tests/test_bk_core.py compiles every kernels/*.cu with nvcc too (where nvcc
+# is on PATH), stricter (no warning allowed), and links 12_bk_core.cu's object to run its block logic on the
+# host; compiling each file twice more cost most of a minute of CPU.
+test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-c test-unit-b test-browser
 
 # The unit suites load no nbval: with it, pytest imports nbformat before tests/conftest.py can keep
 # rfc3987_syntax out (its grammar build costs about 3.5 s of CPU in each process that imports it).
