@@ -521,3 +521,31 @@ def test_the_readme_says_which_steps_were_retired_from_the_reference_records(mon
     assert block == report.retired_block("reference/h100").strip(), "the retired steps are stale: run `make readme`"
     assert "| 28_gemm_workspace | gpt | 31.8 (31.6-32.7) on NVIDIA H100 80GB HBM3 (full) |" in block
     assert "1.002 (within noise)" in block and "notebooks/28_gemm_workspace.ipynb" not in text
+
+
+def test_decode_ladder_rows_compare_each_rung_with_the_one_before(tmp_path, monkeypatch):
+    """decode_bench's records as the README's decode table reads them: each rung against the rung
+    measured before it, an SDPA variant against its own rung, the earlier loop against nothing."""
+    from hwlib.report import tables
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(tmp_path))
+    run = tmp_path / "dec"
+    run.mkdir()
+    lines = []
+    for size, rung, ms in (("m", "graph", 4.0), ("m", "rope_cache", 2.0), ("m", "rope_cache[math]", 4.0),
+                           ("m", "decode_attn", 1.6), ("m", "14d_static_own", 3.0), ("n", "graph", 10.0),
+                           ("n", "matvec", 8.0), ("m", "matvec", 1.0)):
+        f = {"batch": 12, "decode_rung": rung, "model_size": size}
+        lines.append({"metric": "decode_ms_per_step", "value": ms, "p20": ms, "p80": ms * 1.01, "unit": "ms",
+                      "step": tables.DECODE_STEP, "notebook": "decode_bench", "fields": f})
+        lines.append({"metric": "decode_share_of_copy", "value": 0.5 / ms, "step": tables.DECODE_STEP,
+                      "notebook": "decode_bench", "fields": f})
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows = {(r["model_size"], r["rung"]): r for r in tables.decode_rows("dec")}
+    x = {k: r["x"] for k, r in rows.items()}
+    assert x[("m", "graph")] is None and x[("m", "rope_cache")] == 2.0 and x[("m", "rope_cache[math]")] == 0.5
+    assert x[("m", "decode_attn")] == 2.0 / 1.6 and x[("m", "14d_static_own")] is None
+    assert x[("m", "matvec")] == 1.6 and x[("n", "matvec")] == 10.0 / 8.0       # per model size
+    assert rows[("m", "matvec")]["share"] == 0.5
+    text = "\n".join(tables.decode_ladder_lines(["dec", "missing"]))
+    assert "| m | decode_attn | 1.600 (1.600-1.616) | 1.25 | 31.2% |" in text and "missing" not in text
+    assert tables.decode_ladder_lines(["missing"]) == []

@@ -582,6 +582,7 @@ def readme_block(run) -> str:
         if w == recipe.WORKLOAD and (past := recipe.sentence(rows, recs)):
             lines += [past, ""]
     lines += generation_lines(s["generation"]["steps"])
+    lines += decode_ladder_lines(DECODE_RUNS)
     lines += toggle_lines(toggle_rows(recs, run_windows(query.state(run))))
     lines += multi_gpu_lines(reference_runs())
     lines.append(time_table(run))
@@ -604,6 +605,63 @@ def generation_lines(steps: list[dict]) -> list[str]:
                    f"{_fmt(cyc, '.2f')} | {_fmt(r.get('share_generation'), '.0%')} | "
                    f"{_fmt(r.get('decode_gbps'), ',.0f')} | {_fmt(r.get('decode_share_of_copy'), '.1%')} |")
     return out + [""]
+
+
+# Where the fused decode ladder (hwlib.studies.decode_bench) of each machine was measured: a reference run's
+# own folder, or one under it.
+DECODE_RUNS = ("reference/h100/generation_decode", "reference/h200-decode")
+DECODE_STEP = "14e_fused_decode"
+
+
+def decode_rows(run) -> list[dict]:
+    """The fused decode ladder of one run (``decode_bench``'s records; its newest of each model size and
+    rung), in the order measured, with each rung's speed-up over the fused rung measured before it."""
+    by = {}
+    for r in query.load(run):
+        f = r.get("fields") or {}
+        if r.get("step") != DECODE_STEP or not f.get("decode_rung") or not f.get("model_size"):
+            continue
+        row = by.setdefault((f["model_size"], f["decode_rung"]), {"model_size": f["model_size"], "rung": f["decode_rung"],
+                                                                  "device": (r.get("device") or {}).get("name")})
+        if r.get("metric") == "decode_ms_per_step":
+            row.update(ms=_num(r.get("value")), p20=_num(r.get("p20")), p80=_num(r.get("p80")))
+        elif r.get("metric") == "decode_share_of_copy":
+            row["share"] = _num(r.get("value"))
+    rows, before, ms = [], {}, {}
+    for row in by.values():
+        if row.get("ms") is None:
+            continue
+        size, rung = row["model_size"], row["rung"]
+        if rung.startswith("14"):          # 14d_static_own: the earlier loop, beside the ladder, not on it
+            row["x"] = None
+        elif "[" in rung:                  # rope_cache[math]: a variant of a rung, against that rung
+            base = ms.get((size, rung.split("[")[0]))
+            row["x"] = base / row["ms"] if base else None
+        else:
+            row["x"] = before[size] / row["ms"] if size in before else None
+            before[size] = ms[(size, rung)] = row["ms"]
+        rows.append(row)
+    return rows
+
+
+def decode_ladder_lines(runs) -> list[str]:
+    """The fused decode ladder of each run in ``runs`` that holds one, as README lines; none without rows."""
+    out = []
+    for run in runs:
+        rows = decode_rows(run) if (run_dir(run, create=False) / query.RESULTS_FILE).is_file() else []
+        if not rows:
+            continue
+        if not out:
+            out = ["**The decode step past rung d** (hwlib.studies.decode_bench: batch 12, 100 tokens; each rung "
+                   "cumulative; x: over the rung before it, a variant over its rung, in the same process)", ""]
+        out += [f"On {rows[0]['device'] or '?'} (`outputs/{run}`):", "",
+                "| model | rung | ms/step (p20-p80) | x | of copy ceiling |", "|---|---|---|---|---|"]
+        for r in rows:
+            span = f" ({r['p20']:.3f}-{r['p80']:.3f})" if r.get("p20") is not None and r.get("p80") is not None else ""
+            out.append(f"| {r['model_size']} | {md_cell(r['rung'])} | {r['ms']:.3f}{span} | {_fmt(r['x'], '.2f')} | "
+                       f"{_fmt(r.get('share'), '.1%')} |")
+        out.append("")
+    return out
 
 
 def toggle_rows(recs: list[dict], windows: dict | None = None) -> list[dict]:
