@@ -549,3 +549,16 @@ def test_decode_ladder_rows_compare_each_rung_with_the_one_before(tmp_path, monk
     text = "\n".join(tables.decode_ladder_lines(["dec", "missing"]))
     assert "| m | decode_attn | 1.600 (1.600-1.616) | 1.25 | 31.2% |" in text and "missing" not in text
     assert tables.decode_ladder_lines(["missing"]) == []
+
+
+def test_the_glance_names_each_machines_fastest_decode_rung(tmp_path, monkeypatch):
+    from hwlib.report import pages
+    monkeypatch.setenv("HWLIB_OUTPUTS", str(tmp_path))
+    (tmp_path / "dec").mkdir()
+    recs = [{"metric": "decode_ms_per_step", "value": ms, "step": "14e_fused_decode", "notebook": "decode_bench",
+             "device": {"name": "GPU X"}, "fields": {"decode_rung": rung, "model_size": "m"}}
+            for rung, ms in (("graph", 4.0), ("top_p", 1.0), ("matvec", 2.0))]
+    (tmp_path / "dec" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    line = pages.decode_glance_line(["dec"])
+    assert "on GPU X, m 1.00 ms per decode step of 12 rows (top_p)" in line
+    assert pages.decode_glance_line(["nothing"]) is None

@@ -173,7 +173,29 @@ def glance_block(run=REFERENCE_RUN) -> str:
         if (folder / "figures" / f"{g['workload']}_ladder.png").is_file():
             lines += [f"  [![{g['workload']}: throughput per step, and time per step against its floor]"
                       f"({raw_url(fig)})]({repo_url(fig)})", ""]
+    if (decode := decode_glance_line()):
+        lines += [f"- {decode}", ""]
     return "\n".join(lines).strip()
+
+
+def decode_glance_line(runs=tables.DECODE_RUNS) -> str | None:
+    """One line for the generation workload's decode step: per machine that measured the fused decode
+    ladder, each model size's fastest rung, its time and share of the copy ceiling; None without rows."""
+    parts = []
+    for run in runs:
+        rows = tables.decode_rows(run) if (read_dir(run) / query.RESULTS_FILE).is_file() else []
+        best = {}
+        for r in rows:
+            if r["model_size"] not in best or r["ms"] < best[r["model_size"]]["ms"]:
+                best[r["model_size"]] = r
+        if best:
+            parts.append(f"on {next(iter(best.values()))['device'] or '?'}, " + "; ".join(
+                f"{size} {r['ms']:.2f} ms per decode step of 12 rows ({r['rung']}), {tables._fmt(r.get('share'), '.0%')} "
+                f"of the copy ceiling" for size, r in best.items()))
+    if not parts:
+        return None
+    return ("**polychromic decode** (notebook 14's generation, the fused decode ladder): " + "; ".join(parts)
+            + f". Every rung: [docs/results.md]({repo_url('docs/results.md')}).")
 
 
 # --- the two commands and how long they took -------------------------------------------------------
