@@ -125,9 +125,10 @@ def test_bad_knobs_fail_before_any_work(tmp_path):
 def test_one_knob_runs_through_the_ablation_on_a_cpu_and_records_compile_time_and_math(tmp_path):
     # Under make test the sessions compile with aot_eager (the knob is then inert): what is checked is how a
     # knob runs through the ablation and what it records; inductor's own compile is the ops' tests' subject.
+    # One layer: each arm still compiles its own graph, a smaller one (compiles are most of this test's time).
     run = tmp_path / "r"
     rows = inductor.measure([inductor.SMOKE_KNOB, "max_autotune"], profile="smoke", device="cpu", window=TINY,
-                            run=run, notebook="20_inductor")
+                            run=run, notebook="20_inductor", config={"n_layer": 1})
     by = {r["knob"]: r for r in rows}
     r = by[inductor.SMOKE_KNOB]
     assert r["status"] == "ok", r["reason"]
