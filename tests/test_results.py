@@ -159,18 +159,31 @@ def test_damaged_json_files_read_as_absent(isolated_run):
         assert list(query.state()) == ["02"]
 
 
+def _start_together(barrier):
+    global _barrier
+    _barrier = barrier
+
+
 def _writer(args):
-    path, i = args
+    # The records are made by the test and come as JSON text: making one, or unpickling one (its
+    # torch version is torch's own str type), imports torch, seconds of CPU in each fresh worker,
+    # and the appends are what runs concurrently here. The workers start their appends together,
+    # so that they contend for the file.
+    path, recs = args
     os.environ["HWLIB_RUN"] = path
-    for j in range(40):
-        results.append(results.make_record(notebook=f"p{i}", workload="w", step=str(j), metric="m",
-                                           value=j, unit="", params={"pad": "x" * 2000}))
+    recs = json.loads(recs)
+    _barrier.wait(timeout=60)
+    for r in recs:
+        results.append(r)
 
 
 def test_concurrent_appends_never_interleave(tmp_path):
     run = str(tmp_path / "conc")   # inside HWLIB_OUTPUTS (conftest), inherited by the workers
-    with mp.get_context("spawn").Pool(4) as pool:
-        pool.map(_writer, [(run, i) for i in range(4)])
+    recs = [[results.make_record(notebook=f"p{i}", workload="w", step=str(j), metric="m", value=j, unit="",
+                                 params={"pad": "x" * 2000}) for j in range(40)] for i in range(4)]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(4, initializer=_start_together, initargs=(ctx.Barrier(4),)) as pool:
+        pool.map(_writer, [(run, json.dumps(r)) for r in recs], chunksize=1)
     lines = [json.loads(l) for l in (Path(run) / "results.jsonl").read_text().splitlines()]
     recs = [r for r in lines if "metric" in r]
     assert len(recs) == 160 and len(lines) == 320      # every append: its stamp line, then its record
