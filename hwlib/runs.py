@@ -123,6 +123,21 @@ def _stat(pid: int) -> tuple[str, int, int, float] | None:
 def _children() -> dict[int, list[int]]:
     """{parent pid: its live children's pids} of every process on the machine, in one pass."""
     kids: dict[int, list[int]] = {}
+    if os.path.isdir("/proc/self"):
+        # Linux: one read of /proc/<pid>/stat each. The watch walks the table every second of a
+        # notebook's run; through psutil a walk took 10.6 ms of CPU with 126 processes, this 1.8 ms.
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:   # gone since the listing
+                continue
+            fields = stat[stat.rfind(b")") + 2:].split(None, 2)   # after "pid (comm) ": state, ppid
+            if len(fields) >= 2 and fields[0] not in (b"Z", b"X", b"x"):   # zombie or dead: not live
+                kids.setdefault(int(fields[1]), []).append(int(name))
+        return kids
     for proc in psutil.process_iter(["ppid", "status"]):
         info = proc.info
         if info["ppid"] is not None and info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
