@@ -41,16 +41,21 @@ def measure_data_wait(workload: str, step: str, *, notebook: str, recorded: list
         if extra:
             raise ValueError(f"{other} differs from {st.name} in {sorted(extra)}, not only the loader: "
                              f"one resident run cannot be the floor of both")
+    steps = (st.name, *also)
+    rows_of = {s: next((r for r in recorded if r.get("workload") == workload and r.get("step") == s
+                        and r.get("notebook") == s and r.get("metric") == "ms_per_step"
+                        and r.get("value") is not None and not r.get("fields")), None)  # the ladder's own row
+               for s in steps}
+    if all(ms is None for ms in rows_of.values()):   # nothing to set the resident run against: not run
+        return [{"workload": workload, "step": s, "status": "not measured",
+                 "reason": f"{s} has no step time in this run: measure it first"} for s in steps]
     res = run_step(workload, st.name, profile=profile, device=device, seed=seed, progress=progress,
                    settings=dataclasses.replace(base, loader="resident"))
     if res.status != "ok":
-        return [{"workload": workload, "step": s, "status": res.status, "reason": res.reason} for s in (st.name, *also)]
-    recs = recorded
+        return [{"workload": workload, "step": s, "status": res.status, "reason": res.reason} for s in steps]
     rows, out = [], []
-    for s in (st.name, *also):
-        ms = next((r for r in recs if r.get("workload") == workload and r.get("step") == s and r.get("notebook") == s
-                   and r.get("metric") == "ms_per_step" and r.get("value") is not None
-                   and not r.get("fields")), None)  # the ladder's own row
+    for s in steps:
+        ms = rows_of[s]
         if ms is None:
             rows.append({"workload": workload, "step": s, "status": "not measured",
                          "reason": f"{s} has no step time in this run: measure it first"})
