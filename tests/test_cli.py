@@ -31,11 +31,16 @@ def outputs(tmp_path, monkeypatch):
     return tmp_path / "outputs"
 
 
+# where the kernel was told to put its compile caches
+CACHE = ('\nopen(os.path.join(os.environ["HWLIB_RUN"], "cache.txt"), "w").write('
+         'os.environ["TORCHINDUCTOR_CACHE_DIR"] + "\\n" + os.environ["TRITON_CACHE_DIR"])')
+
+
 @pytest.fixture
 def series(tmp_path):
     d = tmp_path / "nbs"
     d.mkdir()
-    make_nb(d / "00_first.ipynb", WRITE.format(name="00"))
+    make_nb(d / "00_first.ipynb", WRITE.format(name="00") + CACHE)
     make_nb(d / "01_broken.ipynb", "raise RuntimeError('boom in 01')")
     make_nb(d / "02_after.ipynb", WRITE.format(name="02"))
     make_nb(d / "03_slow.ipynb", "import time\ntime.sleep(120)")
@@ -53,7 +58,11 @@ def reproduce(series, run, *extra):
                      "--device", "cpu", "--timeout", str(TIMEOUT_S), "--quiet", *extra])
 
 
-def test_goes_on_past_failures_reports_them_and_resumes(series, outputs, capsys):
+def test_goes_on_past_failures_reports_them_and_resumes(series, outputs, capsys, monkeypatch):
+    """One series (its kernels are most of this file's CPU) for: failures and a time limit recorded and
+    passed over, resume, --force and --only, the run's one compile cache, and its one profile."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)    # as a person's shell has them: unset
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     run = outputs / "run1"
     assert reproduce(series, "run1") == 1
     err = capsys.readouterr().err
@@ -73,20 +82,16 @@ def test_goes_on_past_failures_reports_them_and_resumes(series, outputs, capsys)
     # --force reruns what was done; --only restricts to the named notebooks.
     assert reproduce(series, "run1", "--only", "00", "--force") == 0
     assert (run / "00.txt").read_text() == "smoke\nsmoke\n" and (run / "02.txt").read_text() == "smoke\n"
-
-
-def test_a_run_compiles_into_one_cache_in_its_folder(tmp_path, outputs, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    d = tmp_path / "cache_nbs"
-    d.mkdir()
-    make_nb(d / "00_cache.ipynb", 'import os\nopen(os.path.join(os.environ["HWLIB_RUN"], "cache.txt"), "w").write('
-                                  'os.environ["TORCHINDUCTOR_CACHE_DIR"] + "\\n" + os.environ["TRITON_CACHE_DIR"])')
-    assert reproduce(d, "cached") == 0
-    run = outputs / "cached"
+    # A run compiles into one cache in its folder, per version of the code.
     code = results.code_digest()
     assert code and (run / "cache.txt").read_text().split("\n") == [str(run / ".cache" / code / "inductor"),
                                                                       str(run / ".cache" / code / "triton")]
+    # The profile of a run cannot change silently: --force reruns notebooks; it never mixes profiles.
+    for extra in ([], ["--force"]):
+        assert cli.main(["reproduce", "--notebooks", str(series), "--run", "run1", "--profile", "full",
+                         "--device", "cpu", "--only", "00", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "made with profile 'smoke'" in err and "name a new run" in err and "--force" not in err
 
 
 def test_bad_arguments_are_clear_errors(series, tmp_path, capsys):
@@ -98,15 +103,6 @@ def test_bad_arguments_are_clear_errors(series, tmp_path, capsys):
     assert "unknown device 'tpu'" in capsys.readouterr().err
     assert cli.main(["reproduce", "--notebooks", str(tmp_path), "--run", "r"]) == 2
     assert "no numbered notebooks" in capsys.readouterr().err
-
-
-def test_profile_of_a_run_cannot_change_silently(series, capsys):
-    assert reproduce(series, "r2", "--only", "00") == 0
-    for extra in ([], ["--force"]):                    # --force reruns notebooks; it never mixes profiles
-        assert cli.main(["reproduce", "--notebooks", str(series), "--run", "r2", "--profile", "full",
-                         "--device", "cpu", "--only", "00", *extra]) == 2
-        err = capsys.readouterr().err
-        assert "made with profile 'smoke'" in err and "name a new run" in err and "--force" not in err
 
 
 def test_env_and_table_commands(tmp_path, capsys):
