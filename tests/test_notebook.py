@@ -17,6 +17,27 @@ from hwlib.steps import get_step
 KW = dict(profile="smoke", device="cpu", progress=False)
 
 
+@functools.lru_cache(maxsize=None)
+def _cached(workload, step, check_only, config, seed, profile, device, plan):
+    return run_step(workload, step, check_only=check_only, config=dict(config) if config else None, seed=seed,
+                    profile=profile, device=device, plan=plan, progress=False)
+
+
+def _run_step(workload, step, *, check_only=False, config=None, seed=0, profile="auto", device="auto",
+              plan=None, progress=False, **kw):
+    """run_step for the smoke runs of this file: seeded and deterministic, so each distinct run is
+    made once and every later call gets a copy of it (``progress`` draws a bar and changes nothing)."""
+    assert not kw, f"not cached here: {kw}"
+    return copy.deepcopy(_cached(workload, step, check_only, tuple(sorted((config or {}).items())), seed,
+                                 profile, str(device), plan))
+
+
+@pytest.fixture(autouse=True)
+def cached_runs(monkeypatch):
+    """hwlib.notebook (measure, and the earlier curve it computes) runs its steps through the cache."""
+    monkeypatch.setattr(notebook, "run_step", _run_step)
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """Every run_step that hwlib.notebook makes to compute an earlier curve: (step, check_only)."""
@@ -24,20 +45,15 @@ def calls(monkeypatch):
 
     def spy(workload, step, **kw):
         seen.append((step, kw.get("check_only")))
-        return run_step(workload, step, **kw)
+        return _run_step(workload, step, **kw)
 
     monkeypatch.setattr(notebook, "run_step", spy)
     return seen
 
 
-@functools.lru_cache(maxsize=None)
-def _cached(step, check_only):
-    return run_step("gpt", step, check_only=check_only, **KW)
-
-
 def _step(step, check_only=False):
     """A seeded smoke run of ``step`` (deterministic, so one run serves every test; a copy each call)."""
-    return copy.deepcopy(_cached(step, check_only))
+    return _run_step("gpt", step, check_only=check_only, **KW)
 
 
 def test_measure_records_the_step_and_saves_its_curve(isolated_run):
@@ -69,7 +85,8 @@ def test_assert_same_math_fails_on_a_gradient_check_that_failed(isolated_run, mo
 
 
 def test_check_passes_against_the_saved_curve_of_the_step_before(isolated_run, calls):
-    before, _ = notebook.measure("gpt", "03_bf16_autocast", notebook="t", **KW)
+    before = _step("03_bf16_autocast")
+    record_mod.record(before, notebook="t")          # saves its curve, as measure does
     calls.clear()
     res = _step("04_sdpa_attention")
     check = notebook.check_math(res)
@@ -80,7 +97,8 @@ def test_check_passes_against_the_saved_curve_of_the_step_before(isolated_run, c
 
 
 def test_check_fails_when_the_math_differs(isolated_run, calls):
-    before, _ = notebook.measure("gpt", "03_bf16_autocast", notebook="t", **KW)
+    before = _step("03_bf16_autocast")
+    record_mod.record(before, notebook="t")          # saves its curve, as measure does
     calls.clear()
     res = _step("04_sdpa_attention")
     # The same step with its losses moved 5%: what a real change of math looks like to the check.
@@ -105,7 +123,9 @@ def test_check_computes_the_curve_of_the_step_before_when_none_is_saved(isolated
 
 
 def test_a_saved_curve_of_another_config_is_not_used(isolated_run, calls):
-    notebook.measure("gpt", "03_bf16_autocast", notebook="t", config={"lr": 1e-3}, **KW)
+    other = _run_step("gpt", "03_bf16_autocast", check_only=True, config={"lr": 1e-3}, **KW)
+    record_mod.save_curve(other)                     # what measure saves, under another learning rate
+    assert query.saved_curve("gpt", "03_bf16_autocast", record_mod.curve_key(other)) == other.check_losses
     calls.clear()
     res = _step("04_sdpa_attention")                 # the profile's own learning rate
     name, curve = notebook.earlier_curve(res)
