@@ -521,10 +521,23 @@ def _session_state(sess):
             torch.get_rng_state().clone(), random.getstate(), np.random.get_state()[1].copy())
 
 
+def _same(a, b) -> bool:
+    """Equal structure and values, every tensor element compared (a NaN equals a NaN in its place)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a.isnan(), b.isnan())
+                and torch.equal(torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
 def _unchanged(sess, state) -> bool:
     params, opt, trng, prng, nrng = state
     now = _session_state(sess)
-    same_opt = repr(now[1]) == repr(opt)
+    same_opt = _same(now[1], opt)
     return (all(torch.equal(a, b) for a, b in zip(params, now[0])) and same_opt and torch.equal(trng, now[2])
             and prng == now[3] and (nrng == now[4]).all())
 
@@ -562,6 +575,14 @@ def _opt_entry(st):
     return next(iter(st["optimizer"]["state"].values()))
 
 
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    """One intact checkpoint after two steps, the source of every damaged one (it is only read)."""
+    src = Session("gpt", WL.config("smoke"), Settings(), CPU)
+    _train(src, 0, 2)
+    return save_checkpoint(tmp_path_factory.mktemp("good") / "a.ckpt", src, next_step=2, losses=[5.0, 4.0])
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda st: _opt_entry(st).__setitem__("exp_avg", torch.zeros(3)), "exp_avg is \\(3,\\)"),
     (lambda st: st["optimizer"]["param_groups"][0].__setitem__("lr", float("nan")), "lr.*finite"),
@@ -589,11 +610,9 @@ def _opt_entry(st):
 ], ids=["exp_avg-shape", "lr-nan", "weight-shape", "missing-weight", "extra-weight", "python-rng", "numpy-rng",
         "torch-rng", "negative-position", "losses-past-position", "scaler", "no-rng", "maximize", "amsgrad",
         "nan-moment", "negative-moment", "step-zero", "step-shape", "int-moment", "stray-state", "nan-weight"])
-def test_a_damaged_part_is_refused_before_anything_changes(tmp_path, change, match):
+def test_a_damaged_part_is_refused_before_anything_changes(tmp_path, good_checkpoint, change, match):
     cfg = WL.config("smoke")
-    src = Session("gpt", cfg, Settings(), CPU)
-    _train(src, 0, 2)
-    good = save_checkpoint(tmp_path / "a.ckpt", src, next_step=2, losses=[5.0, 4.0])
+    good = good_checkpoint
     bad = _rewrite(good, tmp_path / "b.ckpt", change)
     dst = Session("gpt", cfg, Settings(), CPU)
     _train(dst, 0, 1)
