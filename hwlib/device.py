@@ -165,7 +165,9 @@ def short_name(gpu_name: str) -> str:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__,
+    # str(): torch's version is its own str subclass, and a record holding it unpickles only where torch
+    # imports (a worker that appends records would load torch for it)
+    out = {"python": platform.python_version(), "torch": str(torch.__version__),
            "cuda": torch.version.cuda, "cudnn": None, "triton": None}
     try:
         out["cudnn"] = torch.backends.cudnn.version()
