@@ -42,7 +42,7 @@ export PYTHONDONTWRITEBYTECODE :=
 # Keep load_inline and torch.compile build products inside the checkout, one place per machine.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 
-.PHONY: setup pin-notebooks constraints reproduce first-look test test-gpu test-unit test-unit-b test-unit-c test-unit-procs test-unit-waits test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme screenshots env clean
+.PHONY: setup pin-notebooks constraints reproduce first-look test test-gpu test-unit test-unit-b test-unit-c test-unit-procs test-unit-waits test-unit-d test-notebooks test-notebooks-ladder test-notebooks-studies test-kernels test-browser lab table readme screenshots env clean
 
 setup: $(SETUP_STAMP)
 
@@ -84,10 +84,10 @@ first-look: setup
 # Independent parts: `make test -j4` runs them side by side (CI does, on two cores: the suites spend
 # much of their time starting kernels and processes and waiting on them, so more suites than cores
 # keep both busy; five at once measured slower than four). In the order below, the longest suite
-# (the ladder's notebooks, one after another in one run) starts first; the unit tests come in five
+# (the ladder's notebooks, one after another in one run) starts first; the unit tests come in six
 # parts so that no single part outlasts it: the tests that mostly wait (UNIT_WAITS) start with the
 # notebook suites, the subprocess-heavy ones (UNIT_PROCS) when the waiting ones end, then UNIT_C, and the
-# runner's and BK-Core's tests (UNIT_B) after the next suite.
+# runner's and BK-Core's tests (UNIT_B) after the next suite, and UNIT_D last.
 UNIT_B := tests/test_cli.py tests/test_bk_core.py
 # About half of the rest, by time: processes (torchrun, compilers, installed copies) and compiles. Without this
 # split the unit tests, one process on one core, ran alone for the last 160 s of a 970 s CI run.
@@ -96,10 +96,15 @@ UNIT_C := tests/test_distributed.py tests/test_add_layernorm.py tests/test_kerne
 UNIT_PROCS := tests/test_integrity_cli.py tests/test_integrity_runs.py tests/test_bk_core_prebuild.py tests/test_colab.py
 # Tests that mostly wait for a notebook's time limit: beside the CPU-bound suites, not after them.
 UNIT_WAITS := tests/test_stack_dumps.py
+# The main unit part's slowest files (the reports rebuilt from the references, training sessions, the
+# decode kernels under the interpreter): without them it ran 690 s of a contended 780 s CI run, the last
+# part to end.
+UNIT_D := tests/test_report.py tests/test_train.py tests/test_notebook.py tests/test_top_p_kernel.py \
+    tests/test_fused_decode.py tests/test_memory.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
-SUITES := test-unit test-unit-b test-unit-c test-unit-procs test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser
+SUITES := test-unit test-unit-b test-unit-c test-unit-d test-unit-procs test-unit-waits test-notebooks-ladder test-notebooks-studies test-kernels test-browser
 $(SUITES): export OMP_WAIT_POLICY := PASSIVE
 # One intra-op thread per suite: several suites share the two cores, and a second thread each only
 # oversubscribes them (the smoke sizes leave a thread nothing to split).
@@ -125,12 +130,15 @@ test-notebooks-ladder test-notebooks-studies: export HWLIB_CPU_COMPILE_BACKEND :
 # test-kernels is not among them: tests/test_bk_core.py compiles every kernels/*.cu with nvcc too (where nvcc
 # is on PATH), stricter (no warning allowed), and links 12_bk_core.cu's object to run its block logic on the
 # host; compiling each file twice more cost most of a minute of CPU.
-test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-c test-unit-b test-browser
+test: setup test-notebooks-ladder test-unit test-notebooks-studies test-unit-waits test-unit-procs test-unit-c test-unit-b test-unit-d test-browser
 
 # The unit suites load no nbval: with it, pytest imports nbformat before tests/conftest.py can keep
 # rfc3987_syntax out (its grammar build costs about 3.5 s of CPU in each process that imports it).
 test-unit: setup
-	$(PY) -m pytest -q -p no:nbval tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_B) $(UNIT_C) $(UNIT_PROCS) $(UNIT_WAITS))
+	$(PY) -m pytest -q -p no:nbval tests --ignore=tests/test_browser.py $(addprefix --ignore=,$(UNIT_B) $(UNIT_C) $(UNIT_D) $(UNIT_PROCS) $(UNIT_WAITS))
+
+test-unit-d: setup
+	$(PY) -m pytest -q -p no:nbval -p no:cacheprovider $(UNIT_D)
 
 test-unit-b: setup
 	$(PY) -m pytest -q -p no:nbval -p no:cacheprovider $(UNIT_B)
