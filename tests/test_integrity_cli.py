@@ -363,7 +363,23 @@ def test_profile_variable_is_named_and_an_explicit_profile_wins(tmp_path, output
     assert (outputs / "r" / "00.txt").read_text() == "smoke\n"   # and the notebook got it too
 
 
-def test_readme_keeps_its_mode_and_check_never_writes(tmp_path, outputs, capsys):
+@pytest.fixture
+def multi_gpu_once(monkeypatch):
+    """The README block's several-GPU table, read from the committed references once for a test that
+    renders the block again and again (each read loads every reference run: about 0.9 CPU-s)."""
+    from hwlib.report import tables
+    real, memo = tables.multi_gpu_lines, {}
+
+    def once(runs):
+        key = tuple(runs)
+        if key not in memo:
+            memo[key] = real(runs)
+        return list(memo[key])
+    monkeypatch.setattr(tables, "multi_gpu_lines", once)
+    return memo
+
+
+def test_readme_keeps_its_mode_and_check_never_writes(tmp_path, outputs, capsys, multi_gpu_once):
     from hwlib.report.tables import README_END, README_START
     run = outputs / "r"
     run.mkdir(parents=True)
@@ -379,3 +395,4 @@ def test_readme_keeps_its_mode_and_check_never_writes(tmp_path, outputs, capsys)
     assert "STALE-BLOCK" not in readme.read_text() and stat.S_IMODE(readme.stat().st_mode) == 0o644
     assert cli.main(["readme", "--run", "r", "--readme", str(readme), "--check"]) == 0
     assert cli.main(["readme", "--run", "../r", "--readme", str(readme)]) == 2
+    assert len(multi_gpu_once) == 1   # the block was rendered, with the references' own table
