@@ -207,3 +207,11 @@ def test_the_fused_target_takes_the_best_rung_against_its_model_sizes_share():
     (t,) = G.targets([], rows, "qwen3_0.6b")
     assert t["met"] is True and "50%" in t["target"]
     assert G.targets([], rows, "smoke") == [] and G.targets([], None, "qwen3_8b") == []
+
+
+def test_each_rung_is_compared_with_the_one_it_builds_on():
+    rows = [("m", "graph", 4.0), ("m", "rope_cache", 2.0), ("m", "rope_cache[math]", 4.0), ("m", "decode_attn", 1.6),
+            ("m", "14d_static_own", 3.0), ("n", "graph", 10.0), ("m", "matvec", None), ("n", "matvec", 8.0),
+            ("m", "top_p", 0.8)]
+    # a variant against its rung; the earlier loop and a failed rung against nothing; a failed rung is skipped over
+    assert fd.speedups(rows) == [None, 2.0, 0.5, 1.25, None, None, None, 1.25, 2.0]

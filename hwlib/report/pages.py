@@ -183,7 +183,7 @@ def decode_glance_line(runs=tables.DECODE_RUNS) -> str | None:
     ladder, each model size's fastest rung, its time and share of the copy ceiling; None without rows."""
     parts = []
     for run in runs:
-        rows = tables.decode_rows(run) if (read_dir(run) / query.RESULTS_FILE).is_file() else []
+        rows = tables.decode_rows(run)
         best = {}
         for r in rows:
             if r["model_size"] not in best or r["ms"] < best[r["model_size"]]["ms"]:

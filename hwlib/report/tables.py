@@ -21,6 +21,7 @@ from ..paths import REPO_ROOT, run_dir
 from ..query import _num, ladder_rows, reference_runs, step_metrics, workloads_in
 from ..series import order_names
 from ..steps.retired import RETIRED, RETIRED_NAMES
+from ..workloads.polychromic import fused_decode
 from . import recipe
 from .. import query
 from . import claims
@@ -627,20 +628,9 @@ def decode_rows(run) -> list[dict]:
             row.update(ms=_num(r.get("value")), p20=_num(r.get("p20")), p80=_num(r.get("p80")))
         elif r.get("metric") == "decode_share_of_copy":
             row["share"] = _num(r.get("value"))
-    rows, before, ms = [], {}, {}
-    for row in by.values():
-        if row.get("ms") is None:
-            continue
-        size, rung = row["model_size"], row["rung"]
-        if rung.startswith("14"):          # 14d_static_own: the earlier loop, beside the ladder, not on it
-            row["x"] = None
-        elif "[" in rung:                  # rope_cache[math]: a variant of a rung, against that rung
-            base = ms.get((size, rung.split("[")[0]))
-            row["x"] = base / row["ms"] if base else None
-        else:
-            row["x"] = before[size] / row["ms"] if size in before else None
-            before[size] = ms[(size, rung)] = row["ms"]
-        rows.append(row)
+    rows = [row for row in by.values() if row.get("ms") is not None]
+    for row, x in zip(rows, fused_decode.speedups([(r["model_size"], r["rung"], r["ms"]) for r in rows])):
+        row["x"] = x
     return rows
 
 
@@ -648,7 +638,7 @@ def decode_ladder_lines(runs) -> list[str]:
     """The fused decode ladder of each run in ``runs`` that holds one, as README lines; none without rows."""
     out = []
     for run in runs:
-        rows = decode_rows(run) if (run_dir(run, create=False) / query.RESULTS_FILE).is_file() else []
+        rows = decode_rows(run)      # none where the run holds no records
         if not rows:
             continue
         if not out:

@@ -173,16 +173,15 @@ def table(rows: list[dict]) -> str:
     """The ladder as a Markdown table, one line per (model size, rung), from the rows as written."""
     head = ("| model | rung | ms/step (p20-p80) | x vs rung before | GB/s | of copy | floor ms | greedy agreement "
             "| divergences at ties |\n|" + " --- |" * 9)
-    lines, prev = [head], {}
-    for r in rows:
-        size, ms = r.get("model_size"), r.get("decode_ms_per_step")
-        if r.get("status") != "ok" or ms is None:
+    lines = [head]
+    ok = [r.get("decode_ms_per_step") if r.get("status") == "ok" else None for r in rows]
+    gains = fused_decode.speedups([(r.get("model_size"), str(r.get("rung")), ms) for r, ms in zip(rows, ok)])
+    for r, ms, x in zip(rows, ok, gains):
+        size = r.get("model_size")
+        if ms is None:
             lines.append(f"| {size} | {r.get('rung')} | {r.get('status')}: {str(r.get('reason'))[:70]} | | | | | | |")
             continue
-        before = prev.get(size)
-        gain = f"{before / ms:.2f}x" if before and str(r.get("rung")) != "14d_static_own" else ""
-        if str(r.get("rung")) != "14d_static_own":
-            prev[size] = ms
+        gain = f"{x:.2f}x" if x else ""
         span = f" ({r['ms_p20']:.3f}-{r['ms_p80']:.3f})" if r.get("ms_p20") is not None else ""
         lines.append(f"| {size} | {r.get('rung')} | {ms:.3f}{span} | {gain} | {_cell(r.get('decode_gbps'), ',.0f')} "
                      f"| {_cell(r.get('decode_share_of_copy'), '.1%')} | {_cell(r.get('decode_floor_ms'), '.3f')} "

@@ -77,6 +77,26 @@ CHANGES = {
     "sampler": "top-p sorts the bf16 logits (half the radix passes of float32 probabilities) and draws "
                "without scattering back to vocabulary order (eager)",
 }
+
+
+def speedups(rows: list[tuple[str, str, float | None]]) -> list[float | None]:
+    """The speed-up of each (model size, rung name, ms per step) row, in the order measured, over the row
+    it builds on: a rung over the rung measured before it on the same model size; a variant
+    ``rung[backend]`` (decode_bench's SDPA variants) over its rung; a row of no rung (the earlier loop,
+    14d_static_own) and a row without a time over nothing (None)."""
+    out, before, at = [], {}, {}
+    for size, name, ms in rows:
+        base = name.split("[")[0]
+        if not ms or base not in ALL_RUNGS:
+            out.append(None)
+        elif base != name:
+            out.append(at[(size, base)] / ms if (size, base) in at else None)
+        else:
+            out.append(before[size] / ms if size in before else None)
+            before[size] = at[(size, name)] = ms
+    return out
+
+
 ELEM = {"bf16": 2, "fp32": 4}
 SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "math": "MATH", "cudnn": "CUDNN_ATTENTION",
                  "flash": "FLASH_ATTENTION"}
@@ -354,6 +374,7 @@ class FusedDecoder:
         each projection's tiles and K split (``config``)."""
         mv = load_python_kernel("14_decode_matvec_triton.py")
         lw, B, dev = self.w.layers[0], self.batch, self.device
+        # the SM count only sets how far o and down split over K; a CPU (the tests) takes an H100's
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
         self.mv_cfg = {k: mv.config(lw[k].shape[0], lw[k].shape[1], form, sms)
                        for k, form in (("qkv", "plain"), ("o", "split"), ("gu", "gated"), ("d", "split"))}
