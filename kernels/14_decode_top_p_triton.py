@@ -503,15 +503,3 @@ def order_keys(logits: torch.Tensor) -> torch.Tensor:
         return torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     bits = logits.view(torch.int16).to(torch.int64) & 0xFFFF
     return torch.where(bits >= 0x8000, bits ^ 0xFFFF, bits | 0x8000)
-
-
-def sample_top_p(logits: torch.Tensor, noise: torch.Tensor, temperature: float, top_p: float, **kw) -> torch.Tensor:
-    """One-off convenience (allocates a workspace per call: not for a captured step): tokens [B]."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError(f"logits must be a [B, V] tensor, got {type(logits).__name__} "
-                         f"{tuple(getattr(logits, 'shape', ()))}")
-    if logits.dtype not in KINDS:
-        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
-    s = TopPSampler(logits.shape[0], logits.shape[1], logits.device, logits.dtype, **kw)
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return s(logits, noise, temperature, top_p, out)
