@@ -48,7 +48,7 @@ def sweep(model_size: str, rows: int, dev: torch.device, copy_gbps: float, log) 
         copies = max(2, math.ceil(ROTATE_BYTES / wbytes))
         ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
         x = torch.randn(rows, K, device=dev, dtype=torch.bfloat16)
-        ref = mv.reference(x, ws[0], "gated" if form == "gated" else "plain")
+        ref = mv.reference(x, ws[0], form)
 
         def row(impl, t, **cfg):
             r = {"model_size": model_size, "proj": name, "N": N, "K": K, "rows": rows, "form": form, "impl": impl,
