@@ -107,6 +107,13 @@ def test_a_rank_that_dies_without_a_word_is_named_from_torchrun_s_report(tmp_pat
     assert rank == 3 and "killed by signal 9" in error   # not rank 0, which only lost its peer
     log.write_text("no summary")
     assert launch_mod.first_failure(tmp_path, log)[:2] == (0, "RuntimeError: Connection closed by peer")
+    # torchrun names rank 0, whose connection error exited in the same poll as rank 3's own error,
+    # written earlier: the rank that raised first is the one named
+    (tmp_path / "errors" / "rank3.json").write_text(json.dumps(
+        {"rank": 3, "time": 0.5, "type": "InjectedFault", "message": "injected fault", "traceback": ""}))
+    log.write_text("Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+                   "  exitcode  : 1 (pid: 41)\n")
+    assert launch_mod.first_failure(tmp_path, log)[:2] == (3, "InjectedFault: injected fault")
 
 
 # --- before launch -----------------------------------------------------------------------------------------

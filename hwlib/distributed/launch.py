@@ -177,9 +177,10 @@ ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\
 
 
 def first_failure(out: Path, log: Path) -> tuple[int | None, str, str]:
-    """(rank, message, traceback) of the rank that failed first: the rank torchrun names as the root
-    cause, with the error its worker wrote (a rank without one died without a word: a signal,
-    os._exit); without torchrun's word, the earliest error file."""
+    """(rank, message, traceback) of the rank that failed first: a rank that torchrun names as the root
+    cause and that wrote no error died without a word (a signal, os._exit); otherwise the earliest error
+    a rank wrote. Torchrun's root cause is the first exit it observed: a peer's connection error can
+    exit in the same poll as the rank that raised and be named instead (seen on gloo under load)."""
     errs = {}
     for p in sorted((out / "errors").glob("rank*.json")):
         try:
@@ -194,8 +195,7 @@ def first_failure(out: Path, log: Path) -> tuple[int | None, str, str]:
         if rank not in errs:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             return rank, f"the process {how} without an error of its own", text[-4000:]
-        e = errs[rank]
-    elif errs:
+    if errs:
         e = min(errs.values(), key=lambda x: x.get("time", float("inf")))
     else:
         return None, "torchrun failed before any rank reported an error", text[-4000:]
