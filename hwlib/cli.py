@@ -347,6 +347,17 @@ def _written(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 0
 
 
+def kernel_port_taken(log: Path) -> bool:
+    """Whether a notebook failed only because its kernel could not bind the port jupyter_client chose
+    for it (the client picks free ports, then the kernel binds them: another process can take one in
+    between, most often on a busy machine). The kernel died before its first reply, so no cell ran."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    return "Kernel died before replying to kernel_info" in text and "Address already in use" in text
+
+
 def _run_one(nb: Path, run: Path, env: dict, args, profile: str, device: str,
              workloads: list[str] | None = None, params: dict | None = None) -> tuple[str, str]:
     executed = run / "executed"
@@ -540,6 +551,9 @@ def _series(args, nbs: list[Path], run: Path, profile: str, device: str, workloa
             busy = _orphans_note(run)
             status, why = ("failed", busy) if busy else _run_one(nb, run, env, args, profile, device, mine,
                                                                  params.get(nb.stem))
+            if status == "failed" and not busy and kernel_port_taken(run / "executed" / f"{nb.stem}.log"):
+                bar.write(f"  {nb.stem:<24} its kernel found its port taken at start (no cell ran): once more")
+                status, why = _run_one(nb, run, env, args, profile, device, mine, params.get(nb.stem))
         except OSError as e:   # the run folder gone, read-only or full: this notebook's fault, not the series'
             status, why = "failed", f"{type(e).__name__}: {e}"
         except BaseException as e:   # the tree is ended by now; the notebook must not read as done

@@ -289,3 +289,31 @@ def test_workloads_reach_only_the_notebooks_that_take_them(tmp_path):
     make_nb(tmp_path / "16_does_not.ipynb", "pass", params='\nworkload = "gpt"')
     assert cli._takes_workloads(tmp_path / "09_takes.ipynb") is True
     assert cli._takes_workloads(tmp_path / "16_does_not.ipynb") is False
+
+
+def test_a_kernel_that_found_its_port_taken_is_started_once_more(series, outputs, monkeypatch, capsys):
+    """jupyter_client picks a free port and the kernel binds it later: another process can take it in
+    between. No cell ran, so the notebook is started once more; any other failure stands."""
+    calls = []
+
+    def fake(nb, run, *a, **k):
+        calls.append(nb.stem)
+        log = run / "executed" / f"{nb.stem}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        first = calls.count(nb.stem) == 1
+        if nb.stem == "00_first" and first:
+            log.write_text("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5')\n"
+                           "RuntimeError: Kernel died before replying to kernel_info\n")
+            return "failed", "Kernel died before replying to kernel_info"
+        if nb.stem == "01_broken":
+            log.write_text("RuntimeError: boom in 01\n")
+            return "failed", "boom in 01"
+        log.write_text("")
+        return "ok", ""
+    monkeypatch.setattr(cli, "_run_one", fake)
+    assert reproduce(series, "ports") == 1
+    assert calls.count("00_first") == 2 and calls.count("01_broken") == 1
+    state = json.loads((outputs / "ports" / "state.json").read_text())
+    assert state["00_first"]["status"] == "ok" and state["01_broken"]["status"] == "failed"
+    assert "port taken" in capsys.readouterr().out
+    assert not cli.kernel_port_taken(outputs / "ports" / "nowhere.log")
