@@ -127,9 +127,13 @@ def test_every_way_gives_the_same_greedy_tokens_and_valid_samples(tr):
     assert all(r["identical"] and r["agreement"] == 1.0 for r in rows), rows
     # float32: the cached, batched and static ways compute the seed's logits to rounding
     assert all(r["max_rel_logit_diff"] <= 1e-5 for r in rows if r["step"] != "14d_static_own"), rows
+    from hwlib.workloads.polychromic.fused_decode import FusedDecoder
     for way in pc.WAYS:
-        r = tr.generate(way)
+        loop = FusedDecoder(tr.lm, tr.cfg, 6, tr.cfg.prompt_len + 3, DEV, rung="graph") if way == "fused" else None
+        r = tr.generate(way, loop=loop)
         assert r.shape == (2, 3, 3) and int(r.min()) >= 0 and int(r.max()) < tr.cfg.vocab
+    with pytest.raises(ValueError, match="loop: way 'fused' needs"):
+        tr.generate("fused")
 
 
 def test_the_seed_way_runs_without_the_kv_cache_and_eval_mode_with_it(tr):
@@ -172,8 +176,16 @@ def test_bad_prompts_and_empty_replies_are_refused(tr):
 def test_the_ladder_leaves_the_trainer_losses_unchanged(tr):
     a = G.measure_rung(tr, "14a_seed_way", 1)
     d = G.measure_rung(tr, "14d_static_own", 1, base_losses=a["losses"])
-    assert a["status"] == d["status"] == "ok"
-    assert len(a["losses"]) == tr.cfg.every and d["quality_loss_max_rel_diff"] == 0.0
+    e = G.measure_rung(tr, G.fused_step("graph"), 1, base_losses=a["losses"])    # the decode ladder's decoder
+    assert a["status"] == d["status"] == e["status"] == "ok", e.get("reason")
+    assert len(a["losses"]) == tr.cfg.every and d["quality_loss_max_rel_diff"] == e["quality_loss_max_rel_diff"] == 0.0
+    assert e["step"] == "14e_fused[graph]" and e["way"] == "fused"
+    from hwlib.studies import trainer_cycle
+    for r in (a, d, e):
+        r["model_size"] = "smoke"
+    lines = trainer_cycle.table([a, d, e]).splitlines()
+    assert len(lines) == 5 and "14e_fused[graph]" in lines[4] and lines[2].split("|")[5].strip() == "1.0x"
+    assert all(line.rstrip().endswith("| yes |") for line in lines[2:])
     for r in (a, d):
         assert sum(r[f"share_{p}"] for p in pc.PHASES) == pytest.approx(1.0)
         assert r["share_generation_of_overhead"] + r["share_diversity_of_overhead"] == pytest.approx(1.0)
@@ -214,6 +226,19 @@ def test_the_seed_bonus_has_no_gradient_and_the_policy_gradient_has_one(tr):
     chk = G.pg_check(DEV, tokenizer=tr.tok)
     assert chk["grad_norm"] > 0 and chk["rel_err"] < 1e-4, chk
     assert chk["grad_norm"] == pytest.approx(chk["ref_norm"], rel=1e-4)
+
+
+def test_a_bad_rung_is_refused_by_name():
+    with pytest.raises(ValueError, match="rung"):
+        G.fused_step("warp")
+    with pytest.raises(ValueError, match="step"):
+        G.measure_rung(None, "14z_nothing", 1)
+    from hwlib.studies import trainer_cycle
+    assert trainer_cycle._rung("top_p") == "14e_fused[top_p]" and trainer_cycle._rung("14c_batched") == "14c_batched"
+    with pytest.raises(SystemExit):
+        trainer_cycle.main(["--out", "/nonexistent/x", "--rungs", "warp"])
+    with pytest.raises(SystemExit):
+        trainer_cycle.main(["--out", "/nonexistent/x", "--cycles", "top_p=0"])
 
 
 def test_rewards_and_advantages():

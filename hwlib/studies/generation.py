@@ -48,16 +48,19 @@ RUNGS = {  # step name -> (way, what changes)
     "14d_static_own": ("static_own", "the lab's decode loop: static cache, one CUDA graph per step, sampling "
                                      "inside the graph"),
 }
+# The trainer with the decode ladder's decoder (``fused_step``): "14e_fused[top_p]" and so on.
+FUSED = "14e_fused"
 PER_PROMPT = ("seed", "eval_cache")     # the seed's bonus: per-prompt round trip, encoding and score
 QUALITY_TOL = 1e-6                      # relative; the training path is identical on every rung
 
 
-def bonus(tr: pc.Trainer, way: str) -> tuple[float, dict, torch.Tensor]:
-    """One diversity bonus by ``way``: (score as a float, seconds per phase, replies)."""
+def bonus(tr: pc.Trainer, way: str, loop=None) -> tuple[float, dict, torch.Tensor]:
+    """One diversity bonus by ``way`` (``loop``: way "fused"'s decoder): (score as a float, seconds per
+    phase, replies)."""
     dev = tr.device
     cfg = tr.cfg
     t = {p: 0.0 for p in pc.PHASES if p != "training"}
-    t["generation"], replies = bench.wall_s(lambda: tr.generate(way), dev)
+    t["generation"], replies = bench.wall_s(lambda: tr.generate(way, loop=loop), dev)
     if way in PER_PROMPT:
         scores = []
         for p in range(cfg.prompts):
@@ -87,13 +90,13 @@ def prefix(tr: pc.Trainer) -> dict:
     return {"seconds": seconds, "losses": losses, "state": tr.snapshot()}
 
 
-def cycle(tr: pc.Trainer, way: str, pre: dict) -> dict:
+def cycle(tr: pc.Trainer, way: str, pre: dict, loop=None) -> dict:
     """One cycle: the ``prefix`` ``pre`` (its state restored, its time counted), then the bonus by
     ``way`` and the trainer step it feeds. Returns seconds per phase, the cycle's trainer losses and
     the bonus's score."""
     tr.restore(pre["state"])
     out = {p: 0.0 for p in pc.PHASES}
-    score, t, _ = bonus(tr, way)
+    score, t, _ = bonus(tr, way, loop)
     for p, s in t.items():
         out[p] += s
     s, ce = bench.wall_s(lambda: tr.train_step(tr.cfg.every - 1, score), tr.device)
@@ -101,7 +104,7 @@ def cycle(tr: pc.Trainer, way: str, pre: dict) -> dict:
     return {"seconds": out, "losses": pre["losses"] + [float(ce)], "score": score}
 
 
-def warm_up(tr: pc.Trainer, way: str) -> float:
+def warm_up(tr: pc.Trainer, way: str, loop=None) -> float:
     """An untimed generation at every shape the timed ones meet: one reply of one prompt at full
     length for the per-reply ways (each of their calls generates one row), the bonus's whole
     generation for the batched ways (the static ones compile there). A two-token warm-up left
@@ -113,7 +116,7 @@ def warm_up(tr: pc.Trainer, way: str) -> float:
         s, _ = bench.wall_s(lambda: pc.decode.generate_per_reply(tr.lm, tr.prompts[:1], one, train=way == "seed"),
                             tr.device)
         return s
-    s, _ = bench.wall_s(lambda: tr.generate(way), tr.device)
+    s, _ = bench.wall_s(lambda: tr.generate(way, loop=loop), tr.device)
     return s
 
 
@@ -130,19 +133,41 @@ def decode_step_bytes(cfg: pc.PolyConfig, way: str) -> float:
 def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = None,
                  copy_gbps: float | None = None, base_losses: list | None = None) -> dict:
     """``cycles`` cycles of a rung after its warm-up, each from the ``prefix`` ``pre`` (None: run it
-    here); one row (``rung_row``). A rung that fails (e.g. compilation) returns status 'failed' with
-    the reason."""
+    here); one row (``rung_row``). ``step``: a rung of ``RUNGS``, or ``fused_step(rung)`` for the trainer
+    with a ``fused_decode.FusedDecoder`` at that rung. A rung that fails (e.g. compilation) returns
+    status 'failed' with the reason."""
     row = _row(step, cycles)
     try:
-        warm = warm_up(tr, row["way"])
+        loop = None
+        if row["way"] == "fused":
+            cfg = tr.cfg
+            loop = fused_decode.FusedDecoder(tr.lm, cfg, cfg.prompts * cfg.replies, cfg.prompt_len + cfg.new_tokens,
+                                             tr.device, rung=row["fused_rung"])
+        warm = warm_up(tr, row["way"], loop)
         pre = pre or prefix(tr)
-        runs = [cycle(tr, row["way"], pre) for _ in range(cycles)]
+        runs = [cycle(tr, row["way"], pre, loop) for _ in range(cycles)]
     except Exception as e:     # a rung that cannot run here is a row with its reason, not a crash
         return _failed(row, e)
     return rung_row(tr, row, runs, warm, copy_gbps=copy_gbps, base_losses=base_losses)
 
 
+def fused_step(rung: str) -> str:
+    """The trainer-cycle rung that generates with ``fused_decode.FusedDecoder`` at ``rung``."""
+    if rung not in fused_decode.ALL_RUNGS:
+        from ..device import ChoiceError
+        raise ChoiceError("rung", rung, fused_decode.ALL_RUNGS)
+    return f"{FUSED}[{rung}]"
+
+
 def _row(step: str, cycles: int) -> dict:
+    if step.startswith(FUSED + "[") and step.endswith("]"):
+        rung = step[len(FUSED) + 1:-1]
+        fused_step(rung)     # a known rung, or a clear error
+        return {"step": step, "way": "fused", "fused_rung": rung, "change": fused_decode.CHANGES[rung],
+                "cycles": cycles, "status": "ok", "reason": None}
+    if step not in RUNGS:
+        from ..device import ChoiceError
+        raise ChoiceError("step", step, (*RUNGS, f"{FUSED}[<rung>]"))
     way, change = RUNGS[step]
     return {"step": step, "way": way, "change": change, "cycles": cycles, "status": "ok", "reason": None}
 

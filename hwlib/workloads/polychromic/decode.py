@@ -1,4 +1,5 @@
-"""Generating the bonus's P x N replies, four ways (notebook 14's ladder a-d), all returning the new
+"""Generating the bonus's P x N replies, five ways (notebook 14's ladder a-d, then the decode ladder's
+fused rungs), all returning the new
 tokens as a [P, N, T] tensor on the device:
 
 ==================  ===============================================================================
@@ -11,6 +12,8 @@ tokens as a [P, N, T] tensor on the device:
                     forward (torch.compile, mode "reduce-overhead": CUDA graphs)
 ``static_own`` (d)  the lab's own decode loop: a static cache, and one compiled CUDA-graph step that
                     runs the model and samples (temperature, top-p) without leaving the graph
+``fused`` (e)       ``fused_decode.FusedDecoder`` at one of its rungs: the decode step rewritten
+                    (``hwlib.studies.trainer_cycle`` times the trainer's cycle with it)
 ==================  ===============================================================================
 
 Prompts all have ``prompt_len`` tokens (no padding), and no reply stops early (no end-of-sequence
@@ -26,7 +29,7 @@ import torch
 
 from .config import PolyConfig, check_sampling
 
-WAYS = ("seed", "eval_cache", "batched", "static_hf", "static_own")
+WAYS = ("seed", "eval_cache", "batched", "static_hf", "static_own", "fused")
 
 
 def check_prompts(prompts: torch.Tensor, cfg: PolyConfig, new_tokens: int) -> None:
@@ -202,7 +205,8 @@ class OwnDecodeLoop:
 
 def generate(way: str, pm, prompts: torch.Tensor, cfg: PolyConfig, *, greedy: bool = False,
              new_tokens: int | None = None, loop: OwnDecodeLoop | None = None) -> torch.Tensor:
-    """The replies [P, N, T] by ``way`` (one of ``WAYS``); ``static_own`` needs its ``loop``."""
+    """The replies [P, N, T] by ``way`` (one of ``WAYS``); ``static_own`` needs its ``loop``
+    (``OwnDecodeLoop``), ``fused`` a ``fused_decode.FusedDecoder`` (any callable of the same signature)."""
     if way == "seed":
         return generate_per_reply(pm, prompts, cfg, train=True, greedy=greedy, new_tokens=new_tokens)
     if way == "eval_cache":
@@ -211,9 +215,10 @@ def generate(way: str, pm, prompts: torch.Tensor, cfg: PolyConfig, *, greedy: bo
         return generate_batched(pm, prompts, cfg, greedy=greedy, new_tokens=new_tokens)
     if way == "static_hf":
         return generate_batched(pm, prompts, cfg, static=True, greedy=greedy, new_tokens=new_tokens)
-    if way == "static_own":
+    if way in ("static_own", "fused"):
         if loop is None:
-            raise ValueError("loop: way 'static_own' needs an OwnDecodeLoop")
+            raise ValueError(f"loop: way {way!r} needs its decode loop "
+                             f"({'an OwnDecodeLoop' if way == 'static_own' else 'a fused_decode.FusedDecoder'})")
         return loop(prompts, greedy=greedy, new_tokens=new_tokens)
     from ...device import ChoiceError
     raise ChoiceError("way", way, WAYS)

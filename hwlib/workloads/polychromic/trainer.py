@@ -131,9 +131,13 @@ class Trainer:
         return self.loops[key]
 
     def generate(self, way: str, *, greedy: bool = False, new_tokens: int | None = None,
-                 prompts: torch.Tensor | None = None) -> torch.Tensor:
+                 prompts: torch.Tensor | None = None, loop=None) -> torch.Tensor:
+        """Replies by ``way`` (``decode.generate``); ``loop``: the decoder of way "fused" (the
+        trainer's own ``OwnDecodeLoop`` serves "static_own")."""
+        if loop is None and way == "static_own":
+            loop = self.loop()
         return generate(way, self.lm, self.prompts if prompts is None else prompts, self.cfg, greedy=greedy,
-                        new_tokens=new_tokens, loop=self.loop() if way == "static_own" else None)
+                        new_tokens=new_tokens, loop=loop)
 
     def round_trip(self, replies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [..., T] to text, text to padded encoder ids and mask [R, L] on the device.
