@@ -38,7 +38,8 @@ def _log(msg: str) -> None:
 
 
 def run_size(model_size: str, dev: torch.device, copy_gbps: float | None, rungs: tuple, cycles: dict,
-             out: Path | None, records: list, seed: int = 0, overrides: dict | None = None) -> list[dict]:
+             out: Path | None, records: list, seed: int = 0, overrides: dict | None = None,
+             profile_train: bool = False) -> list[dict]:
     """The trainer of ``model_size`` (random weights, LoRA), the steps before the bonus timed once
     (``generation.prefix``), then ``generation.measure_rung`` for each rung of ``rungs`` with
     ``cycles[rung]`` cycles (default 3). Rows, one per rung; the first ok rung's losses are the others'
@@ -48,6 +49,18 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float | None, rungs:
     mem = torch.cuda.memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     _log(f"{model_size}: trainer built in {build_s:.1f} s, {mem:.1f} GiB")
     params = {"config": cfg.params(), "model_size": model_size, "seed": seed, "copy_gbps": copy_gbps}
+    if profile_train:
+        prof = train_step_profile(tr)
+        _log(f"{model_size}: trainer step {prof['wall_ms_per_step']:.1f} ms wall, device busy "
+             f"{prof['device_busy_ms_per_step']:.1f} ms; by device time:\n" + "\n".join(
+                 f"  {r['device_ms_per_step']:9.2f} ms  {r['calls_per_step']:7.0f}x  host {r['host_ms_per_step']:8.2f} ms  "
+                 f"{r['op']}" for r in prof["by_device"]) + "\nby host time:\n" + "\n".join(
+                 f"  {r['host_ms_per_step']:9.2f} ms  {r['calls_per_step']:7.0f}x  {r['op']}" for r in prof["by_host"]))
+        if out is not None:
+            (out / f"train_profile_{model_size.replace('.', '_')}.json").write_text(json.dumps(prof, indent=1))
+        tr.reset()
+    if not rungs:
+        return []
     pre = generation.prefix(tr)
     _log(f"{model_size}: {len(pre['losses'])} trainer steps before the bonus, {pre['seconds']:.2f} s")
     rows, base = [], None
@@ -68,6 +81,30 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float | None, rungs:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def train_step_profile(tr, steps: int = 2, top: int = 25) -> dict:
+    """Where one trainer step's time goes: ``steps`` steps after one untimed, under torch.profiler
+    (host and device), the ops with the most device time and with the most host time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+    tr.train_step(0)
+    bench.synchronize(tr.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for k in range(steps):
+            tr.train_step(k)
+        bench.synchronize(tr.device)
+    wall = (time.perf_counter() - t0) / steps
+    ev = prof.key_averages()
+    dev_key = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+    rows = lambda key: [{"op": e.key[:100], "calls_per_step": e.count / steps,
+                         "device_ms_per_step": getattr(e, dev_key, 0) / 1e3 / steps,
+                         "host_ms_per_step": e.self_cpu_time_total / 1e3 / steps}
+                        for e in sorted(ev, key=key, reverse=True)[:top]]
+    busy = sum(getattr(e, dev_key, 0) for e in ev) / 1e3 / steps
+    return {"wall_ms_per_step": 1e3 * wall, "device_busy_ms_per_step": busy,
+            "by_device": rows(lambda e: getattr(e, dev_key, 0)), "by_host": rows(lambda e: e.self_cpu_time_total)}
 
 
 def _flush(out: Path, rows: list, records: list) -> None:
@@ -139,10 +176,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["qwen3_8b"], choices=("qwen3_0.6b", "qwen3_8b"))
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rungs", nargs="+", type=_rung, default=list(DEFAULT_RUNGS),
-                    help="notebook 14 rungs (14a_seed_way ...) and fused rungs by name (graph ... top_p), in order")
+    ap.add_argument("--rungs", nargs="*", type=_rung, default=list(DEFAULT_RUNGS),
+                    help="notebook 14 rungs (14a_seed_way ...) and fused rungs by name (graph ... top_p), in order; "
+                         "none with --profile-train: the profile alone")
     ap.add_argument("--cycles", nargs="*", type=_cycles, default=[],
                     help="RUNG=N cycles for a rung (default 3; the uncached per-reply rungs 1)")
+    ap.add_argument("--profile-train", action="store_true",
+                    help="first list where one trainer step's time goes (torch.profiler), per size")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the smoke-sized trainer eagerly (a dry run)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -160,7 +200,8 @@ def main(argv=None) -> None:
     cycles = {"14a_seed_way": 1, "14b_eval_kv_cache": 1, **dict(a.cycles)}
     records: list = []
     for size in a.sizes:
-        run_size("smoke" if dev.type == "cpu" else size, dev, copy, tuple(a.rungs), cycles, out, records)
+        run_size("smoke" if dev.type == "cpu" else size, dev, copy, tuple(a.rungs), cycles, out, records,
+                 profile_train=a.profile_train)
     _log("done")
 
 
