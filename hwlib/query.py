@@ -11,6 +11,7 @@ a damaged JSON file reads as absent. Each damaged file gets one warning naming i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pickle
@@ -120,13 +121,21 @@ def read_records(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    recs, bad, kept, stamps = [], [], [], {}
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:   # a directory, a file without read permission
         warnings.warn(f"{path}: cannot be read ({e.strerror or type(e).__name__}); no records read", stacklevel=3)
         return []
+    recs, why = _parse(path, raw)
+    if why:
+        warnings.warn(why, stacklevel=3)
+    return recs
+
+
+def _parse(path: Path, raw: bytes) -> tuple[list[dict], str | None]:
+    """``read_records`` of a file's bytes: the records, and what its warning says (None: nothing)."""
+    recs, bad, kept, stamps = [], [], [], {}
     lines = raw.split(b"\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -167,20 +176,47 @@ def read_records(path: str | Path) -> list[dict]:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
         lost = (f"; {len(kept)} record(s) kept without device and versions, their stamp line missing "
                 f"(line {', '.join(map(str, kept[:5]))}{', ...' if len(kept) > 5 else ''})") if kept else ""
-        warnings.warn(f"{path}: skipped {len(bad)} damaged line(s){': ' + shown if bad else ''}{lost}", stacklevel=3)
-    return recs
+        return recs, f"{path}: skipped {len(bad)} damaged line(s){': ' + shown if bad else ''}{lost}"
+    return recs, None
+
+
+# load's answers by the file's content: one report reads the same reference runs many times over
+# (every README block reads every committed reference), and putting the stamps back costs more than
+# the JSON. Keyed on a hash of the bytes, not on a file time, so that a file rewritten in place is
+# never answered stale; each caller gets its own copy (unpickled), free to change it.
+_LOADED: dict = {}
+_LOADED_MAX = 32
 
 
 def load(run=None, *, latest_only: bool = True) -> list[dict]:
     """Records of a run; with ``latest_only`` a re-measured key (``results.record_key``: notebook,
     workload, step, metric and the measurement's fields) keeps only its newest record."""
-    recs = read_records(read_dir(run) / RESULTS_FILE)
-    if not latest_only:
-        return recs
-    latest: dict = {}
-    for r in recs:
-        latest[record_key(r)] = r
-    return list(latest.values())
+    path = read_dir(run) / RESULTS_FILE
+    try:
+        raw = path.read_bytes()
+    except OSError:   # absent, a directory, unreadable: read_records answers, and warns where it should
+        return read_records(path)
+    key = (str(path), latest_only, hashlib.blake2b(raw, digest_size=16).digest())
+    if key not in _LOADED:
+        recs, why = _parse(path, raw)
+        if latest_only:
+            latest: dict = {}
+            for r in recs:
+                latest[record_key(r)] = r
+            recs = list(latest.values())
+        try:
+            blob = pickle.dumps(recs, protocol=pickle.HIGHEST_PROTOCOL)
+        except RecursionError:   # nested deeper than pickle goes (JSON's limit differs): not kept
+            if why:
+                warnings.warn(why, stacklevel=2)
+            return recs
+        if len(_LOADED) >= _LOADED_MAX:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = (blob, why)
+    blob, why = _LOADED[key]
+    if why:
+        warnings.warn(why, stacklevel=2)
+    return pickle.loads(blob)
 
 
 def select(records: list[dict], **match) -> list[dict]:
