@@ -44,14 +44,43 @@ def _gone(pid: int, within: float = 30.0) -> bool:
     return False
 
 
+def _own_env(base: Path) -> dict:
+    """An environment of its own (so a server of its own), the spec on JUPYTER_PATH; the run folders
+    fixed, as the server's key holds them (the autouse fixture gives each test its own)."""
+    return {"JUPYTER_PATH": str(TESTS), "HWLIB_FORK_TEST": uuid.uuid4().hex, "OMP_NUM_THREADS": "1",
+            "HWLIB_OUTPUTS": str(base), "HWLIB_RUN": str(base / "run"), "HWLIB_DATA": str(base / "data")}
+
+
+def _enter(monkeypatch, env: dict) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv(forkkernel.PRELOAD_VAR, raising=False)   # nothing preloaded beyond the base
+
+
+@pytest.fixture(scope="module")
+def warm_env(tmp_path_factory):
+    """One environment for the tests that fork from a real server, so that one server (it imports
+    torch: seconds of CPU) forks each of their kernels; it is stopped after the module."""
+    env = _own_env(tmp_path_factory.mktemp("fork-warm"))
+    yield env
+    with pytest.MonkeyPatch.context() as mp:
+        _enter(mp, env)
+        forkkernel.stop()
+        assert _gone_socket(forkkernel.socket_path())
+
+
 @pytest.fixture
-def fork_env(monkeypatch, tmp_path):
-    """An environment of its own (so a server of its own), the spec on JUPYTER_PATH, nothing preloaded
-    beyond the base; the server is stopped afterwards."""
-    monkeypatch.setenv("JUPYTER_PATH", str(TESTS))
-    monkeypatch.setenv("HWLIB_FORK_TEST", uuid.uuid4().hex)
-    monkeypatch.delenv(forkkernel.PRELOAD_VAR, raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def fork_env(monkeypatch, tmp_path, warm_env):
+    """The module's warm environment, run from this test's own folder (a kernel runs in its launcher's)."""
+    _enter(monkeypatch, warm_env)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def lone_env(monkeypatch, tmp_path):
+    """An environment no server has served; any server started in it is stopped afterwards."""
+    _enter(monkeypatch, _own_env(tmp_path))
     monkeypatch.chdir(tmp_path)
     yield tmp_path
     forkkernel.stop()
@@ -118,7 +147,7 @@ def test_the_suites_use_it():
     assert (TESTS / "kernels" / "hwlib-fork" / "kernel.json").is_file()
 
 
-def test_a_launcher_whose_server_cannot_start_runs_its_own_kernel(fork_env, monkeypatch):
+def test_a_launcher_whose_server_cannot_start_runs_its_own_kernel(lone_env, monkeypatch):
     """A server that dies at its start costs no wait, and under a temporary folder too long for a socket's
     address no server is tried: the launcher runs the ordinary kernel in its own process, which works."""
     real = forkkernel.subprocess.Popen
@@ -130,11 +159,11 @@ def test_a_launcher_whose_server_cannot_start_runs_its_own_kernel(fork_env, monk
     assert forkkernel._server(forkkernel.socket_path()) is None
     assert time.monotonic() - t0 < 20, "the launcher waited for a server that had died"
     # a long temporary folder: no socket can be made there, and the kernel is the launcher's own
-    long = fork_env / ("x" * 120)
+    long = lone_env / ("x" * 120)
     long.mkdir()
     monkeypatch.setenv("TMPDIR", str(long))
     monkeypatch.setattr(forkkernel.tempfile, "tempdir", None)   # read again here, and restored after
-    km, kc = start_new_kernel(kernel_name="hwlib-fork", cwd=str(fork_env))
+    km, kc = start_new_kernel(kernel_name="hwlib-fork", cwd=str(lone_env))
     try:
         launcher = km.provisioner.process.pid
         pid = int(_run(kc, "import os; print(os.getpid())"))
