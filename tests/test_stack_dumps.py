@@ -6,28 +6,34 @@ import json
 
 import nbformat as nbf
 
-from hwlib import cli
+from hwlib import cli, runs
 from test_cli import make_nb, outputs  # noqa: F401  (the fixture: runs under a temporary outputs/)
 
 
-def test_a_notebook_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs):
+def test_a_notebook_past_its_limit_leaves_its_kernels_stacks(tmp_path, outputs, capsys):
     """Before a notebook that runs past its time limit, or a cell past its own, is ended, its kernel
     (armed by ``notebook.setup``, here by ``arm_stack_dump`` alone) dumps every thread's Python stack
     into executed/<name>.stacks, and the failure's reason says where; a notebook that ends in time
-    leaves none."""
+    leaves none. The time limit ends the notebook's kernel, is reported among the failures, and the
+    series goes on past it."""
     d = tmp_path / "hang_nbs"
     d.mkdir()
-    make_nb(d / "00_quick.ipynb", "from hwlib.stacks import arm_stack_dump\nassert arm_stack_dump()")
     make_nb(d / "01_hangs.ipynb", "from hwlib.stacks import arm_stack_dump\nassert arm_stack_dump()\n"
-                                  "import time\n\ndef stuck_here():\n    time.sleep(300)\n\nstuck_here()")
+                                  "import os, time\n"
+                                  "open(os.path.join(os.environ['HWLIB_RUN'], 'kernel.pid'), 'w').write(str(os.getpid()))"
+                                  "\n\ndef stuck_here():\n    time.sleep(300)\n\nstuck_here()")
+    make_nb(d / "02_quick.ipynb", "from hwlib.stacks import arm_stack_dump\nassert arm_stack_dump()")
     # the dump comes 3 s before the limit: the kernel has that long to start and arm on a busy machine
     assert cli.main(["reproduce", "--notebooks", str(d), "--run", "hang", "--profile", "smoke", "--device", "cpu",
                      "--timeout", "24", "--quiet"]) == 1
+    assert "1 notebook(s) failed: 01_hangs" in capsys.readouterr().err
     run = outputs / "hang"
     state = json.loads((run / "state.json").read_text())
-    assert state["00_quick"]["status"] == "ok" and not (run / "executed" / "00_quick.stacks").exists()
+    assert state["02_quick"]["status"] == "ok" and not (run / "executed" / "02_quick.stacks").exists()
     stacks = run / "executed" / "01_hangs.stacks"
     assert state["01_hangs"]["status"] == "timeout" and str(stacks) in state["01_hangs"]["reason"]
+    assert "exceeded the per-notebook limit of 24 s" in state["01_hangs"]["reason"]
+    assert runs._stat(int((run / "kernel.pid").read_text())) is None   # the limit ended its kernel (gone or a zombie)
     text = stacks.read_text()
     assert "stuck_here" in text and "Thread" in text, text
 
