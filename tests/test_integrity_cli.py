@@ -18,7 +18,7 @@ import pytest
 from hwlib import cli, query, runs
 from hwlib.device import info
 from hwlib.steps import LADDER
-from test_cli import WRITE, make_nb
+from test_cli import WRITE, make_nb, ran_in_process
 
 REPO = Path(__file__).resolve().parent.parent
 N = 12   # records the fake measuring notebook writes, one every 0.1 s
@@ -236,13 +236,14 @@ def test_a_second_run_on_the_same_folder_is_refused_with_the_holder(tmp_path, ou
     assert (run / "01.txt").read_text() == "smoke\n"
 
 
-def test_a_stale_lock_of_a_dead_run_is_taken_over(tmp_path, outputs, capsys):
+def test_a_stale_lock_of_a_dead_run_is_taken_over(tmp_path, outputs, capsys, monkeypatch):
     nbs = series(tmp_path, **{"00_first": WRITE.format(name="00")})
     run = outputs / "r"
     run.mkdir(parents=True)
     (run / runs.LOCK_FILE).write_text(json.dumps({"pid": 2 ** 22 + 7, "host": runs.HOST}))
+    ran = ran_in_process(monkeypatch)     # the lock is the subject here, not a notebook's run
     assert cli.main(args(nbs)) == 0
-    assert (run / "00.txt").read_text() == "smoke\n"
+    assert ran == ["00_first"] and query.state(run)["00_first"]["status"] == "ok"
 
 
 # --- 3. run folders ------------------------------------------------------------------------------------
@@ -261,8 +262,9 @@ def test_run_names_stay_under_outputs(tmp_path, outputs, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nbs"]  # nothing written anywhere
 
 
-def test_a_run_folder_holds_one_machine(tmp_path, outputs, capsys):
+def test_a_run_folder_holds_one_machine(tmp_path, outputs, capsys, monkeypatch):
     nbs = series(tmp_path, **{"00_first": WRITE.format(name="00")})
+    ran = ran_in_process(monkeypatch)     # which runs are refused is the subject, not a notebook's run
     (outputs / "a").mkdir(parents=True)
     (outputs / "a" / "state.json").write_text(json.dumps({"_device": "NVIDIA H100 80GB HBM3"}))
     (outputs / "b").mkdir()
@@ -272,21 +274,23 @@ def test_a_run_folder_holds_one_machine(tmp_path, outputs, capsys):
         assert cli.main(args(nbs, run, "--force")) == 2
         err = capsys.readouterr().err
         assert "NVIDIA H100 80GB HBM3" in err and "name a new run" in err
-        assert not (outputs / run / "00.txt").exists()
-    assert cli.main(args(nbs, "c")) == 0
+        assert ran == []
+    assert cli.main(args(nbs, "c")) == 0 and ran == ["00_first"]
     assert query.state(outputs / "c")["_device"] == info("cpu").name
 
 
-def test_overwriting_a_committed_reference_takes_a_flag(tmp_path, outputs, capsys):
+def test_overwriting_a_committed_reference_takes_a_flag(tmp_path, outputs, capsys, monkeypatch):
     nbs = series(tmp_path, **{"00_first": WRITE.format(name="00")})
     ref = outputs / "reference" / "h100"
     ref.mkdir(parents=True)
     (ref / "results.jsonl").write_text(json.dumps({"metric": "m", "value": 1, "device": {"name": info("cpu").name}}) + "\n")
+    ran = ran_in_process(monkeypatch)     # which runs are refused is the subject, not a notebook's run
     assert cli.main(args(nbs, "reference/h100")) == 2
-    assert "--overwrite-reference" in capsys.readouterr().err and not (ref / "00.txt").exists()
+    assert "--overwrite-reference" in capsys.readouterr().err and ran == []
     assert cli.main(args(nbs, "reference/h100", "--overwrite-reference")) == 0
-    assert (ref / "00.txt").read_text() == "smoke\n"
+    assert ran == ["00_first"] and query.state(ref)["00_first"]["status"] == "ok"
     assert cli.main(args(nbs, "reference/new")) == 0             # a new reference is not an overwrite
+    assert ran == ["00_first"] * 2 and query.state(outputs / "reference" / "new")["00_first"]["status"] == "ok"
 
 
 # --- 4. damaged files ----------------------------------------------------------------------------------
@@ -310,8 +314,9 @@ def test_table_skips_damaged_lines_with_one_warning(outputs, capsys):
 
 
 @pytest.mark.parametrize("state", ['{"00_first": {"sta', "[1, 2]", '{"00_first": {"status": "ok"}}'])
-def test_reproduce_goes_on_past_damaged_state_ceilings_and_curves(state, tmp_path, outputs, capsys):
+def test_reproduce_goes_on_past_damaged_state_ceilings_and_curves(state, tmp_path, outputs, capsys, monkeypatch):
     nbs = series(tmp_path, **{"00_first": WRITE.format(name="00")})
+    ran = ran_in_process(monkeypatch)     # reproduce reads the damaged files itself; the notebook reads none
     run = outputs / "r"
     (run / "curves" / "gpt").mkdir(parents=True)
     (run / "state.json").write_text(state)
@@ -321,7 +326,7 @@ def test_reproduce_goes_on_past_damaged_state_ceilings_and_curves(state, tmp_pat
     assert cli.main(args(nbs)) == 0
     err = capsys.readouterr().err
     assert str(run / "state.json") in err and "Traceback" not in err
-    assert (run / "00.txt").read_text() == "smoke\n"              # an entry without seconds is not "done"
+    assert ran == ["00_first"]                                    # an entry without seconds is not "done"
     assert query.state(run)["00_first"]["status"] == "ok"
     assert json.loads((run / "summary.json").read_text())["ceilings"]["copy_gbps"] is None
 
