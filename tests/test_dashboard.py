@@ -57,9 +57,11 @@ def test_sparkline_draws_the_points_and_breaks_at_gaps():
 
 def test_the_monitor_sees_each_step_with_the_runs_own_time_and_loss():
     mon = monitor.Monitor("cpu", interval_s=0.02, figure=False)
+    # a one-layer model: the hook's path is what is checked; the monitor's and the ladder's samplers
+    # each read at the start and at the end of however short a window
     with mon:
         res = run_step("gpt", "05_fused_optimizer", profile="smoke", device="cpu", plan=Plan(2, 0, 3),
-                       on_step=mon.on_step)
+                       config={"n_layer": 1, "batch": 2, "context": 16}, on_step=mon.on_step)
     assert [s["i"] for s in mon.steps] == list(range(len(res.losses)))
     assert all(math.isclose(s["loss"], l, rel_tol=1e-6) for s, l in zip(mon.steps, res.losses))
     timed = [s["ms"] for s in mon.steps if s["ms"] is not None]
