@@ -118,8 +118,9 @@ $(SUITES): export TORCHINDUCTOR_VEC_ISA_OK := 1
 # cpu_compile_backend): dynamo's tracing, the custom ops' fake implementations and the joint graph are
 # checked as under inductor, but not inductor's C++ code generation for a CPU, which no GPU run uses: step
 # 06 of four smoke workloads took 304 s under inductor and 45 s under aot_eager on a 2-core machine.
-# Inductor on a CPU stays tested where it is the subject: the ops' "under torch.compile" tests and
-# compile_model's own test (tests/test_fallbacks.py) call inductor themselves.
+# Inductor on a CPU stays tested where it is the subject: compile_model's own test and the ops declared
+# to inductor (tests/test_fallbacks.py) call inductor themselves. The ops' "under torch.compile" tests
+# trace under aot_eager and cross-check each op's fake outputs with its real ones (strides included).
 $(SUITES): export HWLIB_CPU_COMPILE_BACKEND := aot_eager
 # The notebooks compile each workload at each of their compiled steps: there dynamo's tracing
 # alone (the eager backend: the forward's fake implementations, graph breaks) is checked, and AOT
