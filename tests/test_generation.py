@@ -173,19 +173,27 @@ def test_bad_prompts_and_empty_replies_are_refused(tr):
     assert torch.allclose(torch.linalg.vector_norm(e, dim=-1).cpu(), torch.ones(2), atol=1e-5)
 
 
-def test_the_ladder_leaves_the_trainer_losses_unchanged(tr):
+def test_the_ladder_leaves_the_trainer_losses_unchanged(tr, monkeypatch):
     a = G.measure_rung(tr, "14a_seed_way", 1)
     d = G.measure_rung(tr, "14d_static_own", 1, base_losses=a["losses"])
     e = G.measure_rung(tr, G.fused_step("graph"), 1, base_losses=a["losses"])    # the decode ladder's decoder
     assert a["status"] == d["status"] == e["status"] == "ok", e.get("reason")
     assert len(a["losses"]) == tr.cfg.every and d["quality_loss_max_rel_diff"] == e["quality_loss_max_rel_diff"] == 0.0
     assert e["step"] == "14e_fused[graph]" and e["way"] == "fused"
+    # the training step compiled (aot_eager on a CPU): the same losses to rounding, and the trainer left eager
+    monkeypatch.setenv("HWLIB_CPU_COMPILE_BACKEND", "aot_eager")
+    f = G.measure_rung(tr, G.COMPILED_TRAIN, 1, base_losses=a["losses"])
+    assert f["status"] == "ok", f.get("reason")
+    assert f["quality_loss_max_rel_diff"] <= 1e-5 and f["quality_tol"] == G.COMPILED_TRAIN_TOL
+    assert tr._compiled is None and tr._compiled_lm is not None
     from hwlib.studies import trainer_cycle
-    for r in (a, d, e):
+    for r in (a, d, e, f):
         r["model_size"] = "smoke"
-    lines = trainer_cycle.table([a, d, e]).splitlines()
-    assert len(lines) == 5 and "14e_fused[graph]" in lines[4] and lines[2].split("|")[5].strip() == "1.0x"
-    assert all(line.rstrip().endswith("| yes |") for line in lines[2:])
+    lines = trainer_cycle.table([a, d, e, f]).splitlines()
+    assert len(lines) == 6 and "14e_fused[graph]" in lines[4] and lines[2].split("|")[5].strip() == "1.0x"
+    assert all(line.rstrip().endswith("| yes |") for line in lines[2:5]) and "<= 0.01) |" in lines[5]
+    f["quality_loss_max_rel_diff"] = 0.02       # past its tolerance: said, not hidden
+    assert trainer_cycle.table([f]).splitlines()[2].endswith("| NO (2.0e-02 > 0.01) |")
     for r in (a, d):
         assert sum(r[f"share_{p}"] for p in pc.PHASES) == pytest.approx(1.0)
         assert r["share_generation_of_overhead"] + r["share_diversity_of_overhead"] == pytest.approx(1.0)
@@ -315,7 +323,7 @@ def test_the_warm_up_meets_every_shape_the_timed_generations_meet(tr, monkeypatc
     calls = []
     monkeypatch.setattr(tr, "generate", lambda way, **kw: calls.append((way, kw)))
     G.warm_up(tr, "batched")
-    assert calls == [("batched", {})]              # the bonus's whole generation
+    assert calls == [("batched", {"loop": None})]      # the bonus's whole generation
 
 
 def test_the_attention_arms_alternate_and_each_has_a_spread(tr, monkeypatch):

@@ -50,6 +50,11 @@ RUNGS = {  # step name -> (way, what changes)
 }
 # The trainer with the decode ladder's decoder (``fused_step``): "14e_fused[top_p]" and so on.
 FUSED = "14e_fused"
+# Then the training step compiled (``Trainer.compile_training``), with the best decoder. Its losses move
+# by compiled rounding, not by the replies: they are held to the bf16 loss-curve tolerance the
+# ladder's compiled steps use, not to QUALITY_TOL.
+COMPILED_TRAIN = "14f_compiled_train"
+COMPILED_TRAIN_TOL = 1e-2
 PER_PROMPT = ("seed", "eval_cache")     # the seed's bonus: per-prompt round trip, encoding and score
 QUALITY_TOL = 1e-6                      # relative; the training path is identical on every rung
 
@@ -143,9 +148,19 @@ def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = N
             cfg = tr.cfg
             loop = fused_decode.FusedDecoder(tr.lm, cfg, cfg.prompts * cfg.replies, cfg.prompt_len + cfg.new_tokens,
                                              tr.device, rung=row["fused_rung"])
-        warm = warm_up(tr, row["way"], loop)
-        pre = pre or prefix(tr)
-        runs = [cycle(tr, row["way"], pre, loop) for _ in range(cycles)]
+        compiled = row.get("train") == "compiled"
+        if compiled:      # its own prefix: the steps before the bonus train compiled too
+            from ..ladder.session import cpu_compile_backend
+            tr.compile_training(True, "inductor" if tr.device.type == "cuda" else cpu_compile_backend())
+            pre = None
+        try:
+            warm = warm_up(tr, row["way"], loop)
+            if compiled:
+                warm += bench.wall_s(lambda: tr.train_step(0), tr.device)[0]    # the compile; prefix resets
+            pre = pre or prefix(tr)
+            runs = [cycle(tr, row["way"], pre, loop) for _ in range(cycles)]
+        finally:
+            tr.compile_training(False)
     except Exception as e:     # a rung that cannot run here is a row with its reason, not a crash
         return _failed(row, e)
     return rung_row(tr, row, runs, warm, copy_gbps=copy_gbps, base_losses=base_losses)
@@ -160,6 +175,10 @@ def fused_step(rung: str) -> str:
 
 
 def _row(step: str, cycles: int) -> dict:
+    if step == COMPILED_TRAIN:
+        return {"step": step, "way": "fused", "fused_rung": "top_p", "train": "compiled", "cycles": cycles,
+                "status": "ok", "reason": None, "quality_tol": COMPILED_TRAIN_TOL,
+                "change": "the LoRA training step through torch.compile (replies by the fused decoder's top_p rung)"}
     if step.startswith(FUSED + "[") and step.endswith("]"):
         rung = step[len(FUSED) + 1:-1]
         fused_step(rung)     # a known rung, or a clear error
@@ -167,7 +186,7 @@ def _row(step: str, cycles: int) -> dict:
                 "cycles": cycles, "status": "ok", "reason": None}
     if step not in RUNGS:
         from ..device import ChoiceError
-        raise ChoiceError("step", step, (*RUNGS, f"{FUSED}[<rung>]"))
+        raise ChoiceError("step", step, (*RUNGS, f"{FUSED}[<rung>]", COMPILED_TRAIN))
     way, change = RUNGS[step]
     return {"step": step, "way": way, "change": change, "cycles": cycles, "status": "ok", "reason": None}
 

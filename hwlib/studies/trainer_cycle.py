@@ -2,9 +2,11 @@
 (LoRA, gradient checkpointing), the last with the diversity bonus (generation, the text round trip,
 encoding, the score), timed phase by phase as notebook 14 times them (``generation.measure_rung``),
 for notebook 14's rungs a-d and for the decode ladder's decoder (``fused_decode.FusedDecoder``) at
-the rungs asked, as rung "14e_fused[<rung>]". Every rung trains from the same state and must give the
-same trainer losses (``generation.QUALITY_TOL``): a rung changes how replies are generated, never the
-training.
+the rungs asked, as rung "14e_fused[<rung>]", and last with the training step compiled as well
+(rung "14f_compiled_train"). Every rung trains from the same state and must give the same trainer
+losses (``generation.QUALITY_TOL``): a rung changes how replies are generated, never the training;
+14f changes the training's rounding and is held to the loss-curve tolerance of the ladder's compiled
+steps (``generation.COMPILED_TRAIN_TOL``).
 
 Notebook 14 runs the 0.6B model; this runs any size in one process, the 8B one (the seed's own size)
 included, whose uncached seed way alone takes minutes a cycle. Writes rows (JSON), records
@@ -30,7 +32,7 @@ from ..workloads.polychromic import fused_decode
 from . import generation
 
 STUDY = "trainer_cycle"
-DEFAULT_RUNGS = (*generation.RUNGS, generation.fused_step("top_p"))
+DEFAULT_RUNGS = (*generation.RUNGS, generation.fused_step("top_p"), generation.COMPILED_TRAIN)
 
 
 def _log(msg: str) -> None:
@@ -116,8 +118,8 @@ def _flush(out: Path, rows: list, records: list) -> None:
 
 def table(rows: list[dict]) -> str:
     """The cycles as a Markdown table, one line per (model size, rung), from the rows as written: the
-    cycle's time (p20-p80 across cycles), its speed-up over the rung before and over the seed's way,
-    and the share of each phase."""
+    cycle's time (p20-p80 across cycles), its speed-up over the rung before and over the seed's way
+    (where the seed's way ran for that size), and the share of each phase."""
     cols = ["model", "rung", "s per cycle (p20-p80)", "x vs rung before", "x vs seed's way", "tokens/s",
             "decode ms/step", "of copy", *(f"{p} share" for p in pc.PHASES), "losses equal"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
@@ -130,15 +132,20 @@ def table(rows: list[dict]) -> str:
                          + " |" * (len(cols) - 3))
             continue
         s = r["ms_per_cycle"] / 1e3
-        before, seed = prev.get(size), first.setdefault(size, s)
+        if r["step"] == "14a_seed_way":
+            first[size] = s
+        before, seed = prev.get(size), first.get(size)
         prev[size] = s
         share = r.get("decode_share_of_copy")
+        diff, tol = r["quality_loss_max_rel_diff"], r.get("quality_tol")
+        same = "yes" if diff <= (generation.QUALITY_TOL if tol is None else tol) else "NO"
+        if tol is not None:      # a rung that changes the training: its difference against its tolerance
+            same += f" ({diff:.1e} <= {tol:g})" if same == "yes" else f" ({diff:.1e} > {tol:g})"
         lines.append(
             f"| {size} | {r['step']} | {s:.3f} ({r['ms_p20'] / 1e3:.3f}-{r['ms_p80'] / 1e3:.3f}) | "
-            f"{'' if before is None else f'{before / s:.2f}x'} | {seed / s:.1f}x | {r['gen_tokens_per_s']:,.0f} | "
-            f"{r['decode_ms_per_step']:.2f} | {'' if share is None else f'{share:.1%}'} | "
-            + " | ".join(f"{r[f'share_{p}']:.1%}" for p in pc.PHASES)
-            + f" | {'yes' if r['quality_loss_max_rel_diff'] <= generation.QUALITY_TOL else 'NO'} |")
+            f"{'' if before is None else f'{before / s:.2f}x'} | {'' if seed is None else f'{seed / s:.1f}x'} | "
+            f"{r['gen_tokens_per_s']:,.0f} | {r['decode_ms_per_step']:.2f} | {'' if share is None else f'{share:.1%}'} | "
+            + " | ".join(f"{r[f'share_{p}']:.1%}" for p in pc.PHASES) + f" | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,7 +161,7 @@ def write_table(out: Path) -> Path:
 
 def _rung(name: str) -> str:
     """A command-line rung: a notebook 14 rung, or a fused rung by its name alone ("top_p")."""
-    if name in generation.RUNGS or name.startswith(generation.FUSED + "["):
+    if name in generation.RUNGS or name == generation.COMPILED_TRAIN or name.startswith(generation.FUSED + "["):
         generation._row(name, 1)      # a clear error for an unknown one
         return name
     try:

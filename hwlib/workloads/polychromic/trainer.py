@@ -56,6 +56,7 @@ class Trainer:
         self._stream = self._token_stream(seed)
         self.prompts = self._prompts()
         self.loops: dict = {}
+        self._compiled = self._compiled_lm = None
         self.reset()
 
     # --- data --------------------------------------------------------------------------------------
@@ -105,7 +106,20 @@ class Trainer:
 
     # --- training -----------------------------------------------------------------------------------
     def ce(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=x, labels=x, use_cache=False).loss
+        lm = self.lm if self._compiled is None else self._compiled
+        return lm(input_ids=x, labels=x, use_cache=False).loss
+
+    def compile_training(self, on: bool, backend: str = "inductor") -> None:
+        """Train through ``torch.compile`` of the LM (LoRA and gradient checkpointing as they are) or
+        eagerly. The eager step launches some 6,500 kernels a micro-batch from Python (peft's three
+        matmuls per adapted projection, fp32 RMSNorm pieces): on an H200 the GPU was busy 16% of a
+        0.6B step. The compiled form is built once (with ``backend``) and kept; generation never goes
+        through it."""
+        if on and self._compiled_lm is None:
+            # the LoRA layers live inside the base model: compiling it compiles them (peft's wrapper
+            # itself is not a module dynamo can take whole)
+            self._compiled_lm = torch.compile(self.lm.get_base_model(), backend=backend)
+        self._compiled = self._compiled_lm if on else None
 
     def train_step(self, step: int, bonus: float | None = None) -> torch.Tensor:
         """One optimizer step over ``accum`` micro-batches; ``bonus`` (a float) enters the loss as
