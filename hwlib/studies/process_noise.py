@@ -5,12 +5,13 @@ that one process. What changes from one process to the next (where the allocator
 kernels autotuning picks, the code the compiler makes, the cores the host threads land on, clocks)
 is not in it; on a host-bound eager step it can be larger than the difference between two adjacent
 steps of the ladder. Here a step is measured ``processes`` times exactly as the ladder measures it
-(``ladder.run.run_step`` with the profile's plan), each time in a fresh process started through
-``ablation.in_fresh_process`` (``python -m hwlib.studies.process_noise SPEC OUT``), one at a time,
-never side by side: each step's first two processes back to back (the least a spread needs), step
-after step, then round by round over the steps for the processes past two. A time budget never
-starts a step whose two processes it cannot finish (judged by the processes so far), so a short
-budget leaves whole spreads of the first steps instead of one process of every step and no spread.
+(``ladder.run.run_step`` with the profile's plan, or the one given), each time in a fresh process
+started through ``ablation.in_fresh_process`` (``python -m hwlib.studies.process_noise SPEC OUT``),
+one at a time, never side by side: each step's first two processes back to back (the least a spread
+needs), step after step, then round by round over the steps for the processes past two. A time
+budget never starts a step whose two processes it cannot finish (judged by the processes so far), so
+a short budget leaves whole spreads of the first steps instead of one process of every step and no
+spread.
 
 Recorded (notebook 19) per step once its last process has finished, never before (an interrupted
 study keeps the steps it finished):
@@ -210,7 +211,7 @@ def _records(row: dict, done: list[dict], *, profile, device, notebook, params) 
 def measure(targets, *, processes: int = 3, profile: str = "auto", device: str = "auto", seed: int = 0,
             config: dict | None = None, level: float = noise.DEFAULT_LEVEL, timeout_s: float = 600.0,
             budget_s: float | None = None, notebook: str, run=None, progress: bool = False,
-            command: Callable[[Path, Path], list[str]] | None = None) -> list[dict]:
+            command: Callable[[Path, Path], list[str]] | None = None, plan: Plan | None = None) -> list[dict]:
     """Each target step (``(workload, step)`` or a ``Target``) measured in ``processes`` fresh
     processes, one at a time, pairs first, then round by round (module doc). Returns a row per
     target: each process's median ms/step, the spread (slowest / fastest) and its interval at
@@ -220,7 +221,8 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
     what is left at the mean process time so far, its second always follows its first, and a later
     one starts only if it fits: a target with two or more processes done records its spread over
     those, a target not started records nothing (``skipped``). ``command(spec, out)``
-    builds a worker's command line (tests replace the worker). Every argument is checked first."""
+    builds a worker's command line (tests replace the worker). ``plan``: each process's steps (None: the
+    profile's, as the ladder times the step). Every argument is checked first."""
     ts = _targets(targets)
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 2:
         raise ValueError(f"processes must be an int >= 2 (a spread needs two), got {processes!r}")
@@ -230,11 +232,13 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s <= 0):
         raise ValueError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
+    if plan is not None and (not isinstance(plan, Plan) or plan.check < 1 or plan.warmup < 0 or plan.timed < 1):
+        raise ValueError(f"plan must be None or a Plan with check >= 1, warmup >= 0 and timed >= 1, got {plan!r}")
     run_dir(run, create=False)   # a run name outside outputs/ fails now, not after the processes ran
     dev = resolve_device(device)
     prof = resolve_profile(profile, dev)
     di = info(dev)
-    pl = plan_for(prof)
+    pl = plan or plan_for(prof)
     make = command or _worker_command
     cfgs = {t: get_workload(t.workload).config(prof, **(config or {})) for t in ts}
     params = {t: {"config": dataclasses.asdict(cfgs[t]), "seed": seed, "plan": dataclasses.asdict(pl), "level": level}
