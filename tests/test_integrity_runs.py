@@ -126,9 +126,13 @@ def test_run_folders_are_resolved_before_they_are_checked_or_made(tmp_path, outp
     assert sorted(p.name for p in outputs.iterdir()) == ["afile", "alias", "out", "reference"]
 
 
-def test_readme_through_a_link_keeps_the_link(tmp_path, outputs):
+def test_readme_through_a_link_keeps_the_link(tmp_path, outputs, monkeypatch):
+    from hwlib.report import tables
     from hwlib.report.tables import README_END, README_START
     from test_integrity_cli import ladder_record
+    # the link is the subject: the block's several-GPU table (read from every committed reference run, about
+    # 0.9 CPU-s) is test_integrity_cli's readme test's
+    monkeypatch.setattr(tables, "multi_gpu_lines", lambda runs: ["| several-GPU table |"])
     run = outputs / "r"
     run.mkdir(parents=True)
     (run / "results.jsonl").write_text(json.dumps(ladder_record(12.5)) + "\n")
@@ -137,7 +141,7 @@ def test_readme_through_a_link_keeps_the_link(tmp_path, outputs):
     link = tmp_path / "README.md"
     link.symlink_to(real)
     assert cli.main(["readme", "--run", "r", "--readme", str(link)]) == 0
-    assert link.is_symlink() and "STALE" not in real.read_text()
+    assert link.is_symlink() and "STALE" not in real.read_text() and "| several-GPU table |" in real.read_text()
 
 
 # --- faults: one notebook's fault is its own row --------------------------------------------------------
