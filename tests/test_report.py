@@ -130,7 +130,22 @@ def _block(text: str, start: str, end: str) -> str:
     return text[text.index(start) + len(start):text.index(end)].strip()
 
 
-def test_committed_pages_match_the_reference_runs(monkeypatch):
+@pytest.fixture(scope="module")
+def built():
+    """The reference's blocks as the committed-pages check below built them, by (builder, run): the
+    tests after it compare with these rather than build them again (about a CPU-second each)."""
+    return {}
+
+
+def _kept(built: dict, name: str, build):
+    def once(run):
+        if (name, run) not in built:
+            built[name, run] = build(run)
+        return built[name, run]
+    return once
+
+
+def test_committed_pages_match_the_reference_runs(monkeypatch, built):
     """README.md and docs/results.md hold, between their markers, what ``hwlib readme`` makes from the
     committed reference runs; each block lives in one of the two, the long tables in docs/results.md."""
     monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
@@ -138,9 +153,9 @@ def test_committed_pages_match_the_reference_runs(monkeypatch):
     if not (paths.run_dir(ref, create=False) / "results.jsonl").exists():
         pytest.skip("no reference run committed")
     readme, page = (paths.REPO_ROOT / "README.md").read_text(), RESULTS_PAGE.read_text()
-    # the README block is built once (a second of CPU) and compared again at the end below
-    built = {}
-    monkeypatch.setattr(pages, "readme_block", lambda run: built.setdefault(run, report.readme_block(run)))
+    # each block is built once and compared again below (and by the claims check further on)
+    monkeypatch.setattr(pages, "readme_block", _kept(built, "readme", report.readme_block))
+    monkeypatch.setattr(pages, "claims_block", _kept(built, "claims", report.claims_block))
     assert pages.render_page(readme, ref) == readme, "README's generated blocks are stale: run `make readme`"
     assert pages.render_page(page, ref) == page, "docs/results.md's generated blocks are stale: run `make readme`"
     for start, end, _ in pages.blocks(ref):
@@ -149,7 +164,7 @@ def test_committed_pages_match_the_reference_runs(monkeypatch):
         assert start in page, f"{start}: a long table belongs on docs/results.md"
     assert pages.GLANCE_START in readme and pages.COMMANDS_START in readme
     assert _block(page, report.README_START, report.README_END) == pages.readme_block(ref).strip()
-    assert list(built) == [ref]
+    assert set(built) == {("readme", ref), ("claims", ref)}
 
 
 def test_the_readme_shows_the_results_before_the_rest(monkeypatch):
@@ -211,7 +226,7 @@ def test_pages_markers_are_optional_but_paired(ladder):
     assert report.source_markdown("a/b (a fork of c/d), X.md") == "[a/b](https://github.com/a/b) (a fork of c/d), `X.md`"
 
 
-def test_committed_results_page_explains_the_seeds_before_their_claims_tables(monkeypatch):
+def test_committed_results_page_explains_the_seeds_before_their_claims_tables(monkeypatch, built):
     monkeypatch.setenv("HWLIB_OUTPUTS", str(paths.REPO_ROOT / "outputs"))   # read-only use of the reference
     ref = "reference/h100"
     if not (paths.run_dir(ref, create=False) / "results.jsonl").exists():
@@ -221,7 +236,8 @@ def test_committed_results_page_explains_the_seeds_before_their_claims_tables(mo
     assert section < start and "A *seed* is" in text[section:start] and "**premise fails**" in text[section:start]
     assert "###" not in _block(text, report.README_START, report.README_END).replace("####", "")
     block = _block(text, report.CLAIMS_START, report.CLAIMS_END)
-    assert block == report.claims_block(ref).strip(), "the claims tables are stale: run `make readme`"
+    assert block == _kept(built, "claims", report.claims_block)(ref).strip(), \
+        "the claims tables are stale: run `make readme`"
     assert "[neko-jpg/Project-ResNet-BK-An-O-N-Language-Model-Architecture](https://github.com/" in block
 
 
