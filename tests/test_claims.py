@@ -1,3 +1,4 @@
+import copy
 import json
 
 import pytest
@@ -9,6 +10,18 @@ from hwlib.seeds import data, lookup, verdicts
 REF = paths.REPO_ROOT / "outputs" / "reference" / "h100"
 GPU = {"kind": "cuda", "name": "Test GPU"}
 BASE = "05_fused_optimizer"
+
+
+@pytest.fixture(scope="module")
+def _ref_verdicts():
+    return verdicts.evaluate(REF)
+
+
+@pytest.fixture
+def ref_verdicts(_ref_verdicts):
+    """The verdicts on the committed H100 reference, evaluated once for the module (a read-only run);
+    each test gets its own copy."""
+    return copy.deepcopy(_ref_verdicts)
 
 
 def put_step(run, workload, step, ms, peak=None, spread=0.01, device=GPU):
@@ -219,11 +232,11 @@ def test_reference_records_follow_the_conventions():
     assert {r["fields"]["dtype"] for r in query.select(recs, metric="matmul_tflops")} >= {"bf16", "tf32", "fp32"}   # fp16 too from the runs that measure it
 
 
-def test_reference_h100_gives_the_ladder_ratios_of_the_nearest_workload():
+def test_reference_h100_gives_the_ladder_ratios_of_the_nearest_workload(ref_verdicts):
     if not (REF / "results.jsonl").exists():
         pytest.skip("no H100 reference run in this checkout")
     summ = json.loads((REF / "summary.json").read_text())
-    rows = verdicts.evaluate(REF)
+    rows = ref_verdicts
     checks = {("003", "bf16 autocast vs fp32"): ("01_baseline_fp32", "03_bf16_autocast"),
               ("003", "Fused AdamW"): ("04_sdpa_attention", "05_fused_optimizer"),
               ("002", "torch.compile"): ("05_fused_optimizer", "06_torch_compile"),
@@ -243,11 +256,11 @@ def test_reference_h100_gives_the_ladder_ratios_of_the_nearest_workload():
     assert all(r["measured"] is None for r in rows if r["seed"] == "004" and r["verdict"] == "not measured")
 
 
-def test_reference_h100_study_claims_come_from_their_records():
+def test_reference_h100_study_claims_come_from_their_records(ref_verdicts):
     if not (REF / "results.jsonl").exists():
         pytest.skip("no H100 reference run in this checkout")
     recs = lookup.load_records(REF)
-    rows = verdicts.evaluate(REF)
+    rows = ref_verdicts
 
     def one(**match):
         (r,) = query.select(recs, **match)
@@ -305,8 +318,8 @@ def test_every_measured_speed_row_carries_an_interval(synthetic):
             assert r["lo"] <= r["measured"] <= r["hi"] and r["interval_text"] != "-", r["claim"]
 
 
-def test_every_verdict_states_its_interval_or_why_it_has_none():
-    for r in verdicts.evaluate(REF):
+def test_every_verdict_states_its_interval_or_why_it_has_none(ref_verdicts):
+    for r in ref_verdicts:
         if r["measured"] is None:
             assert r["interval_text"] == "-", r["claim"]
         elif r["lo"] is None:
