@@ -192,7 +192,13 @@ def test_reproduce_prints_and_records_the_choice(tmp_path, monkeypatch, capsys, 
     nb.cells = [p]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbf.write(nb, d / "00_only.ipynb")
+    # the choice is reproduce's own, made in this process: the notebook is handed it without a kernel
+    # started (what a run does with it is test_cli's)
+    ran = []
+    monkeypatch.setattr(cli, "_run_one", lambda nb, run, env, args, profile, device, *a: (
+        ran.append((nb.stem, profile, device)), ("ok", ""))[1])
     assert cli.main(["reproduce", "--notebooks", str(d), "--run", "r", "--device", "cpu", "--quiet"]) == 0
+    assert ran == [("00_only", "smoke", "cpu")]
     assert "profile=smoke (auto: no CUDA GPU (cpu)" in capsys.readouterr().out
     state = json.loads((tmp_path / "r" / "state.json").read_text())
     assert state["_profile"] == "smoke" and state["_profile_reason"].startswith("auto: no CUDA GPU (cpu)")
