@@ -16,6 +16,7 @@ import json
 import math
 import pickle
 import re
+import threading
 import warnings
 from pathlib import Path
 
@@ -186,6 +187,7 @@ def _parse(path: Path, raw: bytes) -> tuple[list[dict], str | None]:
 # never answered stale; each caller gets its own copy (unpickled), free to change it.
 _LOADED: dict = {}
 _LOADED_MAX = 32
+_LOADED_LOCK = threading.Lock()
 
 
 def load(run=None, *, latest_only: bool = True) -> list[dict]:
@@ -197,7 +199,8 @@ def load(run=None, *, latest_only: bool = True) -> list[dict]:
     except OSError:   # absent, a directory, unreadable: read_records answers, and warns where it should
         return read_records(path)
     key = (str(path), latest_only, hashlib.blake2b(raw, digest_size=16).digest())
-    if key not in _LOADED:
+    hit = _LOADED.get(key)
+    if hit is None:
         recs, why = _parse(path, raw)
         if latest_only:
             latest: dict = {}
@@ -210,10 +213,12 @@ def load(run=None, *, latest_only: bool = True) -> list[dict]:
             if why:
                 warnings.warn(why, stacklevel=2)
             return recs
-        if len(_LOADED) >= _LOADED_MAX:
-            _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = (blob, why)
-    blob, why = _LOADED[key]
+        hit = (blob, why)
+        with _LOADED_LOCK:   # a dashboard reads from its own thread
+            if len(_LOADED) >= _LOADED_MAX:
+                _LOADED.pop(next(iter(_LOADED)))
+            _LOADED[key] = hit
+    blob, why = hit
     if why:
         warnings.warn(why, stacklevel=2)
     return pickle.loads(blob)
