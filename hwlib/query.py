@@ -15,13 +15,12 @@ import hashlib
 import json
 import math
 import pickle
-import re
 import threading
 import warnings
 from pathlib import Path
 
 from .paths import REPO_ROOT, read_dir
-from .results import STAMP_FIELDS, record_key, stamp_id
+from .results import NAME_KEYS, NAME_RE, STAMP_FIELDS, record_key, stamp_id
 
 RESULTS_FILE = "results.jsonl"
 
@@ -33,11 +32,6 @@ def reference_runs() -> list[str]:
         if base.is_dir() else []
 
 
-# Names that become parts of file names (``<workload>_ladder.md``, ``curves/<workload>/<step>.json``,
-# ``executed/<notebook>.log``): a letter or digit first, then letters, digits, ``_ . + -``; no ``/``,
-# no ``..`` of their own, short enough for any file system.
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
-NAME_KEYS = ("notebook", "workload", "step")
 TEXT_KEYS = ("unit", "status", "reason", "profile", "time", "git_commit", "code_digest", "measurement", "against")
 DICT_KEYS = ("params", "telemetry", "device", "versions", "code_source")
 BIG = 2.0 ** 1000   # beyond this an int is no measurement (and float() of a 401-digit int overflows)

@@ -211,6 +211,14 @@ def _versions() -> dict:
     return {**versions(), "packages": package_versions()}
 
 
+# Names that become parts of file names (``<workload>_ladder.md``, ``curves/<workload>/<step>.json``,
+# ``executed/<notebook>.log``): a letter or digit first, then letters, digits, ``_ . + -``; no ``/``,
+# no ``..`` of their own, short enough for any file system. Checked where a record is made and
+# wherever records are read (``hwlib.query``).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
+NAME_KEYS = ("notebook", "workload", "step")
+
+
 def make_record(*, notebook: str, workload: str | None, step: str | None, metric: str, value, unit: str,
                 p20=None, p80=None, status: str = "ok", reason: str | None = None, profile: str | None = None,
                 params: dict | None = None, device: str | dict = "auto", fields: dict | None = None,
@@ -228,6 +236,11 @@ def make_record(*, notebook: str, workload: str | None, step: str | None, metric
         raise ValueError(f"status {status!r}: choose one of {', '.join(STATUSES)}")
     if not isinstance(metric, str) or not metric:
         raise ValueError(f"metric must be a non-empty string, got {metric!r}")
+    for key, name in (("notebook", notebook), ("workload", workload), ("step", step)):
+        # a name the readers would skip as damaged is refused here, while the run can still say so
+        if name is not None and not (isinstance(name, str) and NAME_RE.fullmatch(name)):
+            raise ValueError(f"{key} {name!r} is not a name: letters, digits and _ . + - only (it becomes "
+                             f"part of a file name), starting with a letter or digit, at most 100 characters")
     dev = ({k: device.get(k) for k in DEVICE_FIELDS} if isinstance(device, dict)
            else dict(_device_stamp(str(device))))
     rec = {"notebook": notebook, "workload": workload, "step": step, "metric": metric, "value": value,

@@ -179,7 +179,7 @@ def test_the_ladder_leaves_the_trainer_losses_unchanged(tr, monkeypatch):
     e = G.measure_rung(tr, G.fused_step("graph"), 1, base_losses=a["losses"])    # the decode ladder's decoder
     assert a["status"] == d["status"] == e["status"] == "ok", e.get("reason")
     assert len(a["losses"]) == tr.cfg.every and d["quality_loss_max_rel_diff"] == e["quality_loss_max_rel_diff"] == 0.0
-    assert e["step"] == "14e_fused[graph]" and e["way"] == "fused"
+    assert e["step"] == "14e_fused_graph" and e["way"] == "fused"
     # the training step compiled (aot_eager on a CPU): the same losses to rounding, and the trainer left eager
     monkeypatch.setenv("HWLIB_CPU_COMPILE_BACKEND", "aot_eager")
     f = G.measure_rung(tr, G.COMPILED_TRAIN, 1, base_losses=a["losses"])
@@ -190,7 +190,7 @@ def test_the_ladder_leaves_the_trainer_losses_unchanged(tr, monkeypatch):
     for r in (a, d, e, f):
         r["model_size"] = "smoke"
     lines = trainer_cycle.table([a, d, e, f]).splitlines()
-    assert len(lines) == 6 and "14e_fused[graph]" in lines[4] and lines[2].split("|")[5].strip() == "1.0x"
+    assert len(lines) == 6 and "14e_fused_graph" in lines[4] and lines[2].split("|")[5].strip() == "1.0x"
     assert all(line.rstrip().endswith("| yes |") for line in lines[2:5]) and "<= 0.01) |" in lines[5]
     f["quality_loss_max_rel_diff"] = 0.02       # past its tolerance: said, not hidden
     assert trainer_cycle.table([f]).splitlines()[2].endswith("| NO (2.0e-02 > 0.01) |")
@@ -242,7 +242,7 @@ def test_a_bad_rung_is_refused_by_name():
     with pytest.raises(ValueError, match="step"):
         G.measure_rung(None, "14z_nothing", 1)
     from hwlib.studies import trainer_cycle
-    assert trainer_cycle._rung("top_p") == "14e_fused[top_p]" and trainer_cycle._rung("14c_batched") == "14c_batched"
+    assert trainer_cycle._rung("top_p") == "14e_fused_top_p" and trainer_cycle._rung("14c_batched") == "14c_batched"
     with pytest.raises(SystemExit):
         trainer_cycle.main(["--out", "/nonexistent/x", "--rungs", "warp"])
     with pytest.raises(SystemExit):

@@ -75,6 +75,18 @@ def test_a_workload_name_never_writes_outside_the_run(isolated_run, tmp_path):
     assert all(isolated_run in p.parents for p in written.values())
 
 
+@pytest.mark.parametrize("key, name", [("step", "14e_fused[top_p]"), ("workload", "../x"), ("notebook", ""),
+                                       ("step", 14), ("workload", "a" * 101)])
+def test_a_name_the_readers_would_skip_is_refused_where_the_record_is_made(key, name):
+    """A record whose names the readers reject (it becomes a file name) would be lost on reading: the
+    run that makes it hears so at once, naming the key and the rule."""
+    kw = {"notebook": "decode_bench", "workload": "polychromic", "step": "14e_fused_top_p", key: name}
+    with pytest.raises(ValueError, match=f"{key} .* is not a name: letters, digits and _ . \\+ - only"):
+        results.make_record(metric="ms_per_cycle", value=1.0, unit="ms", device="cpu", **kw)
+    kw[key] = "14e_fused_top_p" if key == "step" else None if key == "workload" else "decode_bench"
+    assert query._valid(results.make_record(metric="ms_per_cycle", value=1.0, unit="ms", device="cpu", **kw)) is None
+
+
 def test_a_stamp_line_whose_id_is_not_its_hash_relabels_nothing(isolated_run):
     results.append([results.make_record(notebook="01", workload="gpt", step=LADDER[0].name, metric="m",
                                         value=1.0, unit="ms", device="cpu")])

@@ -48,7 +48,7 @@ RUNGS = {  # step name -> (way, what changes)
     "14d_static_own": ("static_own", "the lab's decode loop: static cache, one CUDA graph per step, sampling "
                                      "inside the graph"),
 }
-# The trainer with the decode ladder's decoder (``fused_step``): "14e_fused[top_p]" and so on.
+# The trainer with the decode ladder's decoder (``fused_step``): "14e_fused_top_p" and so on.
 FUSED = "14e_fused"
 # Then the training step compiled (``Trainer.compile_training``), with the best decoder. Its losses move
 # by compiled rounding, not by the replies: they are held to the bf16 loss-curve tolerance the
@@ -171,7 +171,7 @@ def fused_step(rung: str) -> str:
     if rung not in fused_decode.ALL_RUNGS:
         from ..device import ChoiceError
         raise ChoiceError("rung", rung, fused_decode.ALL_RUNGS)
-    return f"{FUSED}[{rung}]"
+    return f"{FUSED}_{rung}"
 
 
 def _row(step: str, cycles: int) -> dict:
@@ -179,14 +179,14 @@ def _row(step: str, cycles: int) -> dict:
         return {"step": step, "way": "fused", "fused_rung": "top_p", "train": "compiled", "cycles": cycles,
                 "status": "ok", "reason": None, "quality_tol": COMPILED_TRAIN_TOL,
                 "change": "the LoRA training step through torch.compile (replies by the fused decoder's top_p rung)"}
-    if step.startswith(FUSED + "[") and step.endswith("]"):
-        rung = step[len(FUSED) + 1:-1]
+    if step.startswith(FUSED + "_"):
+        rung = step[len(FUSED) + 1:]
         fused_step(rung)     # a known rung, or a clear error
         return {"step": step, "way": "fused", "fused_rung": rung, "change": fused_decode.CHANGES[rung],
                 "cycles": cycles, "status": "ok", "reason": None}
     if step not in RUNGS:
         from ..device import ChoiceError
-        raise ChoiceError("step", step, (*RUNGS, f"{FUSED}[<rung>]", COMPILED_TRAIN))
+        raise ChoiceError("step", step, (*RUNGS, f"{FUSED}_<rung>", COMPILED_TRAIN))
     way, change = RUNGS[step]
     return {"step": step, "way": way, "change": change, "cycles": cycles, "status": "ok", "reason": None}
 

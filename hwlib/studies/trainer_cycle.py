@@ -2,7 +2,7 @@
 (LoRA, gradient checkpointing), the last with the diversity bonus (generation, the text round trip,
 encoding, the score), timed phase by phase as notebook 14 times them (``generation.measure_rung``),
 for notebook 14's rungs a-d and for the decode ladder's decoder (``fused_decode.FusedDecoder``) at
-the rungs asked, as rung "14e_fused[<rung>]", and last with the training step compiled as well
+the rungs asked, as rung "14e_fused_<rung>", and last with the training step compiled as well
 (rung "14f_compiled_train"). Every rung trains from the same state and must give the same trainer
 losses (``generation.QUALITY_TOL``): a rung changes how replies are generated, never the training;
 14f changes the training's rounding and is held to the loss-curve tolerance of the ladder's compiled
@@ -161,7 +161,7 @@ def write_table(out: Path) -> Path:
 
 def _rung(name: str) -> str:
     """A command-line rung: a notebook 14 rung, or a fused rung by its name alone ("top_p")."""
-    if name in generation.RUNGS or name == generation.COMPILED_TRAIN or name.startswith(generation.FUSED + "["):
+    if name in generation.RUNGS or name == generation.COMPILED_TRAIN or name.startswith(generation.FUSED + "_"):
         generation._row(name, 1)      # a clear error for an unknown one
         return name
     try:
