@@ -153,13 +153,16 @@ def test_verdict_rules(quantity, measured, bound, noise, expected):
     assert verdicts.verdict(quantity, measured, bound, noise) == expected
 
 
+@pytest.mark.filterwarnings("ignore:.*step 'memory. bf16' is not a name")
 def test_techniques_are_found_by_field_on_one_base_step(tmp_path):
     run = tmp_path / "techniques"
     put_technique(run, "gpt", "bf16", 100.0, 10.0, step="09_cuda_graphs")
     put_technique(run, "gpt", "bf16 + offload", 125.0, 8.0, step="05_fused_optimizer")
-    # an old-style record whose step names the technique is not a technique record
-    results.append(results.make_record(notebook="13_memory", workload="gpt", step="memory: bf16", device=GPU,
-                                       metric="peak_alloc_gib", value=10.0, unit="GiB"), run)
+    # an old-style record whose step names the technique is not a technique record (make_record now
+    # refuses such a step, and the readers skip the line: it is written here as an old run has it)
+    old = results.make_record(notebook="13_memory", workload="gpt", step="05_fused_optimizer", device=GPU,
+                              metric="peak_alloc_gib", value=10.0, unit="GiB")
+    results.append({**old, "step": "memory: bf16"}, run)
     cut = lookup.measure(lookup.Technique("bf16", "bf16 + offload", "memory_cut"), run, ("gpt",))
     assert cut["value"] is None and "'bf16' of gpt" in cut["reason"]      # different base steps
     put_technique(run, "gpt", "bf16", 100.0, 10.0, step="05_fused_optimizer")
