@@ -192,6 +192,20 @@ def test_the_ladder_leaves_the_trainer_losses_unchanged(tr, monkeypatch):
     lines = trainer_cycle.table([a, d, e, f]).splitlines()
     assert len(lines) == 6 and "14e_fused_graph" in lines[4] and lines[2].split("|")[5].strip() == "1.0x"
     assert all(line.rstrip().endswith("| yes |") for line in lines[2:5]) and "<= 0.01) |" in lines[5]
+    # its records keep every metric (the cycle's shares too), and the pages read them back per size
+    recs = G.rung_records([a, e, f], notebook="trainer_cycle", profile="full", device="cpu", params={},
+                          fields={"model_size": "smoke"})
+    assert {r["metric"] for r in recs if r["step"] == a["step"]} == set(G.RUNG_METRICS)
+    results.append(recs, "cycle-run")
+    from hwlib.report import pages, tables
+    rows = tables.cycle_rows("cycle-run")
+    assert [r["rung"] for r in rows] == ["14a_seed_way", "14e_fused_graph", "14f_compiled_train"]
+    assert rows[0]["x"] is None and rows[2]["x"] == pytest.approx(e["ms_per_cycle"] / f["ms_per_cycle"])
+    assert "| smoke | 14f_compiled_train |" in "\n".join(tables.cycle_lines(["cycle-run"]))
+    line = pages.cycle_glance_line(["cycle-run"])
+    slow = max((a, e, f), key=lambda r: r["ms_per_cycle"])
+    assert f"smoke {slow['ms_per_cycle'] / 1e3:.1f} s per cycle at {slow['step']}" in line
+    assert pages.cycle_glance_line(["no-such-run"]) is None
     f["quality_loss_max_rel_diff"] = 0.02       # past its tolerance: said, not hidden
     assert trainer_cycle.table([f]).splitlines()[2].endswith("| NO (2.0e-02 > 0.01) |")
     for r in (a, d):

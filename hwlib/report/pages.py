@@ -175,6 +175,8 @@ def glance_block(run=REFERENCE_RUN) -> str:
                       f"({raw_url(fig)})]({repo_url(fig)})", ""]
     if (decode := decode_glance_line()):
         lines += [f"- {decode}", ""]
+    if (cycle := cycle_glance_line()):
+        lines += [f"- {cycle}", ""]
     return "\n".join(lines).strip()
 
 
@@ -195,6 +197,26 @@ def decode_glance_line(runs=tables.DECODE_RUNS) -> str | None:
     if not parts:
         return None
     return ("**polychromic decode** (notebook 14's generation, the fused decode ladder): " + "; ".join(parts)
+            + f". Every rung: [docs/results.md]({repo_url('docs/results.md')}).")
+
+
+def cycle_glance_line(runs=tables.CYCLE_RUNS) -> str | None:
+    """One line for the trainer's cycle: per machine and model size, its slowest and fastest rung measured
+    (seconds per cycle); None without rows."""
+    by: dict = {}
+    for run in runs:
+        for r in tables.cycle_rows(run):
+            by.setdefault(r["device"] or "?", {}).setdefault(r["model_size"], []).append(r)
+    if not by:
+        return None
+    parts = []
+    for device, sizes in by.items():
+        each = []
+        for size, rows in sizes.items():
+            slow, fast = max(rows, key=lambda r: r["s"]), min(rows, key=lambda r: r["s"])
+            each.append(f"{size} {slow['s']:.1f} s per cycle at {slow['rung']}, {fast['s']:.2f} s at {fast['rung']}")
+        parts.append(f"on {device}, " + "; ".join(each))
+    return ("**polychromic trainer cycle** (five LoRA steps and one diversity bonus, every rung): " + "; ".join(parts)
             + f". Every rung: [docs/results.md]({repo_url('docs/results.md')}).")
 
 

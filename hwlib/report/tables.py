@@ -584,6 +584,7 @@ def readme_block(run) -> str:
             lines += [past, ""]
     lines += generation_lines(s["generation"]["steps"])
     lines += decode_ladder_lines(DECODE_RUNS)
+    lines += cycle_lines(CYCLE_RUNS)
     lines += toggle_lines(toggle_rows(recs, run_windows(query.state(run))))
     lines += multi_gpu_lines(reference_runs())
     lines.append(time_table(run))
@@ -650,6 +651,52 @@ def decode_ladder_lines(runs) -> list[str]:
             span = f" ({r['p20']:.3f}-{r['p80']:.3f})" if r.get("p20") is not None and r.get("p80") is not None else ""
             out.append(f"| {r['model_size']} | {md_cell(r['rung'])} | {r['ms']:.3f}{span} | {_fmt(r['x'], '.2f')} | "
                        f"{_fmt(r.get('share'), '.1%')} |")
+        out.append("")
+    return out
+
+
+# Where the trainer's cycle at every rung and model size (hwlib.studies.trainer_cycle) was measured.
+CYCLE_RUNS = ("reference/h200-cycle/ladder", "reference/h200-cycle/compiled_train")
+
+
+def cycle_rows(run) -> list[dict]:
+    """The trainer cycle of one run (``trainer_cycle``'s ``ms_per_cycle`` records, the newest of each model
+    size and rung), in the order measured, with each rung's speed-up over the one measured before it at
+    the same size."""
+    by = {}
+    for r in query.load(run):
+        f = r.get("fields") or {}
+        if r.get("notebook") != "trainer_cycle" or r.get("metric") != "ms_per_cycle" or not f.get("model_size"):
+            continue
+        if r.get("status") == "ok" and _num(r.get("value")) is not None:
+            by[(f["model_size"], r.get("step"))] = {
+                "model_size": f["model_size"], "rung": r.get("step"), "s": r["value"] / 1e3,
+                "p20": _num(r.get("p20")), "p80": _num(r.get("p80")), "device": (r.get("device") or {}).get("name")}
+    rows, prev = list(by.values()), {}
+    for row in rows:
+        before = prev.get(row["model_size"])
+        row["x"] = before / row["s"] if before else None
+        prev[row["model_size"]] = row["s"]
+    return rows
+
+
+def cycle_lines(runs) -> list[str]:
+    """The trainer cycle of each run in ``runs`` that holds one, as page lines; none without rows."""
+    out = []
+    for run in runs:
+        rows = cycle_rows(run)
+        if not rows:
+            continue
+        if not out:
+            out = ["**The trainer's cycle at every rung** (hwlib.studies.trainer_cycle: five LoRA trainer steps, the "
+                   "last with the diversity bonus; x: over the rung measured before it at that size, in the same "
+                   "process; each folder's README has the share of each phase)", ""]
+        out += [f"On {rows[0]['device'] or '?'} (`outputs/{run}`):", "",
+                "| model | rung | s per cycle (p20-p80) | x |", "|---|---|---|---|"]
+        for r in rows:
+            span = (f" ({r['p20'] / 1e3:.3f}-{r['p80'] / 1e3:.3f})"
+                    if r.get("p20") is not None and r.get("p80") is not None else "")
+            out.append(f"| {r['model_size']} | {md_cell(r['rung'])} | {r['s']:.3f}{span} | {_fmt(r['x'], '.2f')} |")
         out.append("")
     return out
 

@@ -504,7 +504,7 @@ def rung_records(rows: list[dict], *, notebook: str, profile: str, device: str, 
         if "attn" in r:
             f["attn"] = r["attn"]
         for m, unit in RUNG_METRICS.items():
-            if f and m != "ms_per_cycle":
+            if "attn" in f and m != "ms_per_cycle":
                 continue              # variant rows (attention) record their cycle time only
             v = r.get(m)
             status = r["status"] if r["status"] != "ok" else ("ok" if v is not None else "n/a")
