@@ -180,12 +180,28 @@ def test_the_ladder_leaves_the_trainer_losses_unchanged(tr, monkeypatch):
     assert a["status"] == d["status"] == e["status"] == "ok", e.get("reason")
     assert len(a["losses"]) == tr.cfg.every and d["quality_loss_max_rel_diff"] == e["quality_loss_max_rel_diff"] == 0.0
     assert e["step"] == "14e_fused_graph" and e["way"] == "fused"
-    # the training step compiled (aot_eager on a CPU): the same losses to rounding, and the trainer left eager
+    # Rung 14f: every trainer step of its prefix and cycle goes through the compiled LM, built once with the
+    # CPU's compile backend, and the trainer is left eager. torch.compile is stood in for here: dynamo's
+    # trace of this LoRA model costs 20-30 s of CPU (the H200 runs in outputs/reference/h200-cycle compile it
+    # for real), and the decoder is rung graph's (top_p's Triton kernels interpreted cost 100 s).
+    built, calls = [], []
+
+    def compile_stand_in(model, backend):
+        built.append((model, backend))
+        return lambda **kw: calls.append(kw["input_ids"].shape) or model(**kw)
+    monkeypatch.setattr(torch, "compile", compile_stand_in)
     monkeypatch.setenv("HWLIB_CPU_COMPILE_BACKEND", "aot_eager")
-    f = G.measure_rung(tr, G.COMPILED_TRAIN, 1, base_losses=a["losses"])
+    tr._compiled_lm = None
+    f = G.measure_rung(tr, G.COMPILED_TRAIN, 1, base_losses=a["losses"], decoder="graph")
     assert f["status"] == "ok", f.get("reason")
-    assert f["quality_loss_max_rel_diff"] <= 1e-5 and f["quality_tol"] == G.COMPILED_TRAIN_TOL
+    assert built == [(tr.lm.get_base_model(), "aot_eager")]
+    c = tr.cfg    # the untimed first step, the prefix's every - 1 steps and the cycle's last step
+    assert len(calls) == (1 + c.every) * c.accum and set(calls) == {(c.batch, c.seq_len)}
+    assert f["quality_loss_max_rel_diff"] == 0.0 and f["quality_tol"] == G.COMPILED_TRAIN_TOL
     assert tr._compiled is None and tr._compiled_lm is not None
+    n = len(calls)
+    tr.train_step(0)
+    assert len(calls) == n          # eager again
     from hwlib.studies import trainer_cycle
     for r in (a, d, e, f):
         r["model_size"] = "smoke"
@@ -255,6 +271,10 @@ def test_a_bad_rung_is_refused_by_name():
         G.fused_step("warp")
     with pytest.raises(ValueError, match="step"):
         G.measure_rung(None, "14z_nothing", 1)
+    with pytest.raises(ValueError, match="decoder: only 14f_compiled_train"):
+        G.measure_rung(None, "14c_batched", 1, decoder="graph")
+    with pytest.raises(ValueError, match="rung"):
+        G.measure_rung(None, G.COMPILED_TRAIN, 1, decoder="warp")
     from hwlib.studies import trainer_cycle
     assert trainer_cycle._rung("top_p") == "14e_fused_top_p" and trainer_cycle._rung("14c_batched") == "14c_batched"
     with pytest.raises(SystemExit):

@@ -136,12 +136,19 @@ def decode_step_bytes(cfg: pc.PolyConfig, way: str) -> float:
 
 
 def measure_rung(tr: pc.Trainer, step: str, cycles: int, *, pre: dict | None = None,
-                 copy_gbps: float | None = None, base_losses: list | None = None) -> dict:
+                 copy_gbps: float | None = None, base_losses: list | None = None,
+                 decoder: str | None = None) -> dict:
     """``cycles`` cycles of a rung after its warm-up, each from the ``prefix`` ``pre`` (None: run it
     here); one row (``rung_row``). ``step``: a rung of ``RUNGS``, or ``fused_step(rung)`` for the trainer
-    with a ``fused_decode.FusedDecoder`` at that rung. A rung that fails (e.g. compilation) returns
-    status 'failed' with the reason."""
+    with a ``fused_decode.FusedDecoder`` at that rung, or ``COMPILED_TRAIN`` (its decoder at rung
+    ``decoder``, default top_p). A rung that fails (e.g. compilation) returns status 'failed' with the
+    reason."""
     row = _row(step, cycles)
+    if decoder is not None:
+        if row.get("train") != "compiled":
+            raise ValueError(f"decoder: only {COMPILED_TRAIN} takes a decoder rung; {step} names its own")
+        fused_step(decoder)      # a known rung, or a clear error
+        row["fused_rung"] = decoder
     try:
         loop = None
         if row["way"] == "fused":
