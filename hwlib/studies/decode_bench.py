@@ -27,8 +27,38 @@ from . import generation
 STUDY = "decode_bench"
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+    """A progress line with the time of day (the GPU studies' logs)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def measure_copy(dev: torch.device, out: Path | None = None) -> float:
+    """The copy ceiling in GB/s, measured here (``ceilings.copy_gbps``: 2 GiB ``dst.copy_(src)``), logged
+    and, with ``out``, written to ``out/copy.json`` with its timing."""
+    ceil = ceilings.copy_gbps(dev)
+    copy = 2 * ceilings.SIZES[dev.type]["copy_bytes"] / (ceil.median_ms / 1e3) / 1e9
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    log(f"{name}: copy {copy:,.0f} GB/s (measured here, 2 GiB dst.copy_(src))")
+    if out is not None:
+        (Path(out) / "copy.json").write_text(json.dumps({"device": name, "copy_gbps": copy, "timing": ceil.to_dict()}))
+    return copy
+
+
+def write_rows(out: Path, stem: str, rows: list, records: list) -> None:
+    """A study's rows so far for one model size (``<stem>_<size>.json``, the size of ``rows[0]``) and every
+    record so far (``results.jsonl``) under ``out``: rewritten after each rung, so that a run cut short
+    keeps what it measured."""
+    size = rows[0]["model_size"].replace(".", "_")
+    (out / f"{stem}_{size}.json").write_text(json.dumps(rows, indent=1, default=str))
+    (out / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in pack(records)))
+
+
+def read_rows(out: Path, stem: str) -> list[dict]:
+    """Every ``<stem>_*.json`` under ``out`` as ``write_rows`` wrote them, the smaller model first."""
+    rows = []
+    for f in sorted(Path(out).glob(f"{stem}_*.json"), key=lambda f: ("8b" in f.name, f.name)):
+        rows += json.loads(f.read_text())
+    return rows
 
 
 def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int, check_tokens: int,
@@ -41,7 +71,7 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float, *, reps: int,
     pm = build.add_lora(build.build_lm(cfg, dev, seed), cfg, seed)
     bench.synchronize(dev)
     mem = torch.cuda.memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
-    _log(f"{model_size}: built in {time.perf_counter() - t0:.1f} s, {mem:.1f} GiB")
+    log(f"{model_size}: built in {time.perf_counter() - t0:.1f} s, {mem:.1f} GiB")
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, cfg.tok_vocab, (cfg.prompts, cfg.prompt_len), generator=g).to(dev)
     rows = ladder(pm, cfg, prompts, dev, copy_gbps, model_size=model_size, reps=reps, check_tokens=check_tokens,
@@ -85,7 +115,7 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
                 prev = toks
             if profile and rung in profile:
                 row["kernels"] = kernel_table(dec, prompts, T)
-                _log(f"{model_size} {name} kernels per decode step:\n" + "\n".join(
+                log(f"{model_size} {name} kernels per decode step:\n" + "\n".join(
                     f"  {k['us_per_step']:8.1f} us  {k['calls_per_step']:6.1f}x  {k['name'][:110]}" for k in row["kernels"]))
             del dec
         except Exception as e:       # a rung that cannot run is a row with its reason
@@ -94,7 +124,7 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
         for k in ("agreement", "agreement_vs_prev", "divergences", "divergences_at_ties"):
             row[f"greedy_{k}"] = row.get(k)
         rows.append(row)
-        _log(f"{model_size} {name}: " + json.dumps({k: row.get(k) for k in (
+        log(f"{model_size} {name}: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "decode_floor_ms", "agreement",
             "agreement_vs_prev", "divergences", "divergences_at_ties", "first_call_s", "reason")}))
         records.extend(generation.decode_records([row], notebook=STUDY, model_size=model_size, device=dev.type, params=params))
@@ -125,7 +155,7 @@ def ladder(pm, cfg, prompts: torch.Tensor, dev: torch.device, copy_gbps: float |
         for k in ("agreement", "divergences", "divergences_at_ties"):
             row[f"greedy_{k}"] = row.get(k)
         rows.append(row)
-        _log(f"{model_size} 14d_static_own: " + json.dumps({k: row.get(k) for k in (
+        log(f"{model_size} 14d_static_own: " + json.dumps({k: row.get(k) for k in (
             "status", "decode_ms_per_step", "decode_gbps", "decode_share_of_copy", "agreement", "divergences",
             "divergences_at_ties", "first_call_s", "reason")}))
         records.extend(generation.decode_records([row], notebook=STUDY, model_size=model_size, device=dev.type, params=params))
@@ -159,9 +189,7 @@ def _free(dev: torch.device) -> None:
 
 
 def _flush(out: Path, rows: list, records: list) -> None:
-    size = rows[0]["model_size"].replace(".", "_")
-    (out / f"decode_rows_{size}.json").write_text(json.dumps(rows, indent=1, default=str))
-    (out / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in pack(records)))
+    write_rows(out, "decode_rows", rows, records)
     write_table(out)
 
 
@@ -191,11 +219,8 @@ def table(rows: list[dict]) -> str:
 
 def write_table(out: Path) -> Path:
     """``decode_table.md`` from every ``decode_rows_*.json`` under ``out`` (smallest model first)."""
-    rows = []
-    for f in sorted(Path(out).glob("decode_rows_*.json"), key=lambda f: ("8b" in f.name, f.name)):
-        rows += json.loads(f.read_text())
     path = Path(out) / "decode_table.md"
-    path.write_text(table(rows))
+    path.write_text(table(read_rows(out, "decode_rows")))
     return path
 
 
@@ -218,17 +243,12 @@ def main(argv=None) -> None:
         raise SystemExit("decode_bench: no CUDA GPU visible (pass --device cpu for a dry run)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    ceil = ceilings.copy_gbps(dev)
-    copy = 2 * ceilings.SIZES[dev.type]["copy_bytes"] / (ceil.median_ms / 1e3) / 1e9
-    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    _log(f"{name}: copy {copy:,.0f} GB/s (measured here, 2 GiB dst.copy_(src))")
-    (out / "copy.json").write_text(json.dumps({"device": name, "copy_gbps": copy,
-                                               "timing": ceil.to_dict()}))
+    copy = measure_copy(dev, out)
     records: list = []
     for size in a.sizes:
         run_size(size, dev, copy, reps=a.reps, check_tokens=a.check_tokens, baseline=not a.no_baseline,
                  variants=a.variants, out=out, records=records, rungs=tuple(a.rungs), profile=tuple(a.profile))
-    _log("done")
+    log("done")
 
 
 if __name__ == "__main__":

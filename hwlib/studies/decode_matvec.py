@@ -14,15 +14,15 @@ import argparse
 import itertools
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .. import bench, ceilings
+from .. import bench
 from ..ops.sources import load_python_kernel
 from ..workloads.polychromic.config import config
+from .decode_bench import log, measure_copy
 
 ROTATE_BYTES = 256 * 2**20       # > every Hopper's L2 (50-60 MB): each call reads its weight from HBM
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "num_stages": (3, 5), "split": (1, 2, 4, 8)}
@@ -104,12 +104,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     dev = torch.device("cuda")
     a.out.mkdir(parents=True, exist_ok=True)
-    ceil = ceilings.copy_gbps(dev)
-    copy = 2 * ceilings.SIZES[dev.type]["copy_bytes"] / (ceil.median_ms / 1e3) / 1e9
-
-    def log(msg):
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-    log(f"{torch.cuda.get_device_name(dev)}: copy {copy:,.0f} GB/s")
+    copy = measure_copy(dev)
     rows = []
     for size in a.sizes:
         rows += sweep(size, a.rows, dev, copy, log)

@@ -25,18 +25,14 @@ from pathlib import Path
 
 import torch
 
-from .. import bench, ceilings
-from ..results import pack
+from .. import bench
 from ..workloads import polychromic as pc
 from ..workloads.polychromic import fused_decode
 from . import generation
+from .decode_bench import log, measure_copy, read_rows, write_rows
 
 STUDY = "trainer_cycle"
 DEFAULT_RUNGS = (*generation.RUNGS, generation.fused_step("top_p"), generation.COMPILED_TRAIN)
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def run_size(model_size: str, dev: torch.device, copy_gbps: float | None, rungs: tuple, cycles: dict,
@@ -49,11 +45,11 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float | None, rungs:
     cfg = pc.config(model_size, **(overrides or {}))
     build_s, tr = bench.wall_s(lambda: pc.Trainer(cfg, dev, seed), dev)
     mem = torch.cuda.memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
-    _log(f"{model_size}: trainer built in {build_s:.1f} s, {mem:.1f} GiB")
+    log(f"{model_size}: trainer built in {build_s:.1f} s, {mem:.1f} GiB")
     params = {"config": cfg.params(), "model_size": model_size, "seed": seed, "copy_gbps": copy_gbps}
     if profile_train:
         prof = train_step_profile(tr)
-        _log(f"{model_size}: trainer step {prof['wall_ms_per_step']:.1f} ms wall, device busy "
+        log(f"{model_size}: trainer step {prof['wall_ms_per_step']:.1f} ms wall, device busy "
              f"{prof['device_busy_ms_per_step']:.1f} ms; by device time:\n" + "\n".join(
                  f"  {r['device_ms_per_step']:9.2f} ms  {r['calls_per_step']:7.0f}x  host {r['host_ms_per_step']:8.2f} ms  "
                  f"{r['op']}" for r in prof["by_device"]) + "\nby host time:\n" + "\n".join(
@@ -64,7 +60,7 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float | None, rungs:
     if not rungs:
         return []
     pre = generation.prefix(tr)
-    _log(f"{model_size}: {len(pre['losses'])} trainer steps before the bonus, {pre['seconds']:.2f} s")
+    log(f"{model_size}: {len(pre['losses'])} trainer steps before the bonus, {pre['seconds']:.2f} s")
     rows, base = [], None
     for step in rungs:
         r = generation.measure_rung(tr, step, cycles.get(step, 3), pre=pre, copy_gbps=copy_gbps, base_losses=base)
@@ -72,7 +68,7 @@ def run_size(model_size: str, dev: torch.device, copy_gbps: float | None, rungs:
         if base is None and r["status"] == "ok":
             base = r["losses"]
         rows.append(r)
-        _log(f"{model_size} {step}: " + json.dumps({k: r.get(k) for k in (
+        log(f"{model_size} {step}: " + json.dumps({k: r.get(k) for k in (
             "status", "ms_per_cycle", "ms_p20", "ms_p80", "gen_tokens_per_s", "decode_ms_per_step",
             "decode_share_of_copy", "share_generation", "share_training", "warmup_s",
             "quality_loss_max_rel_diff", "reason")}, default=str))
@@ -110,9 +106,7 @@ def train_step_profile(tr, steps: int = 2, top: int = 25) -> dict:
 
 
 def _flush(out: Path, rows: list, records: list) -> None:
-    size = rows[0]["model_size"].replace(".", "_")
-    (out / f"cycle_rows_{size}.json").write_text(json.dumps(rows, indent=1, default=str))
-    (out / "results.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in pack(records)))
+    write_rows(out, "cycle_rows", rows, records)
     write_table(out)
 
 
@@ -151,11 +145,8 @@ def table(rows: list[dict]) -> str:
 
 def write_table(out: Path) -> Path:
     """``cycle_table.md`` from every ``cycle_rows_*.json`` under ``out`` (smallest model first)."""
-    rows = []
-    for f in sorted(Path(out).glob("cycle_rows_*.json"), key=lambda f: ("8b" in f.name, f.name)):
-        rows += json.loads(f.read_text())
     path = Path(out) / "cycle_table.md"
-    path.write_text(table(rows))
+    path.write_text(table(read_rows(out, "cycle_rows")))
     return path
 
 
@@ -197,19 +188,13 @@ def main(argv=None) -> None:
         raise SystemExit("trainer_cycle: no CUDA GPU visible (pass --device cpu for a dry run)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    copy = None
-    if dev.type == "cuda":
-        ceil = ceilings.copy_gbps(dev)
-        copy = 2 * ceilings.SIZES[dev.type]["copy_bytes"] / (ceil.median_ms / 1e3) / 1e9
-        _log(f"{torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s (measured here, 2 GiB dst.copy_(src))")
-        (out / "copy.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": copy,
-                                                   "timing": ceil.to_dict()}))
+    copy = measure_copy(dev, out) if dev.type == "cuda" else None
     cycles = {"14a_seed_way": 1, "14b_eval_kv_cache": 1, **dict(a.cycles)}
     records: list = []
     for size in a.sizes:
         run_size("smoke" if dev.type == "cpu" else size, dev, copy, tuple(a.rungs), cycles, out, records,
                  profile_train=a.profile_train)
-    _log("done")
+    log("done")
 
 
 if __name__ == "__main__":
