@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 
 from .paths import REPO_ROOT, read_dir
-from .results import NAME_KEYS, NAME_RE, STAMP_FIELDS, record_key, stamp_id
+from .results import NAME_KEYS, STAMP_FIELDS, record_key, safe_name, stamp_id
 
 RESULTS_FILE = "results.jsonl"
 
@@ -35,11 +35,6 @@ def reference_runs() -> list[str]:
 TEXT_KEYS = ("unit", "status", "reason", "profile", "time", "git_commit", "code_digest", "measurement", "against")
 DICT_KEYS = ("params", "telemetry", "device", "versions", "code_source")
 BIG = 2.0 ** 1000   # beyond this an int is no measurement (and float() of a 401-digit int overflows)
-
-
-def safe_name(v) -> bool:
-    """Whether ``v`` may become part of a file name (``NAME_RE``)."""
-    return isinstance(v, str) and NAME_RE.fullmatch(v) is not None
 
 
 def _finite(v) -> bool:

@@ -219,6 +219,11 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
 NAME_KEYS = ("notebook", "workload", "step")
 
 
+def safe_name(v) -> bool:
+    """Whether ``v`` may become part of a file name (``NAME_RE``)."""
+    return isinstance(v, str) and NAME_RE.fullmatch(v) is not None
+
+
 def make_record(*, notebook: str, workload: str | None, step: str | None, metric: str, value, unit: str,
                 p20=None, p80=None, status: str = "ok", reason: str | None = None, profile: str | None = None,
                 params: dict | None = None, device: str | dict = "auto", fields: dict | None = None,
@@ -236,9 +241,9 @@ def make_record(*, notebook: str, workload: str | None, step: str | None, metric
         raise ValueError(f"status {status!r}: choose one of {', '.join(STATUSES)}")
     if not isinstance(metric, str) or not metric:
         raise ValueError(f"metric must be a non-empty string, got {metric!r}")
-    for key, name in (("notebook", notebook), ("workload", workload), ("step", step)):
+    for key, name in zip(NAME_KEYS, (notebook, workload, step)):
         # a name the readers would skip as damaged is refused here, while the run can still say so
-        if name is not None and not (isinstance(name, str) and NAME_RE.fullmatch(name)):
+        if name is not None and not safe_name(name):
             raise ValueError(f"{key} {name!r} is not a name: letters, digits and _ . + - only (it becomes "
                              f"part of a file name), starting with a letter or digit, at most 100 characters")
     dev = ({k: device.get(k) for k in DEVICE_FIELDS} if isinstance(device, dict)

@@ -316,7 +316,7 @@ def end_leftover(folder: Path) -> tuple[str | None, list[int]] | None:
     folder and whose CLI is gone), never by the pids the file lists: a hand-written file, or one
     copied along with a folder in use (``cp -r outputs/a outputs/b``), gets nothing killed. A
     leftover on another host cannot be ended from here: ``RunBusy`` names it."""
-    from .query import safe_name
+    from .results import safe_name
     path = Path(folder) / PIDS_FILE
     info = query.read_json(path) if path.exists() else None
     if path.exists() and not isinstance(info, dict):
