@@ -94,9 +94,11 @@ def compile_model(model: torch.nn.Module, mode: str | None = None, device: torch
     """``torch.compile(model, mode=mode)`` after hwlib's custom ops are declared to inductor
     (``hwlib.ops.fallbacks``: an undeclared op fed by a deep graph can keep inductor busy for minutes).
     On a CPU ``device``, with the backend ``cpu_compile_backend`` names."""
-    fallbacks.declare()
     if device is not None and device.type == "cpu" and cpu_compile_backend() != "inductor":
-        return torch.compile(model, backend=cpu_compile_backend())   # modes are inductor's
+        # modes are inductor's; eager and aot_eager never lower to inductor, so nothing is declared
+        # (importing inductor's lowering module for it cost each notebook of the suites 2 s of CPU)
+        return torch.compile(model, backend=cpu_compile_backend())
+    fallbacks.declare()
     return torch.compile(model, mode=mode)
 
 
@@ -185,8 +187,10 @@ class Session:
     def step(self, i: int) -> torch.Tensor:
         if self.trainer is not None:
             return self.trainer(self.batches(i))
-        if self.settings.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()   # a new iteration: earlier outputs may be reused
+        # A new iteration: earlier outputs may be reused. A CPU records no CUDA graphs, and there the call
+        # would only import inductor (2 s of CPU).
+        if self.settings.cuda_graphs and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
         batch = self.batches(i)
         if self.micro_batch:
             loss = accumulate(self.forward_backward, batch, plan_micro_batches(batch_size(batch), self.micro_batch))
