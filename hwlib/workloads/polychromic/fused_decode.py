@@ -364,8 +364,13 @@ class FusedDecoder:
     def _top_p_sampler(self):
         """The sort-free sampler with its workspace (built once: a captured graph keeps its buffers),
         called as ``sample_top_p`` is."""
+        from ...ops.sources import triton_interpreted
         top_p = load_python_kernel("14_decode_top_p_triton.py")
-        sampler = top_p.TopPSampler(self.batch, self.cfg.vocab, self.device, dtype=self.logits.dtype)
+        # Interpreted (a CPU), each program costs about the same whatever its size: the threshold search
+        # in two bin blocks, not 64 (a float32 call at vocab 512 took 6.8 s of CPU, 0.7 s so), as
+        # tests/test_top_p_kernel.py runs it there. Compiled, the kernel's own bin block.
+        kw = {"bin_block": top_p.NBINS // 2} if triton_interpreted() else {}
+        sampler = top_p.TopPSampler(self.batch, self.cfg.vocab, self.device, dtype=self.logits.dtype, **kw)
         out = torch.empty(self.batch, dtype=torch.long, device=self.device)
         return lambda logits, noise, temperature, p: sampler(logits, noise, temperature, p, out)
 
