@@ -10,26 +10,30 @@ from hwlib.steps.s32_bdh_fused_gates.apply import FusedHebbianGate, FusedSparseE
 from hwlib.workloads import get_workload
 from hwlib.workloads.vit_bdh import rope_tables
 
+# the Triton kernel runs on CUDA tensors where there is a GPU, else interpreted on CPU ones (conftest)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_matches_float64_on_fresh_odd_sizes_with_gradients(backend):
     # "triton" runs the kernel itself: interpreted on a CPU (conftest sets TRITON_INTERPRET), compiled on a GPU
-    rows = op.odd_size_rows(seed=torch.randint(0, 2**31 - 1, ()).item(), backend=backend)
+    rows = op.odd_size_rows(seed=torch.randint(0, 2**31 - 1, ()).item(), backend=backend,
+                            device=DEV if backend == "triton" else "cpu")
     assert len(rows) == len(op.ODD_SIZES)
     assert all(r["within tolerance"] for r in rows), rows
 
 
-def _operands(H=2, M=26, D=6, N=8, T=13, dtype=torch.float32, seed=0):
+def _operands(H=2, M=26, D=6, N=8, T=13, dtype=torch.float32, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    r = lambda *s: torch.randn(*s, generator=g).to(device, dtype)
     return r(M, D), r(H, D, N), r(H, M, D), r(H, D, N), r(H, N, D), T
 
 
 def test_each_epilogue_is_the_formula_it_states():
     # the kernel's three epilogues against the same matmul followed by the stated elementwise ops
-    x, E, a, Ev, W, T = _operands()
+    x, E, a, Ev, W, T = _operands(device=DEV)
     kern = op._kernel()
-    cos, sin = rope_tables(E.shape[2], T)
+    cos, sin = (t.to(DEV) for t in rope_tables(E.shape[2], T))
     s, q = kern.gates(op.ENCODE, x, E, cos=cos, sin=sin, tokens=T)
     z = torch.bmm(x.expand(2, *x.shape), E)
     assert torch.allclose(s, z.relu(), atol=1e-6)
@@ -48,9 +52,9 @@ def test_each_epilogue_is_the_formula_it_states():
 
 def test_bf16_results_are_rounded_where_the_recipe_rounds_them():
     # under bf16 the fused op's outputs equal the recipe's bf16 path to within one rounding of the matmul
-    x, E, a, Ev, W, T = _operands(M=130, T=65, N=34, D=19)
-    cos, sin = rope_tables(E.shape[2], T)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x, E, a, Ev, W, T = _operands(M=130, T=65, N=34, D=19, device=DEV)
+    cos, sin = (t.to(DEV) for t in rope_tables(E.shape[2], T))
+    with torch.autocast(DEV, dtype=torch.bfloat16):
         for backend in ("torch", "triton"):
             s, q = op.encode(x, E, cos, sin, T, backend=backend)
             y = op.gate_decode(a, Ev, s, W, backend=backend)

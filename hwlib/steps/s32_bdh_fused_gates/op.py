@@ -230,14 +230,15 @@ def reference_gate_decode(a, enc_v, s, dec):
 ODD_SIZES = ((3, 26, 7, 10, 13), (2, 130, 19, 34, 65), (1, 1, 1, 2, 1))
 
 
-def odd_size_rows(seed: int = 0, sizes=ODD_SIZES, backend: str = "auto") -> list[dict]:
-    """Both ops in fp32 (``backend``) against the float64 formulas on fresh random inputs at ``sizes``: the
-    outputs, and every input's gradient under random incoming gradients (relative norm differences)."""
+def odd_size_rows(seed: int = 0, sizes=ODD_SIZES, backend: str = "auto", device="cpu") -> list[dict]:
+    """Both ops in fp32 (``backend``, on ``device``) against the float64 formulas on fresh random inputs at
+    ``sizes``: the outputs, and every input's gradient under random incoming gradients (relative norm
+    differences)."""
     from ...workloads.vit_bdh import rope_tables
     g = torch.Generator().manual_seed(seed)
     rows = []
     for H, M, D, N, T in sizes:
-        cos, sin = rope_tables(N, T)
+        cos, sin = (t.to(device) for t in rope_tables(N, T))
         ins = {"x": torch.randn(M, D, generator=g, dtype=torch.float64),
                "E": torch.randn(H, D, N, generator=g, dtype=torch.float64) / D ** 0.5,
                "a": torch.randn(H, M, D, generator=g, dtype=torch.float64),
@@ -246,6 +247,7 @@ def odd_size_rows(seed: int = 0, sizes=ODD_SIZES, backend: str = "auto") -> list
         ws, wq, wy = (torch.randn(H, M, N, generator=g, dtype=torch.float64),
                       torch.randn(H, M, N, generator=g, dtype=torch.float64),
                       torch.randn(M, D, generator=g, dtype=torch.float64))
+        ins, ws, wq, wy = {k: v.to(device) for k, v in ins.items()}, ws.to(device), wq.to(device), wy.to(device)
         outs = {}
         for kind, dt in (("op", torch.float32), ("ref", torch.float64)):
             t = {k: v.to(dt).requires_grad_() for k, v in ins.items()}
