@@ -19,6 +19,9 @@ sys.modules.setdefault("rfc3987_syntax", None)
 # the Triton kernels run interpreted on CPU tensors; with one they compile as usual.
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET") == "1":   # without its repeated patching (about half its time)
+    from triton_interpreter import install as _install_interpreter_speedup  # noqa: E402
+    _install_interpreter_speedup()
 
 # Compiled graphs go to a cache per version of hwlib's code, as a run's do (hwlib.paths.compile_cache_env):
 # inductor keys a cached graph on the graph, not on a custom op's Python, so a graph compiled against
