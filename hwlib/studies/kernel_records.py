@@ -40,17 +40,17 @@ def alone_words(rows: list[dict], where) -> str:
 
 
 def kernel_records(rows: list[dict], *, notebook: str, study: str, keys: tuple[str, ...], profile: str,
-                   device, params: tuple[str, ...] = (), workload: str = "gpt") -> list[dict]:
+                   device, params: tuple[str, ...] = ()) -> list[dict]:
     """A ``kernel_ms`` record per row (median, p20, p80), and a ``kernel_gbps`` record beside it where the
     row has a bandwidth ("GB/s"); ``study`` and the row's ``keys`` (its name and shape) in the fields, the
     row's ``params`` (what describes it without telling it apart) in the params."""
     recs = []
     for r in rows:
         f = {"study": study, **{k: r[k] for k in keys}}
-        recs.append(results.make_record(notebook=notebook, workload=workload, step=None, metric="kernel_ms",
+        recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_ms",
                                         value=r["ms"], p20=r["p20"], p80=r["p80"], unit="ms", profile=profile,
                                         device=device, fields=f, params={k: r[k] for k in params} or None))
         if r.get("GB/s") is not None:
-            recs.append(results.make_record(notebook=notebook, workload=workload, step=None, metric="kernel_gbps",
+            recs.append(results.make_record(notebook=notebook, workload="gpt", step=None, metric="kernel_gbps",
                                             value=r["GB/s"], unit="GB/s", profile=profile, device=device, fields=f))
     return recs

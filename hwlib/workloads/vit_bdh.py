@@ -131,28 +131,6 @@ class BDHAttention(nn.Module):
         return torch.softmax(att, dim=-1) @ v
 
 
-class SparseEncoder(nn.Module):
-    """s = ReLU(x E_h) and q = RoPE(s), [H, B T, N] each, for x [B T, D] shared by the heads, as the recipe
-    runs it: one bmm (heads lead, so that E is not copied per sample), then elementwise ops."""
-
-    def forward(self, x: torch.Tensor, encoder: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        H, (M, D), N = encoder.shape[0], x.shape, encoder.shape[2]
-        s = F.relu(torch.bmm(x.reshape(1, M, D).expand(H, M, D), encoder))
-        q = rope(s.view(H, M // tokens, tokens, N), cos, sin)
-        return s, q.view(H, M, N)
-
-
-class HebbianGate(nn.Module):
-    """y = sum_h (s_h * ReLU(a_h E_v,h)) W_h [B T, D] for a [H, B T, D] and s [H, B T, N], as the recipe
-    runs it: a bmm, elementwise ops, a bmm and the sum over the heads."""
-
-    def forward(self, a: torch.Tensor, encoder_v: torch.Tensor, s: torch.Tensor,
-                decoder: torch.Tensor) -> torch.Tensor:
-        u = F.relu(torch.bmm(a, encoder_v))
-        return torch.bmm(s * u, decoder).sum(0)
-
-
 class VisionBDH(nn.Module):
     def __init__(self, cfg: VitBDHConfig, form: str = "softmax", attention: str = "manual",
                  checkpointing: str = "none"):
@@ -162,11 +140,8 @@ class VisionBDH(nn.Module):
         if attention not in ("manual", "sdpa"):
             raise ValueError(f"attention must be 'manual' or 'sdpa', got {attention!r}")
         self.cfg = cfg
-        # Parameterless: what the steps past the recipe swap (hwlib.steps.s29_shared_qk_attention,
-        # s32_bdh_fused_gates); the weights they use stay the model's.
+        # Parameterless: what a step past the recipe swaps (hwlib.steps.s29_shared_qk_attention).
         self.attend = BDHAttention(form, attention)
-        self.encode = SparseEncoder()
-        self.gate = HebbianGate()
         # Each checkpointed application of the shared layer keeps only its input; the rest is
         # recomputed in backward. "head" (a GPT option) has no meaning here and is ignored.
         self.checkpointed, _ = parse_checkpointing(checkpointing, cfg.n_layer)
@@ -219,9 +194,13 @@ class VisionBDH(nn.Module):
         B, T, D = x.shape
         H, N = self.cfg.n_head, self.cfg.n_neuron
         x = F.layer_norm(x, (D,))
-        s, q = self.encode(x.reshape(B * T, D), self.encoder, self.rope_cos[:T], self.rope_sin[:T], T)  # [H, B*T, N]
-        a = F.layer_norm(self.attend(q.view(H, B, T, N), x), (D,))                                     # [H, B, T, D]
-        y = self.gate(a.reshape(H, B * T, D), self.encoder_v, s, self.decoder)                          # [B*T, D]
+        # Heads lead ([H, B*T, ...]) so that E, E_v and W are one bmm each, with no copy of the
+        # [H, D, N] weights per sample (broadcasting matmul would expand them over B).
+        s = F.relu(torch.bmm(x.reshape(1, B * T, D).expand(H, B * T, D), self.encoder))        # [H, B*T, N]
+        q = rope(s.view(H, B, T, N), self.rope_cos[:T], self.rope_sin[:T])
+        a = F.layer_norm(self.attend(q, x), (D,))                                              # [H, B, T, D]
+        u = F.relu(torch.bmm(a.reshape(H, B * T, D), self.encoder_v))                          # [H, B*T, N]
+        y = torch.bmm(s * u, self.decoder).sum(0)                                               # [B*T, D]
         return F.layer_norm(x + F.layer_norm(y.view(B, T, D), (D,)), (D,))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
