@@ -60,7 +60,7 @@ def setup(profile: str = "auto", device: str = "auto", run=None, *, triton_on_cp
     if not why.startswith("auto:"):
         auto, auto_why = auto_profile(dev)
         print(f"auto would pick: {auto} ({auto_why})")
-    print(f"plan: {plan_for(profile)} | run: {run_dir(run)}")
+    print(f"plan: {plan_for(profile, device)} | run: {run_dir(run)}")
     if query.ceilings(run) is None:
         print("no ceilings measured in this run: MFU will read n/a (notebook 00 measures them)")
     return profile, device

@@ -258,7 +258,7 @@ def run_job(job: Job, *, profile: str, device: torch.device, rank: int, world: i
     strategies.check_strategy(job.strategy)
     cfg_global = wl.config(profile, **{**job.config, "batch": job.global_batch})
     cfg_rank = dataclasses.replace(cfg_global, batch=job.per_gpu_batch)
-    pl = check_plan(plan or plan_for(profile), False)
+    pl = check_plan(plan or plan_for(profile, torch.device(device).type), False)
     res = StepResult(workload=wl.name, step=st.name, profile=profile, device=di.to_dict(), status="ok",
                      config=dataclasses.asdict(cfg_global), seed=seed, check_steps=pl.check, variant=True,
                      items_per_step=wl.items_per_step(cfg_global), unit=wl.unit,

@@ -208,7 +208,7 @@ def resolve(workload: str, step: str, profile: str, device, config: dict | None,
     prof = resolve_profile(profile, dev)
     wl, st, di = get_workload(workload), get_step(step), info(dev)
     cfg = wl.config(prof, **(config or {}))
-    return dev, prof, wl, st, di, cfg, check_plan(plan or plan_for(prof), check_only)
+    return dev, prof, wl, st, di, cfg, check_plan(plan or plan_for(prof, dev.type), check_only)
 
 
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+ [KMGT]iB)")
