@@ -91,16 +91,17 @@ first-look: setup
 UNIT_B := tests/test_cli.py tests/test_bk_core.py
 # About half of the rest, by time: processes (torchrun, compilers, installed copies) and compiles. Without this
 # split the unit tests, one process on one core, ran alone for the last 160 s of a 970 s CI run.
-UNIT_C := tests/test_distributed.py tests/test_add_layernorm.py tests/test_kernels_package.py tests/test_inductor.py \
-    tests/test_figures.py tests/test_linear_ce.py tests/test_fallbacks.py tests/test_extras.py tests/test_ablation.py
-UNIT_PROCS := tests/test_integrity_cli.py tests/test_integrity_runs.py tests/test_bk_core_prebuild.py tests/test_colab.py
+UNIT_C := tests/test_distributed.py tests/test_add_layernorm.py tests/test_inductor.py \
+    tests/test_figures.py tests/test_linear_ce.py tests/test_fallbacks.py tests/test_extras.py
+UNIT_PROCS := tests/test_integrity_cli.py tests/test_integrity_runs.py tests/test_bk_core_prebuild.py tests/test_colab.py \
+    tests/test_kernels_package.py
 # Tests that mostly wait for a notebook's time limit: beside the CPU-bound suites, not after them.
 UNIT_WAITS := tests/test_stack_dumps.py
 # The main unit part's slowest files (the reports rebuilt from the references, training sessions, the
 # decode kernels under the interpreter): without them it ran 690 s of a contended 780 s CI run, the last
 # part to end.
 UNIT_D := tests/test_report.py tests/test_train.py tests/test_notebook.py tests/test_top_p_kernel.py \
-    tests/test_fused_decode.py tests/test_memory.py
+    tests/test_fused_decode.py tests/test_memory.py tests/test_ablation.py
 # Two suites side by side on two cores: OpenMP threads that spin while they wait for work take the
 # core the other suite needs (the smoke models are tiny: a step is mostly waiting). Passive waiting
 # cut two notebooks run side by side from 64 s to 17 s on a 2-core machine.
