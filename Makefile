@@ -205,8 +205,8 @@ NB_CACHE = $$($(PY) -c "from pathlib import Path; from hwlib.paths import compil
     print(' '.join(f'{k}={v}' for k, v in compile_cache_env(Path('$(CURDIR)/outputs/nbval-cache'), code_digest()).items()))")
 
 # nbval starts a kernel per notebook: each forks from a process that has imported torch and hwlib once
-# (tests/forkkernel.py) instead of importing them again; in the ladder's half, where no notebook runs Triton
-# interpreted, torch.compile's stack too. FORK_KERNEL= runs the plain kernel of this Python.
+# (tests/forkkernel.py) instead of importing them again, and torch.compile's stack too (about 2.5 s of CPU
+# per notebook). FORK_KERNEL= runs the plain kernel of this Python.
 FORK_KERNEL ?= 1
 NB_KERNEL = $(if $(FORK_KERNEL),JUPYTER_PATH=$(CURDIR)/tests)
 NB_KERNEL_ARG = $(if $(FORK_KERNEL),--nbval-kernel-name hwlib-fork --nbval-kernel-startup-timeout 240,--nbval-current-env)
@@ -228,10 +228,17 @@ test-notebooks-ladder: setup
 	    PYTHONPATH=$(CURDIR)/tests/without_extras$(if $(PYTHONPATH),:$(PYTHONPATH)) && \
 	{ $(PY) -m pytest -q -p no:cacheprovider --nbval-lax $(NB_KERNEL_ARG) $$nbs; rc=$$?; $(NB_KERNEL_STOP); exit $$rc; }
 
+# Some studies run Triton kernels interpreted on a CPU (notebook.setup(triton_on_cpu=True)), and Triton
+# fixes its mode at its first import, which torch.compile's stack makes: on a CPU the server sets
+# TRITON_INTERPRET=1 before it imports them, for every studies notebook (tests/forkkernel.py TRITON_VAR), as
+# the unit suites run (tests/conftest.py). The others are unchanged by it on a CPU: an op's 'auto' runs
+# torch there either way; a study that checks Triton kernels interpreted beside torch where it can
+# (ops.sources.interpreted_here) checks them there too. With a GPU visible it sets nothing.
 test-notebooks-studies: setup
 	rm -rf outputs/nbval-studies
 	nbs="$(call RUN_ORDER,$(NB_STUDIES))" && test -n "$$nbs" && \
-	export $(NB_CACHE) $(NB_KERNEL) HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies && \
+	export $(NB_CACHE) $(NB_KERNEL) HWLIB_FORK_KERNEL_PRELOAD=torch._dynamo,torch._inductor.compile_fx \
+	    HWLIB_FORK_KERNEL_TRITON_ON_CPU=1 HWLIB_PROFILE=smoke HWLIB_RUN=outputs/nbval-studies && \
 	{ $(PY) -m pytest -q -p no:cacheprovider --nbval-lax $(NB_KERNEL_ARG) $$nbs; rc=$$?; $(NB_KERNEL_STOP); exit $$rc; }
 
 # Kernel sources (kernels/, shipped inside the package as hwlib/kernels) are plain CUDA: they compile with nvcc

@@ -36,9 +36,14 @@ import time
 PRELOAD = ("numpy", "torch", "matplotlib", "matplotlib.pyplot", "IPython", "ipykernel.kernelapp", "ipywidgets",
            "hwlib.notebook")
 # More modules, comma-separated (torch.compile's stack: torch._dynamo,torch._inductor.compile_fx, 5 s more).
-# Only where no notebook runs Triton interpreted on a CPU: dynamo imports triton, and Triton fixes its mode
-# (TRITON_INTERPRET) at its first import, which notebook.setup(triton_on_cpu=True) must come before.
+# Dynamo imports triton, and Triton fixes its mode (TRITON_INTERPRET) at its first import, which
+# notebook.setup(triton_on_cpu=True) must come before: so either no notebook of the suite runs Triton
+# interpreted on a CPU, or TRITON_VAR has the server choose the mode before its imports.
 PRELOAD_VAR = "HWLIB_FORK_KERNEL_PRELOAD"
+# "1": where torch sees no GPU, the server sets TRITON_INTERPRET=1 before its imports and every kernel it
+# forks has it, as notebook.setup(triton_on_cpu=True) would set it (and tests/conftest.py does for the unit
+# suites); where a GPU is visible, or TRITON_INTERPRET is set already, it changes nothing.
+TRITON_VAR = "HWLIB_FORK_KERNEL_TRITON_ON_CPU"
 IDLE_S = 60.0                 # the server ends once no kernel has run for this long
 START_TIMEOUT_S = 120.0       # a loaded 2-core machine imports torch slowly (the suites give nbval 240 s)
 # What decides what the server's imports found and set up: the interpreter's search path and flags, the
@@ -60,8 +65,9 @@ def socket_path(env: dict | None = None) -> str:
 
 # --- the server -------------------------------------------------------------------------------------
 
-def _child(req: dict, fds: list[int], conns: list[socket.socket]) -> None:
-    """In the forked process: become the kernel the launcher asked for."""
+def _child(req: dict, fds: list[int], conns: list[socket.socket], extra_env: dict) -> None:
+    """In the forked process: become the kernel the launcher asked for (``extra_env``: what the server
+    set before its imports, which they depend on)."""
     for c in conns:   # the server's socket and its connections to other launchers
         c.close()
     for i, fd in enumerate(fds[:3]):
@@ -74,6 +80,7 @@ def _child(req: dict, fds: list[int], conns: list[socket.socket]) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    os.environ.update(extra_env)
     os.setpgid(0, 0)   # a group of its own, as jupyter_client gives a kernel: signals reach its whole tree
     sys.argv = ["ipykernel_launcher", *req["argv"]]
     code = 0
@@ -98,10 +105,29 @@ def _threads() -> int:
         return threading.active_count()
 
 
+def _gpu_visible() -> bool:
+    """torch.cuda.is_available(), asked in a forked child where torch was built with CUDA: asking here
+    would start CUDA's driver in the server, whose forks could then not use it."""
+    import torch
+    if torch.version.cuda is None and torch.version.hip is None:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        with contextlib.suppress(BaseException):
+            code = 0 if torch.cuda.is_available() else 1
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
 def serve(path: str) -> None:
     key = _env_key(dict(os.environ))
     # what ipykernel sets before any user code, here before matplotlib reads it at its import
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    extra_env = {}
+    if os.environ.get(TRITON_VAR) == "1" and "TRITON_INTERPRET" not in os.environ and not _gpu_visible():
+        extra_env["TRITON_INTERPRET"] = "1"      # before anything below can import triton
+        os.environ.update(extra_env)
     extra = [m.strip() for m in os.environ.get(PRELOAD_VAR, "").split(",") if m.strip()]
     for name in (*PRELOAD, *extra):
         with contextlib.suppress(Exception):
@@ -155,7 +181,7 @@ def serve(path: str) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(req, fds, [srv, conn, *kernels.values()])
+                _child(req, fds, [srv, conn, *kernels.values()], extra_env)
             with contextlib.suppress(OSError):   # here too, before the launcher can signal the group
                 os.setpgid(pid, pid)
             for fd in fds:

@@ -46,15 +46,17 @@ def _gone(pid: int, within: float = 30.0) -> bool:
 
 def _own_env(base: Path) -> dict:
     """An environment of its own (so a server of its own), the spec on JUPYTER_PATH; the run folders
-    fixed, as the server's key holds them (the autouse fixture gives each test its own)."""
+    fixed, as the server's key holds them (the autouse fixture gives each test its own). Its server
+    preloads triton, in the mode it chooses itself (TRITON_VAR), as the studies' suite has it do."""
     return {"JUPYTER_PATH": str(TESTS), "HWLIB_FORK_TEST": uuid.uuid4().hex, "OMP_NUM_THREADS": "1",
-            "HWLIB_OUTPUTS": str(base), "HWLIB_RUN": str(base / "run"), "HWLIB_DATA": str(base / "data")}
+            "HWLIB_OUTPUTS": str(base), "HWLIB_RUN": str(base / "run"), "HWLIB_DATA": str(base / "data"),
+            forkkernel.PRELOAD_VAR: "triton.language", forkkernel.TRITON_VAR: "1"}
 
 
 def _enter(monkeypatch, env: dict) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.delenv(forkkernel.PRELOAD_VAR, raising=False)   # nothing preloaded beyond the base
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # conftest.py's choice: here the server's
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,19 @@ def test_a_kernel_is_forked_from_the_warm_server_in_the_launchers_place(fork_env
         assert cwd == str(fork_env) and marker == os.environ["HWLIB_FORK_TEST"]
         assert warm == "True" and sees_tests == "False"
         assert os.path.exists(forkkernel.socket_path())
+        # Triton was imported by the server, in the mode its kernels are told: interpreted where no GPU is
+        # visible, with TRITON_INTERPRET=1 in the kernel's environment (hwlib finds no mismatch), as
+        # notebook.setup(triton_on_cpu=True) would have set it; compiled where a GPU is.
+        got = _run(kc, "import os, sys, torch, triton.language as tl; from hwlib.ops import sources; "
+                       "print('triton' in sys.modules, os.environ.get('TRITON_INTERPRET'), type(tl.zeros).__name__, "
+                       "sources.triton_interpreter_mismatch(), sources.interpreted_here('cpu'), "
+                       "torch.cuda.is_available(), sep='|')")
+        preloaded, var, zeros, mismatch, interpreted, gpu = got.split("|")
+        assert preloaded == "True" and mismatch == "None", got
+        if gpu == "False":
+            assert (var, zeros, interpreted) == ("1", "InterpretedFunction", "True"), got
+        else:
+            assert var == "None" and zeros != "InterpretedFunction" and interpreted == "False", got
         # an interrupt sent to the launcher (jupyter_client's way) stops a running cell in the kernel
         kc.execute("import time; time.sleep(60)")
         time.sleep(1.0)
@@ -135,15 +150,17 @@ def test_each_environment_has_its_own_server_and_the_shells_variables_do_not_cou
     same = {**base, "SHLVL": "2", "_": "/bin/sh", "JPY_PARENT_PID": "7", "PYTEST_CURRENT_TEST": "t (call)"}
     assert forkkernel.socket_path(base) == forkkernel.socket_path(same)
     for k, v in (("PYTHONPATH", "/b"), ("HWLIB_RUN", "outputs/y"), ("TRITON_INTERPRET", "1"),
-                 ("OMP_NUM_THREADS", "2"), (forkkernel.PRELOAD_VAR, "torch._dynamo")):
+                 ("OMP_NUM_THREADS", "2"), (forkkernel.PRELOAD_VAR, "torch._dynamo"), (forkkernel.TRITON_VAR, "1")):
         assert forkkernel.socket_path({**base, k: v}) != forkkernel.socket_path(base), k
 
 
 def test_the_suites_use_it():
-    """make test's notebook suites name the forked kernel (and the ladder's preloads torch.compile's stack)."""
+    """make test's notebook suites name the forked kernel, and both preload torch.compile's stack (the
+    studies' with Triton's mode chosen first)."""
     text = (TESTS.parent / "Makefile").read_text()
     assert "--nbval-kernel-name hwlib-fork" in text and "tests/forkkernel.py --stop" in text
-    assert "HWLIB_FORK_KERNEL_PRELOAD=torch._dynamo" in text
+    assert text.count(f"{forkkernel.PRELOAD_VAR}=torch._dynamo") == 2
+    assert f"{forkkernel.TRITON_VAR}=1" in text
     assert (TESTS / "kernels" / "hwlib-fork" / "kernel.json").is_file()
 
 
