@@ -535,7 +535,10 @@ def audit(model, optimizer, loader=None, *, run=None, workload: str | None = Non
             why += f"; {chosen} is not in this run, so {used}'s gains stand in"
     else:
         why = f"no results at {run_name}"
-    gpu = lookup.gpu_of(records) if records else None
+    # Read once for the whole report: every row's gain looks up the same records (their device and
+    # ladder rows, thousands of records each time when each row read them afresh)
+    ref = lookup.RunRecords(records)
+    gpu = ref.gpu if records else None
 
     try:
         mine = {id(p) for p in inner.parameters()}
@@ -576,7 +579,7 @@ def audit(model, optimizer, loader=None, *, run=None, workload: str | None = Non
     rows = []
     for opt, step in _PLAN:
         status, evidence = _guard(inspect_row[opt])
-        gain, text = _guard(_gain, records, used, chosen, opt, step) if used else (None, why)
+        gain, text = _guard(_gain, ref, used, chosen, opt, step) if used else (None, why)
         if not isinstance(gain, float):
             gain = None
         rows.append(AuditRow(opt, step, status, evidence, gain, text))

@@ -338,10 +338,12 @@ def fmt_measured(quantity: str, v: float | None) -> str:
 
 
 def measure(lookup, run=None, workloads: tuple[str, ...] = ()) -> dict:
-    """One lookup (``Ladder``, ``Technique``, ``Records``, ``Value``) against a run (name, folder or
-    list of records), trying ``workloads`` in order where the lookup names none. Returns value,
-    text, workload, gpu, kind, from, to, reason (why there is no value) and notes."""
-    m = measure_one(RunRecords(load_records(run)), lookup, tuple(workloads))
+    """One lookup (``Ladder``, ``Technique``, ``Records``, ``Value``) against a run (name, folder,
+    list of records, or a ``RunRecords`` that several lookups share), trying ``workloads`` in order
+    where the lookup names none. Returns value, text, workload, gpu, kind, from, to, reason (why there
+    is no value) and notes."""
+    run = run if isinstance(run, RunRecords) else RunRecords(load_records(run))
+    m = measure_one(run, lookup, tuple(workloads))
     return {"value": m.value, "text": fmt_measured(quantity_of(lookup), m.value), "workload": m.workload,
             "gpu": m.gpu, "kind": m.kind, "from": m.frm, "to": m.to, "reason": m.reason, "notes": list(m.notes)}
 
