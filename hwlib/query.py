@@ -215,10 +215,18 @@ def load(run=None, *, latest_only: bool = True) -> list[dict]:
 
 def select(records: list[dict], **match) -> list[dict]:
     """Records whose top-level keys, or ``fields`` entries, equal every ``match`` value."""
-    def ok(r):
+    # A plain loop: the claims and the audit call this thousands of times over a reference's
+    # thousands of records, where a generator per record cost 3.6x the time
+    items = tuple(match.items())
+    out = []
+    for r in records:
         f = r.get("fields") or {}
-        return all((f[k] if k in f else r.get(k)) == v for k, v in match.items())
-    return [r for r in records if ok(r)]
+        for k, v in items:
+            if not ((f[k] if k in f else r.get(k)) == v):
+                break
+        else:
+            out.append(r)
+    return out
 
 
 def read_json(path: str | Path, default=None):
