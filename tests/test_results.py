@@ -181,7 +181,9 @@ def test_concurrent_appends_never_interleave(tmp_path):
     run = str(tmp_path / "conc")   # inside HWLIB_OUTPUTS (conftest), inherited by the workers
     recs = [[results.make_record(notebook=f"p{i}", workload="w", step=str(j), metric="m", value=j, unit="",
                                  params={"pad": "x" * 2000}) for j in range(40)] for i in range(4)]
-    ctx = mp.get_context("spawn")
+    # Forked workers: each is its own process appending to the same file, as a run's processes are,
+    # without a fresh Python importing hwlib per worker (spawn cost about 2 s of CPU for the four)
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(4, initializer=_start_together, initargs=(ctx.Barrier(4),)) as pool:
         pool.map(_writer, [(run, json.dumps(r)) for r in recs], chunksize=1)
     lines = [json.loads(l) for l in (Path(run) / "results.jsonl").read_text().splitlines()]
