@@ -105,17 +105,17 @@ def _threads() -> int:
         return threading.active_count()
 
 
-def _gpu_visible() -> bool:
-    """torch.cuda.is_available(), asked in a forked child where torch was built with CUDA: asking here
-    would start CUDA's driver in the server, whose forks could then not use it."""
+def _no_gpu() -> bool:
+    """Whether torch sees no GPU, asked in a forked child where torch was built with one: asking here would
+    start CUDA's driver in the server, whose forks could then not use it. A probe that fails: a GPU, maybe."""
     import torch
     if torch.version.cuda is None and torch.version.hip is None:
-        return False
+        return True
     pid = os.fork()
     if pid == 0:
         code = 1
         with contextlib.suppress(BaseException):
-            code = 0 if torch.cuda.is_available() else 1
+            code = 1 if torch.cuda.is_available() else 0
         os._exit(code)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
@@ -125,7 +125,7 @@ def serve(path: str) -> None:
     # what ipykernel sets before any user code, here before matplotlib reads it at its import
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     extra_env = {}
-    if os.environ.get(TRITON_VAR) == "1" and "TRITON_INTERPRET" not in os.environ and not _gpu_visible():
+    if os.environ.get(TRITON_VAR) == "1" and "TRITON_INTERPRET" not in os.environ and _no_gpu():
         extra_env["TRITON_INTERPRET"] = "1"      # before anything below can import triton
         os.environ.update(extra_env)
     extra = [m.strip() for m in os.environ.get(PRELOAD_VAR, "").split(",") if m.strip()]

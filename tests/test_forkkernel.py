@@ -154,6 +154,26 @@ def test_each_environment_has_its_own_server_and_the_shells_variables_do_not_cou
         assert forkkernel.socket_path({**base, k: v}) != forkkernel.socket_path(base), k
 
 
+def test_the_server_asks_cuda_in_a_child_and_takes_a_failed_probe_for_a_gpu(monkeypatch):
+    """Where torch was built with CUDA, whether a GPU is visible (TRITON_VAR's choice) is asked in a forked
+    child, never in the server; a probe that fails counts as a GPU, where nothing is set."""
+    import torch
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked in the server"))
+    assert forkkernel._no_gpu()                                   # a CPU-only build: no probe at all
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    server = os.getpid()
+    for visible, no_gpu in ((False, True), (True, False), (None, False)):
+        def probe(visible=visible):
+            assert os.getpid() != server
+            if visible is None:
+                raise RuntimeError("the driver failed")
+            return visible
+        monkeypatch.setattr(torch.cuda, "is_available", probe)
+        assert forkkernel._no_gpu() is no_gpu, visible
+
+
 def test_the_suites_use_it():
     """make test's notebook suites name the forked kernel, and both preload torch.compile's stack (the
     studies' with Triton's mode chosen first)."""
