@@ -244,7 +244,7 @@ def _rec(world, strategy, scaling, per, glob, tokens_per_s, ms=10.0, status="ok"
     f = {"world_size": world, "strategy": strategy, "scaling": scaling, "per_gpu_batch": per, "global_batch": glob,
          "variant": True}
     mid = f"{world}{strategy}{scaling}"
-    common = {"notebook": request.NOTEBOOK, "workload": "gpt", "step": "07_nice_shapes", "fields": f,
+    common = {"notebook": "15_multi_gpu", "workload": "gpt", "step": "07_nice_shapes", "fields": f,
               "measurement": mid, "device": {"name": "Test GPU", "kind": "cuda"}, "profile": "full",
               "time": f"2026-01-01T00:00:0{world}"}
     return [{**common, "metric": "ms_per_step", "value": ms if status == "ok" else None, "p20": ms, "p80": ms,

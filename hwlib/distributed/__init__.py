@@ -12,8 +12,8 @@ best single-GPU step, measured as the ladder measures one GPU.
 
 # ``launch`` (the function) stays in its module: re-exported here it would hide the module of that name.
 from .launch import LaunchError, LaunchResult, LaunchTimeout, RankFailed, Rendezvous, torchrun_argv
-from .request import NOTEBOOK, SCALINGS, Request
+from .request import SCALINGS, STUDY, Request
 from .strategies import STRATEGIES, Options, base_step
 
-__all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "NOTEBOOK", "Options", "RankFailed", "Rendezvous",
+__all__ = ["LaunchError", "LaunchResult", "LaunchTimeout", "Options", "RankFailed", "Rendezvous",
            "Request", "SCALINGS", "STRATEGIES", "base_step", "torchrun_argv"]

@@ -25,7 +25,9 @@ from ..workloads import WORKLOADS, get_workload
 from .strategies import STRATEGIES, Options, base_step, check_strategy
 from .train import Job
 
-NOTEBOOK = "15_multi_gpu"
+# The records' notebook where the caller names none (a launch from the command line): what measured them,
+# not a notebook of the series; readers find scaling records by their fields (``scaling.rows``).
+STUDY = "multi_gpu"
 SCALINGS = ("weak", "strong")
 DEFAULT_PROFILE_STEPS = {"full": 3, "mid": 3, "smoke": 1}
 RESOLVED_PROFILES = tuple(p for p in PROFILE_CHOICES if p != "auto")
@@ -62,7 +64,7 @@ class Request:
     reference: dict = field(default_factory=dict)       # workload -> {global batch: one process's check losses}
     ceilings: dict | None = None           # the run's measured ceilings (for MFU)
     run: str | None = None
-    notebook: str = NOTEBOOK
+    notebook: str = STUDY                  # the records' notebook: the caller's (notebook 15 names itself)
     collective_timeout_s: float = 300.0    # a collective waiting longer than this raises on its rank
     fault: tuple | None = None             # (rank, step): that rank raises at that step (tests)
     record: bool = True
@@ -208,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
                    help="all-reduce sizes (MiB) of the bus-bandwidth sweep")
     p.add_argument("--inputs", default=None, help="JSON file with 'reference' curves and 'ceilings' (from the launcher)")
     p.add_argument("--run-name", dest="run", default=None, help="run folder under outputs/ (default: $HWLIB_RUN or 'interactive')")
-    p.add_argument("--notebook", default=NOTEBOOK)
+    p.add_argument("--notebook", default=STUDY, help="the records' notebook (default: %(default)s)")
     p.add_argument("--out", default=None, help="folder for rank 0's rows and every rank's error file")
     p.add_argument("--collective-timeout-s", type=float, default=300.0)
     p.add_argument("--inject-fault", type=_fault, default=None, help="RANK:STEP: that rank raises at that step")

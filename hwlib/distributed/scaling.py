@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from .launch import LaunchError, RankFailed, launch
-from .request import NOTEBOOK, SCALINGS, Request, Unsplittable, batches, replace
+from .request import SCALINGS, Request, Unsplittable, batches, replace
 from .strategies import STRATEGIES
 
 CANDIDATE_WORLD_SIZES = (1, 2, 4, 8)
@@ -156,14 +156,17 @@ def label(r: dict) -> str:
     return r["strategy"] + (f" ({', '.join(f'{k}={v}' for k, v in sorted(opts.items()))})" if opts else "")
 
 
-def rows(records: list[dict], notebook: str = NOTEBOOK) -> list[dict]:
-    """One row per (workload, world size, strategy, scaling, batches, options) measured by ``notebook``,
+def rows(records: list[dict], notebook: str | None = None) -> list[dict]:
+    """One row per (workload, world size, strategy, scaling, batches, options) of the scaling records
+    (those whose fields name a world size, a strategy and a scaling; only ``notebook``'s where one is given),
     with throughput, speed-up and efficiency against one process, the communication split and the
     same-math check; sorted by workload, scaling, K, strategy."""
     groups: dict = {}
     for r in records:
         f = r.get("fields") or {}
-        if r.get("notebook") != notebook or not {"world_size", "strategy", "scaling"} <= set(f):
+        if notebook is not None and r.get("notebook") != notebook:
+            continue
+        if not {"world_size", "strategy", "scaling"} <= set(f):
             continue
         groups.setdefault(_key(r), {})[r["metric"]] = r
     out = []
@@ -207,12 +210,13 @@ def rows(records: list[dict], notebook: str = NOTEBOOK) -> list[dict]:
                                       r["world_size"], order.get(r["strategy"], 9), r["options"] or ""))
 
 
-def bandwidth_rows(records: list[dict], notebook: str = NOTEBOOK) -> list[dict]:
-    """The all-reduce bus bandwidth sweep: world size, bytes, GB/s (p20-p80) and the time."""
+def bandwidth_rows(records: list[dict], notebook: str | None = None) -> list[dict]:
+    """The all-reduce bus bandwidth sweep (only ``notebook``'s where one is given): world size, bytes, GB/s
+    (p20-p80) and the time."""
     out = []
     for r in records:
         f = r.get("fields") or {}
-        if r.get("notebook") == notebook and r.get("metric") == "allreduce_busbw_gbps":
+        if (notebook is None or r.get("notebook") == notebook) and r.get("metric") == "allreduce_busbw_gbps":
             out.append({"world_size": f.get("world_size"), "bytes": f.get("bytes"), "busbw_gbps": _num(r.get("value")),
                         "p20": _num(r.get("p20")), "p80": _num(r.get("p80")),
                         "ms": _num((r.get("params") or {}).get("ms")), "device": (r.get("device") or {}).get("name")})
