@@ -28,6 +28,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":   # without its repeated patching 
 # an op's earlier fake implementation would be reused after the op changed.
 from hwlib.paths import apply_compile_cache_env, compile_cache_env  # noqa: E402
 from hwlib.results import code_digest  # noqa: E402
+from forked import can_fork, run_forked  # noqa: E402
 
 apply_compile_cache_env(compile_cache_env(Path(tempfile.gettempdir()) / "hwlib-tests", code_digest()))
 
@@ -78,7 +79,7 @@ def compile_for_sm90(tmp_path):
     root = Path(__file__).resolve().parent.parent
 
     def run(script: str) -> None:
-        if hasattr(os, "fork") and sys.platform == "linux" and not torch.cuda.is_initialized():
+        if can_fork():
             rc, out = _run_forked(script, root, tmp_path)
         else:
             env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(root)}
@@ -92,50 +93,17 @@ def compile_for_sm90(tmp_path):
 
 def _run_forked(script: str, root: Path, cache: Path, timeout_s: float = 300.0) -> tuple[int, str]:
     """(exit code, stdout and stderr) of ``script`` run in a forked child without Triton's interpreter."""
-    import time
-    import traceback
-    out = tempfile.TemporaryFile(mode="w+")
-    pid = os.fork()
-    if pid == 0:   # the child: never returns into pytest
-        code = 1
-        try:
-            os.dup2(out.fileno(), 1)   # what the compiler's own processes write
-            os.dup2(out.fileno(), 2)
-            sys.stdout = sys.stderr = out   # not pytest's capture, which the parent reads
-            os.chdir(root)
-            os.environ.pop("TRITON_INTERPRET", None)
-            os.environ["TRITON_CACHE_DIR"] = str(cache)
-            # Triton's Python (its library decorated for the interpreter) and the kernel modules loaded
-            # under it go; its compiled extension stays, as it holds no interpreter state
-            for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "hwlib._kernels."))
-                         and not m.startswith("triton._C")]:
-                del sys.modules[name]
-            exec(compile(script, "<compile_for_sm90 script>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline, status = time.monotonic() + timeout_s, None
-    try:
-        while time.monotonic() < deadline:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = st
-                break
-            time.sleep(0.05)
-    finally:
-        if status is None:   # past its time, or this process interrupted: the child goes too
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-    out.seek(0)
-    text = out.read()
-    out.close()
-    if status is None:
-        return 124, text + f"\n(killed after {timeout_s:g} s)"
-    return os.waitstatus_to_exitcode(status), text
+    def child():
+        os.chdir(root)
+        os.environ.pop("TRITON_INTERPRET", None)
+        os.environ["TRITON_CACHE_DIR"] = str(cache)
+        # Triton's Python (its library decorated for the interpreter) and the kernel modules loaded
+        # under it go; its compiled extension stays, as it holds no interpreter state
+        for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "hwlib._kernels."))
+                     and not m.startswith("triton._C")]:
+            del sys.modules[name]
+        exec(compile(script, "<compile_for_sm90 script>", "exec"), {"__name__": "__main__"})
+    return run_forked(child, timeout_s)
 
 
 def gpt_with(*step_names: str, cfg=None, attention: str = "sdpa", seed: int = 0, **kw):

@@ -164,57 +164,29 @@ def fresh_hwlib_modules() -> list[tuple[str, str | None]]:
     """(name, file) of every hwlib module that importing CORE_IMPORTS loads into a Python that has
     loaded no hwlib module. A child forked from this process, with every hwlib module dropped, imports
     them: torch and the other libraries stay loaded, and which hwlib modules load does not depend on
-    them. A fresh Python importing torch again cost about 4 s of CPU on a 2-core machine. Where forking
-    is not safe (no fork, or CUDA initialised in this process) a fresh Python runs it."""
+    them. Where forking is not safe a fresh Python runs it."""
+    import importlib
     import json
-    import os
     import subprocess
     import sys
-    import tempfile
-    import time
-    import torch
-    if not (hasattr(os, "fork") and sys.platform == "linux" and not torch.cuda.is_initialized()):
+    from forked import can_fork, run_forked
+    if not can_fork():
         code = (f"import sys, json, {', '.join(CORE_IMPORTS)}; "
                 "print(json.dumps(sorted((m, getattr(v, '__file__', None)) for m, v in sys.modules.items() "
                 "if m.startswith('hwlib'))))")
         return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                          cwd=PKG.parent, timeout=120).stdout)
-    out = tempfile.TemporaryFile(mode="w+")
-    pid = os.fork()
-    if pid == 0:   # the child: never returns into pytest
-        code = 1
-        try:
-            import importlib
-            import traceback
-            for name in [m for m in sys.modules if m == "hwlib" or m.startswith("hwlib.")]:
-                del sys.modules[name]
-            try:
-                for name in CORE_IMPORTS:
-                    importlib.import_module(name)
-                out.write(json.dumps(sorted((m, getattr(v, "__file__", None)) for m, v in sys.modules.items()
-                                            if m.startswith("hwlib"))))
-                code = 0
-            except BaseException:
-                out.write("FAILED\n" + traceback.format_exc())
-            out.flush()
-        finally:
-            os._exit(code)
-    deadline, status = time.monotonic() + 120, None
-    try:
-        while time.monotonic() < deadline:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = st
-                break
-            time.sleep(0.01)
-    finally:
-        if status is None:   # past its time, or this process interrupted: the child goes too
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-    out.seek(0)
-    text = out.read()
-    out.close()
-    assert status is not None and os.waitstatus_to_exitcode(status) == 0, text[-3000:] or "the child timed out"
+
+    def child():
+        for name in [m for m in sys.modules if m == "hwlib" or m.startswith("hwlib.")]:
+            del sys.modules[name]
+        for name in CORE_IMPORTS:
+            importlib.import_module(name)
+        print(json.dumps(sorted((m, getattr(v, "__file__", None)) for m, v in sys.modules.items()
+                                if m.startswith("hwlib"))))
+
+    rc, text = run_forked(child, 120)
+    assert rc == 0, text[-3000:]
     return json.loads(text)
 
 
