@@ -210,15 +210,11 @@ def test_under_torch_compile_the_op_is_one_node_and_matches_eager():
     """No graph break; both ops traced through their fake implementations into AOT autograd's joint graph,
     the same values as eager; and each op's fake outputs have the real ones' shapes, dtypes and strides
     (what inductor's compiled code would assert at run time)."""
-    from torch._subclasses.fake_utils import CrossRefFakeMode
+    from fakes import hwlib_fakes_checked
     x, r, w, b, ds, dy = make(33, 48, torch.float32, key=("compile",))
-    # every hwlib op the eager forward and backward call, run on fake tensors too and compared with the real
-    with CrossRefFakeMode(ignore_op_fn=lambda op: getattr(op, "namespace", None) != "hwlib"):
+    with hwlib_fakes_checked():
         eager = run(x, r, w, b, ds, dy, fn=A.add_layer_norm, backend="torch")
-    # aot_eager, not inductor: this test is about dynamo's and AOT autograd's side (one graph, the fake impls,
-    # the registered backward in the joint graph); inductor's C++ code generation for a CPU, which no GPU run
-    # uses, cost about 6 s of CPU here (more with its precompiled header cold, as in CI). Inductor compiling
-    # this op is tests/test_fallbacks.py's subject.
+    # aot_eager, not inductor (tests/fakes.py says why)
     compiled = run(x, r, w, b, ds, dy, fn=torch.compile(A.add_layer_norm, fullgraph=True, backend="aot_eager"),
                    backend="torch")
     for name, c, e in zip(NAMES, compiled, eager):

@@ -191,17 +191,12 @@ def test_compiled_equals_eager():
     """One graph under torch.compile (no graph break), both ops traced through their fake implementations
     into AOT autograd's joint graph, the same values as eager; and each op's fake outputs have the real
     ones' shapes, dtypes and strides (what inductor's compiled code would assert at run time)."""
-    from torch._subclasses.fake_utils import CrossRefFakeMode
+    from fakes import hwlib_fakes_checked
     leaves, dy = _inputs(21, 16, 32, 8, seed=7)
-    # aot_eager, not inductor: what this test promises is dynamo's and AOT autograd's side (the fake impls,
-    # the registered backward in the joint graph); inductor's C++ code generation for a CPU, which no GPU
-    # run uses, cost about 6 s of CPU here (27 s with inductor's precompiled header cold, as in CI). That
-    # inductor takes the ops is checked where it is the subject: test_both_ops_are_declared_to_inductor and
-    # tests/test_fallbacks.py, which compiles with inductor.
+    # aot_eager, not inductor (tests/fakes.py says why)
     fn = torch.compile(lambda *a: gm.gelu_mlp(*a), fullgraph=True, backend="aot_eager")
     got = _grads(fn, leaves, dy)
-    # every hwlib op the eager forward and backward call, run on fake tensors too and compared with the real
-    with CrossRefFakeMode(ignore_op_fn=lambda op: getattr(op, "namespace", None) != "hwlib"):
+    with hwlib_fakes_checked():
         want = _grads(lambda *a: gm.gelu_mlp(*a, backend="torch"), leaves, dy)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -164,18 +164,14 @@ def test_compiled_fullgraph_with_autocast_and_nan_for_bad_targets():
     """One graph (no breaks) under torch.compile with bf16 autocast; the eager path's ValueError
     for a bad target becomes a NaN loss inside the compiled graph (no host look there); the op's fake
     outputs have the real ones' shapes, dtypes and strides (what inductor's compiled code would assert)."""
-    from torch._subclasses.fake_utils import CrossRefFakeMode
+    from fakes import hwlib_fakes_checked
     h, w, t = make(16, 8, 13, 12, dtype=torch.float32, key=("compile",))
-    # aot_eager, not inductor: what this test promises is dynamo's and AOT autograd's side (one graph, the
-    # fake impl, the registered backward in the joint graph, no host check of the targets while tracing);
-    # inductor's C++ code generation for a CPU, which no GPU run uses, cost about 18 s of CPU here with its
-    # precompiled header cold, as in CI. Inductor taking hwlib's ops is tests/test_fallbacks.py's subject.
+    # aot_eager, not inductor (tests/fakes.py says why)
     fn = torch.compile(lambda h, w, t: fused_linear_cross_entropy(h, w, t, vocab=12), fullgraph=True,
                        backend="aot_eager")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = run(h, w, t, fn=fn)
-        # every hwlib op the eager forward and backward call, run on fake tensors too and compared with the real
-        with CrossRefFakeMode(ignore_op_fn=lambda op: getattr(op, "namespace", None) != "hwlib"):
+        with hwlib_fakes_checked():
             eager = run(h, w, t, vocab=12)
         bad = t.clone()
         bad[1] = 12

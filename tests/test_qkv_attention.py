@@ -85,15 +85,11 @@ def test_under_torch_compile_matches_eager_in_one_graph():
     """No graph break; both ops traced through their fake implementations into AOT autograd's joint graph,
     the same values as eager; and each op's fake outputs have the real ones' shapes, dtypes and strides
     (what inductor's compiled code would assert at run time)."""
-    from torch._subclasses.fake_utils import CrossRefFakeMode
+    from fakes import hwlib_fakes_checked
     leaves, dy = make(2, 9, 24)
-    # every hwlib op the eager forward and backward call, run on fake tensors too and compared with the real
-    with CrossRefFakeMode(ignore_op_fn=lambda op: getattr(op, "namespace", None) != "hwlib"):
+    with hwlib_fakes_checked():
         eager = grads(Q.qkv_attention, leaves, dy, 3, backend="torch")
-    # aot_eager, not inductor: this test is about dynamo's and AOT autograd's side (one graph, the fake impls,
-    # the registered backward in the joint graph); inductor's C++ code generation for a CPU, which no GPU run
-    # uses, cost about 6 s of CPU here (more with its precompiled header cold, as in CI). That inductor
-    # takes hwlib's ops is tests/test_fallbacks.py's subject, which compiles with inductor.
+    # aot_eager, not inductor (tests/fakes.py says why)
     compiled = grads(torch.compile(Q.qkv_attention, fullgraph=True, backend="aot_eager"), leaves, dy, 3,
                      backend="torch")   # fullgraph: no graph break
     for name, c, e in zip(NAMES, compiled, eager):
