@@ -6,6 +6,7 @@ import pytest
 from hwlib import query, results
 from hwlib.device import ChoiceError, info
 from hwlib.report import tables as report
+from hwlib.profiles import plan as plan_for
 from hwlib.studies import process_noise as pn
 
 
@@ -113,8 +114,12 @@ def test_pairs_first_then_round_by_round(isolated_run, tmp_path):
                       profile="smoke", device="cpu", command=cmd, notebook="19_ablations")
     # each step's pair back to back (a spread at the least), then the third processes side by side in time
     assert log.read_text().split() == ["gpt", "gpt", "resnet_bk", "resnet_bk", "gpt", "resnet_bk"]
-    assert [r["medians"] for r in rows] == [pytest.approx([10.0 * 1.0025, 11.0 * 1.0025, 14.0 * 1.0025]),
-                                           pytest.approx([12.0 * 1.0025, 13.0 * 1.0025, 15.0 * 1.0025])]
+    # each process runs the plan the ladder times the step with on this device; the fake's samples number
+    # its timed steps + 3, rising 0.1% a sample, so their median tells that plan's timed count
+    n = plan_for("smoke", "cpu").timed + 3
+    f = 1 + 0.001 * (n - 1) / 2
+    assert [r["medians"] for r in rows] == [pytest.approx([10.0 * f, 11.0 * f, 14.0 * f]),
+                                           pytest.approx([12.0 * f, 13.0 * f, 15.0 * f])]
 
 
 def test_a_budget_never_starts_a_pair_it_cannot_finish(isolated_run, tmp_path, monkeypatch):

@@ -238,7 +238,7 @@ def measure(targets, *, processes: int = 3, profile: str = "auto", device: str =
     dev = resolve_device(device)
     prof = resolve_profile(profile, dev)
     di = info(dev)
-    pl = plan or plan_for(prof)
+    pl = plan or plan_for(prof, dev.type)   # as the ladder times the step on this device
     make = command or _worker_command
     cfgs = {t: get_workload(t.workload).config(prof, **(config or {})) for t in ts}
     params = {t: {"config": dataclasses.asdict(cfgs[t]), "seed": seed, "plan": dataclasses.asdict(pl), "level": level}
